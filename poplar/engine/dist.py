@@ -1,0 +1,74 @@
+"""Process-group set-up: the backend chosen from the hardware, a timeout on every wait."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("POPLAR_TIMEOUT_S", "600"))
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+
+
+def choose_backend() -> str:
+    """NCCL when this rank has its own CUDA device, gloo otherwise."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > _local_rank() and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def context() -> DistContext:
+    """The current process group as a :class:`DistContext` (it must be initialised)."""
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return DistContext(dist.get_rank(), dist.get_world_size(), backend, device)
+
+
+def init_distributed(timeout_s: float | None = None, backend: str | None = None) -> DistContext:
+    """Join the process group described by torchrun's environment variables.
+
+    Reuses an existing default group. Without ``WORLD_SIZE`` in the environment it makes
+    a one-rank group, so the same code runs as a plain ``python`` script.
+    """
+    if dist.is_initialized():
+        return context()
+    backend = backend or choose_backend()
+    timeout = timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
+    if backend == "nccl":
+        torch.cuda.set_device(_local_rank())
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                timeout=timeout)
+    return context()
+
+
+def shutdown() -> None:
+    """Leave the process group. The barrier first: without it gloo ranks can abort at exit."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()

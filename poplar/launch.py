@@ -1,0 +1,100 @@
+"""Run a function on N local processes joined in a gloo process group.
+
+This is how tests, the demo and benchmarks start an (emulated) cluster on one machine
+without torchrun. Every wait is bounded: a rank that fails or hangs stops all of them.
+
+>>> def hello(rank, world_size):
+...     return rank * 10
+>>> spawn(hello, 2)   # doctest: +SKIP
+[0, 10]
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from poplar.engine.dist import free_port, init_distributed, shutdown
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank raised; the message carries that rank's traceback."""
+
+
+def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float, threads: int, results, args, kwargs):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    try:
+        init_distributed(timeout_s=timeout_s, backend="gloo")
+        out = fn(rank, world_size, *args, **kwargs)
+        # Plain pickle copies tensors: shared-memory handles would die with this process.
+        results.put((rank, "ok", pickle.dumps(out)))
+        shutdown()
+    except BaseException as e:  # report, then let the parent stop the others
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0, threads: int = 1,
+          collective_timeout_s: float | None = None, **kwargs) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return their results.
+
+    ``fn`` must be importable (a module-level function). Raises :class:`RankFailed` with
+    the first failing rank's traceback, or :class:`TimeoutError` after ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    coll_timeout = collective_timeout_s or max(10.0, timeout_s / 2)
+    pc = mp.start_processes(_entry, args=(fn, world_size, port, coll_timeout, threads, results, args, kwargs),
+                            nprocs=world_size, join=False, start_method="spawn")
+    outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+
+    def drain():
+        while not results.empty():
+            rank, status, payload = results.get()
+            if status == "ok":
+                outputs[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+
+    try:
+        while True:
+            drain()
+            if errors:
+                break
+            try:
+                if pc.join(timeout=0.2):
+                    break
+            except mp.ProcessRaisedException:
+                break
+            except mp.ProcessExitedException as e:
+                drain()
+                if not errors:
+                    errors[e.error_index] = f"rank {e.error_index} exited with code {e.exit_code}"
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world_size} ranks did not finish within {timeout_s:.0f} s")
+        drain()
+    finally:
+        for p in pc.processes:
+            if p.is_alive():
+                p.kill()
+        for p in pc.processes:
+            p.join(timeout=5)
+    if errors:
+        rank = min(errors)
+        raise RankFailed(f"rank {rank} failed:\n{errors[rank]}")
+    missing = [r for r in range(world_size) if r not in outputs]
+    if missing:
+        raise RankFailed(f"ranks {missing} returned no result")
+    return [outputs[r] for r in range(world_size)]

@@ -1,0 +1,161 @@
+"""The plan: how much of each global batch every rank computes, and in which ZeRO stage.
+
+A :class:`Plan` is the value that flows from the planner to the engine. It is small,
+printable and serialisable, so a person can save it, read it, edit it and load it.
+
+>>> plan = Plan(zero_stage=1, micro_batch_sizes=[4, 2, 1], accum_steps=[2, 2, 4])
+>>> plan.global_batch_size
+16
+>>> plan.sample_range(1)
+(8, 12)
+>>> Plan.from_json(plan.to_json()) == plan
+True
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+ZERO_STAGES = (0, 1, 2, 3)
+# Stages that communicate gradients on every micro-step: every rank must run the same
+# number of micro-steps, or the collectives of one rank would have no partner.
+STAGES_WITH_EQUAL_ACCUM = (2, 3)
+
+
+def _positive_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ValueError(f"{name} must be a list of positive integers, one per rank; got {values!r}")
+    if len(values) == 0:
+        raise ValueError(f"{name} is empty: give one positive integer per rank")
+    out = []
+    for rank, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(
+                f"{name}[{rank}] = {v!r}: every entry must be a positive integer "
+                f"(rank {rank} needs at least one sample per micro-batch and one micro-step)"
+            )
+        out.append(int(v))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-rank micro-batch sizes and accumulation steps for one ZeRO stage.
+
+    Rank ``i`` computes ``accum_steps[i]`` micro-batches of ``micro_batch_sizes[i]``
+    samples per optimizer step. The global batch is the sum of ``mbs * accum`` over
+    ranks; rank ``i`` takes the consecutive slice :meth:`sample_range` of it.
+
+    ``accum_steps`` may be a single integer, meaning the same count on every rank.
+    Stages 2 and 3 reduce-scatter gradients on every micro-step, so they require the
+    same ``accum_steps`` on every rank (balance them with ``micro_batch_sizes``).
+    """
+
+    zero_stage: int
+    micro_batch_sizes: tuple[int, ...]
+    accum_steps: tuple[int, ...]
+
+    def __init__(self, zero_stage: int, micro_batch_sizes: Sequence[int], accum_steps: Sequence[int] | int = 1):
+        if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage = {zero_stage!r}: choose one of 0, 1, 2, 3")
+        mbs = _positive_ints("micro_batch_sizes", micro_batch_sizes)
+        if isinstance(accum_steps, int) and not isinstance(accum_steps, bool):
+            accum_steps = [accum_steps] * len(mbs)
+        acc = _positive_ints("accum_steps", accum_steps)
+        if len(acc) != len(mbs):
+            raise ValueError(
+                f"micro_batch_sizes has {len(mbs)} entries but accum_steps has {len(acc)}: "
+                "give exactly one of each per rank"
+            )
+        if zero_stage in STAGES_WITH_EQUAL_ACCUM and len(set(acc)) > 1:
+            raise ValueError(
+                f"ZeRO stage {zero_stage} reduce-scatters gradients on every micro-step, so every rank "
+                f"must run the same number of accumulation steps; got accum_steps={list(acc)}. "
+                "Give every rank the same accum_steps and balance the work with micro_batch_sizes, "
+                "or use zero_stage 0 or 1, which synchronise once per step and allow unequal counts."
+            )
+        object.__setattr__(self, "zero_stage", int(zero_stage))
+        object.__setattr__(self, "micro_batch_sizes", mbs)
+        object.__setattr__(self, "accum_steps", acc)
+
+    # -- derived figures ---------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.micro_batch_sizes)
+
+    @property
+    def global_batch_size(self) -> int:
+        return sum(self.local_batch_sizes)
+
+    @property
+    def local_batch_sizes(self) -> tuple[int, ...]:
+        return tuple(m * a for m, a in zip(self.micro_batch_sizes, self.accum_steps))
+
+    def local_batch_size(self, rank: int) -> int:
+        return self.local_batch_sizes[self._check_rank(rank)]
+
+    def sample_range(self, rank: int) -> tuple[int, int]:
+        """``[start, stop)`` of each global batch that belongs to ``rank``."""
+        rank = self._check_rank(rank)
+        start = sum(self.local_batch_sizes[:rank])
+        return start, start + self.local_batch_sizes[rank]
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise ValueError(
+                f"the plan is for {self.world_size} ranks (one micro_batch_sizes entry per rank) "
+                f"but {world_size} were launched: launch {self.world_size} processes or make a plan "
+                f"for {world_size}"
+            )
+
+    def _check_rank(self, rank: int) -> int:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside this plan's {self.world_size} ranks")
+        return rank
+
+    # -- serialisation -----------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "zero_stage": self.zero_stage,
+            "micro_batch_sizes": list(self.micro_batch_sizes),
+            "accum_steps": list(self.accum_steps),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        if not isinstance(data, dict):
+            raise ValueError(f"a plan is a JSON object with zero_stage, micro_batch_sizes, accum_steps; got {data!r}")
+        expected = {"zero_stage", "micro_batch_sizes", "accum_steps"}
+        unknown = set(data) - expected - {"predicted", "meta"}
+        missing = expected - set(data)
+        if missing or unknown:
+            raise ValueError(
+                f"plan fields: missing {sorted(missing) or 'none'}, unknown {sorted(unknown) or 'none'}; "
+                f"a plan has exactly {sorted(expected)}"
+            )
+        return cls(data["zero_stage"], data["micro_batch_sizes"], data["accum_steps"])
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"plan is not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_json(Path(path).read_text())
+
+    def __str__(self) -> str:
+        rows = ", ".join(f"r{i}:{m}x{a}" for i, (m, a) in enumerate(zip(self.micro_batch_sizes, self.accum_steps)))
+        return f"Plan(stage {self.zero_stage}, global batch {self.global_batch_size}: {rows})"

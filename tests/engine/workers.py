@@ -1,0 +1,83 @@
+"""Functions run inside spawned ranks (they must be importable by the child processes)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import poplar
+from tests.models import OPTIMIZER, lm_loss, make_batches, make_model
+
+
+def train_with_plan(plan: poplar.Plan, n_steps: int, config=None, model_kw=None, optimizer=OPTIMIZER, seed=1):
+    rank = torch.distributed.get_rank()
+    model = make_model(**(model_kw or {}))
+    engine = poplar.initialize(model, optimizer, plan, config or {})
+    lo, hi = plan.sample_range(rank)
+    losses, norms = [], []
+    for tokens, targets in make_batches(n_steps, plan.global_batch_size, seed=seed):
+        losses.append(engine.train_batch((tokens[lo:hi], targets[lo:hi]), lm_loss))
+        norms.append(engine.last_grad_norm)
+    state = engine.full_state_dict()
+    out = {"losses": losses, "norms": norms, "state": state if rank == 0 else None,
+           "memory": engine.memory_report(), "peak": engine.peak_memory,
+           "unit_numels": [u.padded_numel for u in engine.units]}
+    engine.close()
+    return out
+
+
+def run_cases(rank, world_size, cases, n_steps, optimizer=OPTIMIZER):
+    """Several (plan dict, config) cases one after another in the same process group."""
+    return [train_with_plan(poplar.Plan.from_dict(plan), n_steps, config, model_kw, optimizer)
+            for plan, config, model_kw in cases]
+
+
+def catch(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:   # the test inspects what every rank raised
+        return type(e).__name__, str(e)
+    return None
+
+
+def bad_input_scenarios(rank, world_size):
+    """Each scenario must fail on EVERY rank with a clear error, and never hang."""
+    plan = poplar.Plan(1, [2, 1], [1, 2])
+    out = {}
+    out["world_size"] = catch(lambda: poplar.initialize(make_model(), OPTIMIZER, poplar.Plan(0, [1, 1, 1], 1)))
+    out["different_plans"] = catch(lambda: poplar.initialize(
+        make_model(), OPTIMIZER, poplar.Plan(0, [2, 1] if rank == 0 else [1, 2], 1)))
+    out["different_models"] = catch(lambda: poplar.initialize(make_model(layers=2 + rank), OPTIMIZER, plan))
+    out["optimizer_instance"] = catch(lambda: poplar.initialize(
+        make_model(), torch.optim.SGD(make_model().parameters(), lr=0.1), plan))
+
+    engine = poplar.initialize(make_model(), OPTIMIZER, plan)
+    tokens, targets = make_batches(1, plan.global_batch_size)[0]
+    lo, hi = plan.sample_range(rank)
+    hi = hi - 1 if rank == 1 else hi     # rank 1 passes one sample too few
+    out["short_batch"] = catch(engine.train_batch, (tokens[lo:hi], targets[lo:hi]), lm_loss)
+    lo, hi = plan.sample_range(rank)
+    out["ragged_batch"] = catch(engine.train_batch, (tokens[lo:hi], targets[lo:hi - 1]), lm_loss)
+    out["vector_loss"] = catch(engine.train_batch, (tokens[lo:hi], targets[lo:hi]),
+                               lambda m, b: torch.nn.functional.cross_entropy(
+                                   m(b[0]).flatten(0, 1), b[1].flatten(), reduction="none"))
+    # after all of that the engine still trains, in step with the other ranks
+    out["still_trains"] = engine.train_batch((tokens[lo:hi], targets[lo:hi]), lm_loss)
+    return out
+
+
+def stalled_rank(rank, world_size, stall_s):
+    """Rank 1 stalls inside its step; rank 0 must get a timeout error, not hang."""
+    plan = poplar.Plan(0, [1, 1], 1)
+    engine = poplar.initialize(make_model(), OPTIMIZER, plan)
+    tokens, targets = make_batches(1, 2)[0]
+
+    def loss_fn(model, batch):
+        if rank == 1:
+            time.sleep(stall_s)
+        return lm_loss(model, batch)
+
+    start = time.monotonic()
+    err = catch(engine.train_batch, (tokens[rank:rank + 1], targets[rank:rank + 1]), loss_fn)
+    return err, time.monotonic() - start

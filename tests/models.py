@@ -1,0 +1,76 @@
+"""Small models and a single-process reference trainer shared by the tests."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 3 * d)
+        self.down = nn.Linear(3 * d, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding, a ModuleList of blocks (one unit each), a head tied to the embedding."""
+
+    def __init__(self, vocab: int = 37, d: int = 16, layers: int = 3, tied: bool = True, unused: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.unused = nn.Linear(d, d) if unused else None
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def lm_loss(model, batch):
+    tokens, targets = batch
+    logits = model(tokens)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def make_model(seed: int = 0, **kw) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(**kw)
+
+
+def make_batches(n_steps: int, global_batch: int, seq: int = 6, vocab: int = 37, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (global_batch, seq), generator=g),
+             torch.randint(0, vocab, (global_batch, seq), generator=g)) for _ in range(n_steps)]
+
+
+OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+
+
+def reference_train(batches, clip: float | None = None, optimizer=OPTIMIZER, model_kw=None):
+    """Plain single-process training on whole global batches: what the engine must reproduce."""
+    model = make_model(**(model_kw or {}))
+    opt = optimizer(model.parameters())
+    losses = []
+    for batch in batches:
+        loss = lm_loss(model, batch)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses

@@ -1,0 +1,62 @@
+import json
+
+import pytest
+
+from poplar import Plan
+
+
+def test_global_batch_and_sample_ranges_are_consecutive():
+    plan = Plan(zero_stage=1, micro_batch_sizes=[1, 2, 3], accum_steps=[3, 2, 1])
+    assert plan.global_batch_size == 3 + 4 + 3
+    assert [plan.sample_range(r) for r in range(3)] == [(0, 3), (3, 7), (7, 10)]
+    assert plan.local_batch_sizes == (3, 4, 3)
+
+
+def test_single_accum_count_applies_to_every_rank():
+    plan = Plan(3, [5, 1], 4)
+    assert plan.accum_steps == (4, 4)
+    assert plan.global_batch_size == 24
+
+
+def test_json_round_trip_and_file(tmp_path):
+    plan = Plan(2, [4, 2, 1], [2, 2, 2])
+    assert Plan.from_json(plan.to_json()) == plan
+    assert json.loads(plan.to_json()) == {"zero_stage": 2, "micro_batch_sizes": [4, 2, 1], "accum_steps": [2, 2, 2]}
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(zero_stage=4, micro_batch_sizes=[1], accum_steps=[1]), "choose one of 0, 1, 2, 3"),
+    (dict(zero_stage=True, micro_batch_sizes=[1], accum_steps=[1]), "choose one of 0, 1, 2, 3"),
+    (dict(zero_stage=0, micro_batch_sizes=[2, 0], accum_steps=[1, 1]), "micro_batch_sizes[1] = 0"),
+    (dict(zero_stage=0, micro_batch_sizes=[2, -1], accum_steps=[1, 1]), "micro_batch_sizes[1] = -1"),
+    (dict(zero_stage=0, micro_batch_sizes=[2, 1.5], accum_steps=[1, 1]), "positive integer"),
+    (dict(zero_stage=0, micro_batch_sizes=[], accum_steps=[]), "empty"),
+    (dict(zero_stage=0, micro_batch_sizes=[1, 1], accum_steps=[0, 1]), "accum_steps[0] = 0"),
+    (dict(zero_stage=0, micro_batch_sizes=[1, 1], accum_steps=[1, 1, 1]), "exactly one of each per rank"),
+    (dict(zero_stage=2, micro_batch_sizes=[1, 1], accum_steps=[1, 2]), "same number of accumulation steps"),
+    (dict(zero_stage=3, micro_batch_sizes=[1, 1], accum_steps=[2, 1]), "use zero_stage 0 or 1"),
+    (dict(zero_stage=0, micro_batch_sizes="12", accum_steps=[1]), "list of positive integers"),
+])
+def test_invalid_plans_say_what_to_change(kwargs, words):
+    with pytest.raises(ValueError, match=None) as e:
+        Plan(**kwargs)
+    assert words in str(e.value)
+
+
+def test_unequal_accumulation_is_allowed_where_the_stage_syncs_once():
+    for stage in (0, 1):
+        assert Plan(stage, [1, 2], [4, 1]).accum_steps == (4, 1)
+
+
+def test_world_size_check_and_bad_json():
+    plan = Plan(0, [1, 1, 1], 1)
+    with pytest.raises(ValueError, match="plan is for 3 ranks .* but 2 were launched"):
+        plan.check_world_size(2)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Plan.from_json("{zero_stage: 1")
+    with pytest.raises(ValueError, match="missing \\['accum_steps'\\]"):
+        Plan.from_json('{"zero_stage": 1, "micro_batch_sizes": [1]}')
+    with pytest.raises(ValueError, match="rank 3 is outside"):
+        plan.sample_range(3)
