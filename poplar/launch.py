@@ -34,12 +34,15 @@ def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float, threads:
     try:
         init_distributed(timeout_s=timeout_s, backend="gloo")
         out = fn(rank, world_size, *args, **kwargs)
-        # Plain pickle copies tensors: shared-memory handles would die with this process.
-        results.put((rank, "ok", pickle.dumps(out)))
-        shutdown()
     except BaseException as e:  # report, then let the parent stop the others
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         raise
+    # Plain pickle copies tensors: shared-memory handles would die with this process.
+    results.put((rank, "ok", pickle.dumps(out)))
+    try:
+        shutdown()
+    except Exception:   # the result is in; a group broken by the function's own test of failures may not close
+        pass
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0, threads: int = 1,
