@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import functools
 import json
-import math
 import os
 import platform
 import shutil
@@ -383,6 +382,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(CPU-seconds busy on the whole machine, CPU-seconds used by this process and its
+    reaped children), or None off Linux. Their difference over a run is other people's load."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:9]]
+        busy = (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
+        t = os.times()
+        return busy, t.user + t.system + t.children_user + t.children_system
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _first_error_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else "unknown error"
 
@@ -476,7 +488,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     p.add_argument("--accum", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--micro-batch", type=int, default=8, help="samples per micro-batch per rank")
+    p.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch per rank")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -506,10 +518,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"unknown system(s) {bad}; choose from {[s.key for s in SYSTEMS]}")
     args.system_keys = [s.key for s in SYSTEMS if s.key in keys]  # canonical order
     return args
-
-
-def _fmt_ms(x) -> str:
-    return "-" if x is None else f"{x:8.1f}"
 
 
 def report(results: dict, keys: list[str]) -> list[str]:
@@ -613,6 +621,7 @@ def main(argv=None) -> int:
             if SYSTEM_BY_KEY[k].poplar:
                 results[k]["error"] = poplar_error
     interrupted = False
+    max_other = 0.0
     try:
         for rnd in range(args.rounds):
             for k in args.system_keys:
@@ -623,9 +632,14 @@ def main(argv=None) -> int:
                     results[k]["error"] = f"skipped: overall --timeout {args.timeout:.0f} s reached"
                     continue
                 run_dir = os.path.join(log_root, f"round{rnd}_{k}")
-                t0 = time.monotonic()
+                t0, cpu0 = time.monotonic(), _cpu_seconds()
                 r = run_system(k, cfg, run_dir, timeout_s=min(args.run_timeout, left))
-                wall = time.monotonic() - t0
+                wall, cpu1 = time.monotonic() - t0, _cpu_seconds()
+                # CPU cores kept busy by processes that are not this benchmark, on average.
+                other = max(0.0, ((cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1])) / wall) if cpu0 and cpu1 else None
+                if other is not None:
+                    results[k].setdefault("other_load_cores", []).append(other)
+                    max_other = max(max_other, other)
                 if "error" in r:
                     results[k]["error"] = r["error"]
                     results[k]["traceback"] = r.get("traceback")
@@ -641,7 +655,9 @@ def main(argv=None) -> int:
                 results[k]["setup_s"] = r["setup_s"]
                 print(
                     f"[round {rnd + 1}/{args.rounds}] {k:16s} {med:8.1f} ms/step  "
-                    f"(setup {r['setup_s']:.1f} s, run {wall:.0f} s, threads {r['num_threads']})",
+                    f"(setup {r['setup_s']:.1f} s, run {wall:.0f} s, threads {r['num_threads']}"
+                    + ("" if other is None else f", other load {other:.2f} cores")
+                    + ")",
                     flush=True,
                 )
     except KeyboardInterrupt:
@@ -663,6 +679,20 @@ def main(argv=None) -> int:
     lines = report(results, args.system_keys)
     print("\n".join(lines))
     print(f"\ntotal wall time {time.monotonic() - t_start:.0f} s; ms/step = median over all rounds of the slowest rank's step time")
+    ran = [k for k in args.system_keys if results[k]["median_ms"] is not None]
+    if len(ran) > 1:
+        ref = ran[0]
+        diffs = {k: abs(results[k]["losses"][-1] - results[ref]["losses"][-1]) for k in ran[1:]}
+        worst = max(diffs, key=diffs.get)
+        print(
+            f"loss check: final loss {results[ref]['losses'][-1]:.5f} ({ref}); largest difference from it "
+            f"{diffs[worst]:.2e} ({worst})"
+        )
+    if max_other > 0.25:
+        print(
+            f"warning: other processes kept up to {max_other:.2f} of {os.cpu_count()} CPU cores busy during some "
+            "runs; step times on this machine are then inflated and noisy (see 'round medians')"
+        )
 
     if args.json:
         out = {

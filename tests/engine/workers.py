@@ -81,3 +81,37 @@ def stalled_rank(rank, world_size, stall_s):
     start = time.monotonic()
     err = catch(engine.train_batch, (tokens[rank:rank + 1], targets[rank:rank + 1]), loss_fn)
     return err, time.monotonic() - start
+
+
+def feature_scenarios(rank, world_size):
+    import functools
+
+    out = {}
+    plan3 = poplar.Plan(3, [1, 3], [2, 2])
+    # bf16 compute with fp32 masters, in the two extreme stages
+    for stage in (0, 3):
+        res = train_with_plan(poplar.Plan(stage, [1, 3], [2, 2]), 3, {"mixed_precision": "bf16"})
+        out[f"bf16-stage{stage}"] = {"losses": res["losses"], "state": res["state"]}
+    # a parameter no micro-step uses: it takes part in every collective with a zero gradient
+    no_decay = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0)
+    res = train_with_plan(poplar.Plan(2, [2, 1], [2, 2]), 3, {}, {"unused": True}, no_decay)
+    out["unused"] = res["state"]
+
+    # ZeRO-3 outside train_batch: an evaluation forward gathers and frees again
+    model = make_model()
+    engine = poplar.initialize(model, OPTIMIZER, plan3)
+    lo, hi = plan3.sample_range(rank)
+    for tokens, targets in make_batches(2, plan3.global_batch_size):
+        engine.train_batch((tokens[lo:hi], targets[lo:hi]), lm_loss)
+    probe = make_batches(1, 4, seed=7)[0][0]
+    with torch.no_grad():
+        out["eval_logits"] = engine.model(probe)
+    out["eval_param_bytes"] = engine.memory_report()["parameters"]
+    out["shard_bytes"] = 4 * sum(u.shard_numel for u in engine.units)
+    state = engine.full_state_dict()
+    out["trained_state"] = state
+    # a checkpoint taken in stage 3 loads into a stage-1 engine with another plan
+    other = poplar.initialize(make_model(seed=5), OPTIMIZER, poplar.Plan(1, [2, 2], [1, 3]))
+    other.load_full_state_dict(state)
+    out["reloaded_state"] = other.full_state_dict()
+    return out
