@@ -305,6 +305,11 @@ def _run_one(rank: int, key: str, cfg: dict) -> dict:
     warmup_s = time.perf_counter() - t0
     dist.barrier()
 
+    # Throughput: wall time of all timed steps between two barriers, divided by the steps.
+    # (Per-step times of one rank depend on where a system puts its synchronisation
+    # inside the step; the wall time over many steps does not.)
+    dist.barrier()
+    t_loop = time.perf_counter()
     times = []
     for i in range(cfg["warmup"], cfg["warmup"] + cfg["steps"]):
         batch = data[i % len(data)]
@@ -313,6 +318,8 @@ def _run_one(rank: int, key: str, cfg: dict) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(loss)
 
+    dist.barrier()
+    wall_step_s = (time.perf_counter() - t_loop) / cfg["steps"]
     # One step's time is the slowest rank's; the loss is the mean over ranks.
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -321,6 +328,7 @@ def _run_one(rank: int, key: str, cfg: dict) -> dict:
     lt /= world
     return {
         "step_s": t.tolist(),
+        "wall_step_s": wall_step_s,
         "losses": lt.tolist(),
         "setup_s": setup_s,
         "warmup_s": warmup_s,
@@ -399,6 +407,10 @@ def _first_error_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else "unknown error"
 
 
+# First-line fragments of errors that a rank raises because another rank failed first.
+_SECONDARY_ERRORS = ("Connection closed by peer", "Timed out waiting", "Connection reset by peer", "timed out", "Broken pipe")
+
+
 def _kill(procs) -> None:
     for p in procs:
         if p.is_alive():
@@ -439,9 +451,16 @@ def run_system(key: str, cfg: dict, run_dir: str, timeout_s: float, grace_s: flo
     finally:
         _kill(procs)
 
-    errors = sorted(f for f in os.listdir(run_dir) if f.startswith("error"))
+    errors = [Path(run_dir, f) for f in os.listdir(run_dir) if f.startswith("error")]
     if errors:
-        text = Path(run_dir, errors[0]).read_text()
+        # Report the root cause: a rank's own error before its peers' lost-connection or
+        # timed-out errors, and the earliest one among those.
+        def rank_key(path: Path):
+            text = path.read_text()
+            secondary = any(m in text.split("\n", 1)[0] for m in _SECONDARY_ERRORS)
+            return (secondary, path.stat().st_mtime)
+
+        text = min(errors, key=rank_key).read_text()
         return {"error": _first_error_line(text), "traceback": text, "log_dir": run_dir}
     result_file = Path(run_dir, "result.json")
     if result_file.exists() and all(p.exitcode == 0 for p in procs):
@@ -520,6 +539,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def report(results: dict, keys: list[str]) -> list[str]:
     """The table (and the Poplar verdict lines) as text lines; also fills in ratios."""
     fastest_peer = {}
@@ -531,25 +554,26 @@ def report(results: dict, keys: list[str]) -> list[str]:
         ]
         if peers:
             fastest_peer[g] = min(peers)
-    headers = ["group", "system", "ms/step", "vs fastest peer", "round medians (ms)", "loss first -> last"]
+    headers = ["group", "system", "ms/step", "vs fastest peer", "each round (ms/step)", "loss first -> last"]
     rows = []
     for k in keys:
         s, r = SYSTEM_BY_KEY[k], results[k]
         if r.get("median_ms") is None:
-            rows.append([GROUP_NAMES[s.group], s.label, "-", "-", f"unavailable: {r.get('error', '?')}", ""])
+            rows.append([GROUP_NAMES[s.group], s.label, "-", "-", None, _short(f"unavailable: {r.get('error', '?')}")])
             continue
         fp = fastest_peer.get(s.group)
         ratio = r["median_ms"] / fp[0] if fp else None
         r["ratio_to_fastest_peer"] = ratio
         r["fastest_peer"] = fp[1] if fp else None
-        rounds = " ".join(f"{m:.1f}" for m in r["round_medians_ms"])
+        rounds = " ".join(f"{m:.1f}" for m in r["round_wall_ms"])
         losses = f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
         rows.append(
             [GROUP_NAMES[s.group], s.label, f"{r['median_ms']:.1f}", "-" if ratio is None else f"{ratio:.3f}x", rounds, losses]
         )
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    # Do not let a long error message widen the table: it is the last real column.
-    widths[4] = min(widths[4], 40)
+    # An unavailable row (None in column 4) prints its reason after the columns, unpadded.
+    widths = [
+        max([len(h)] + [len(row[i]) for row in rows if i < 4 or row[4] is not None]) for i, h in enumerate(headers)
+    ]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
     prev_group = None
     for row in rows:
@@ -559,7 +583,10 @@ def report(results: dict, keys: list[str]) -> list[str]:
         if shown[0] == prev_group:
             shown[0] = ""
         prev_group = row[0]
-        lines.append("  ".join(c.ljust(w) for c, w in zip(shown, widths)).rstrip())
+        if shown[4] is None:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(shown[:4], widths)) + "  " + shown[5])
+        else:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(shown, widths)).rstrip())
     lines.append("")
     for k in keys:
         s, r = SYSTEM_BY_KEY[k], results[k]
@@ -567,7 +594,7 @@ def report(results: dict, keys: list[str]) -> list[str]:
             continue
         stage = s.group
         if r.get("median_ms") is None:
-            lines.append(f"poplar stage {stage}: unavailable: {r.get('error', '?')}")
+            lines.append(_short(f"poplar stage {stage}: unavailable: {r.get('error', '?')}"))
         elif stage not in fastest_peer:
             lines.append(f"poplar stage {stage}: {r['median_ms']:.1f} ms/step (no peer ran in this group)")
         else:
@@ -615,7 +642,8 @@ def main(argv=None) -> int:
 
     log_root = args.log_dir or tempfile.mkdtemp(prefix="poplar_bench_")
     keep_logs = args.log_dir is not None
-    results = {k: {"step_s": [], "round_medians_ms": [], "losses": None, "error": None} for k in args.system_keys}
+    results = {k: {"step_s": [], "round_medians_ms": [], "round_wall_ms": [], "losses": None, "error": None}
+               for k in args.system_keys}
     if poplar_error:
         for k in args.system_keys:
             if SYSTEM_BY_KEY[k].poplar:
@@ -648,9 +676,10 @@ def main(argv=None) -> int:
                         tb = r["traceback"].strip().splitlines()
                         print("    " + "\n    ".join(tb[-6:]), flush=True)
                     continue
-                med = statistics.median(r["step_s"]) * 1e3
+                med = r["wall_step_s"] * 1e3
                 results[k]["step_s"].extend(r["step_s"])
-                results[k]["round_medians_ms"].append(med)
+                results[k]["round_wall_ms"].append(med)
+                results[k]["round_medians_ms"].append(statistics.median(r["step_s"]) * 1e3)
                 results[k]["losses"] = r["losses"]
                 results[k]["setup_s"] = r["setup_s"]
                 print(
@@ -670,7 +699,8 @@ def main(argv=None) -> int:
     for k in args.system_keys:
         r = results[k]
         if r["step_s"] and not r["error"]:
-            r["median_ms"] = statistics.median(r["step_s"]) * 1e3
+            r["median_ms"] = statistics.median(r["round_wall_ms"])
+            r["per_step_max_ms"] = statistics.median(r["step_s"]) * 1e3
         else:
             r["median_ms"] = None
             if r["error"] is None:
@@ -678,7 +708,8 @@ def main(argv=None) -> int:
     print()
     lines = report(results, args.system_keys)
     print("\n".join(lines))
-    print(f"\ntotal wall time {time.monotonic() - t_start:.0f} s; ms/step = median over all rounds of the slowest rank's step time")
+    print(f"\ntotal wall time {time.monotonic() - t_start:.0f} s; ms/step = median over rounds of (wall time of the timed "
+          "steps between two barriers) / steps")
     ran = [k for k in args.system_keys if results[k]["median_ms"] is not None]
     if len(ran) > 1:
         ref = ran[0]
@@ -691,7 +722,7 @@ def main(argv=None) -> int:
     if max_other > 0.25:
         print(
             f"warning: other processes kept up to {max_other:.2f} of {os.cpu_count()} CPU cores busy during some "
-            "runs; step times on this machine are then inflated and noisy (see 'round medians')"
+            "runs; step times on this machine are then inflated and noisy (see 'each round')"
         )
 
     if args.json:

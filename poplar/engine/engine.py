@@ -109,6 +109,7 @@ class Engine:
         self._sync = False
         self._pending: list[tuple[FlatUnit, Any, torch.Tensor | None]] = []
         self._next_launch = 0
+        self._batch_check = None
 
     # ------------------------------------------------------------------ set-up checks
     def _check_consistent(self, model: nn.Module) -> None:
@@ -159,6 +160,7 @@ class Engine:
 
     def _launch_ready(self, force: bool = False) -> None:
         """Launch gradient collectives in the fixed unit order, as far as units are ready."""
+        self._confirm_batch()
         while self._next_launch < len(self._launch_order):
             unit = self.units[self._launch_order[self._next_launch]]
             if not (unit.grads_ready or force):
@@ -213,28 +215,43 @@ class Engine:
         return hook
 
     # ------------------------------------------------------------------ training
-    def _check_batch(self, local_batch) -> None:
+    def _start_batch_check(self, local_batch) -> None:
+        """Share every rank's local batch size; the answer is awaited before the first collective.
+
+        The all-reduce runs in the background while this rank computes, so a correct
+        step pays no extra synchronisation. A rank whose own batch is wrong waits at once.
+        """
         try:
-            n = batch_size(local_batch)
-            err = ""
+            n, err = batch_size(local_batch), ""
         except ValueError as e:
             n, err = -1, str(e)
-        expected = self.plan.local_batch_size(self.rank)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        sizes[self.rank] = n
         if self.config.check_batches and self.world_size > 1:
-            sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
-            sizes[self.rank] = n
-            C.all_reduce(sizes)
-            bad = [(r, int(s)) for r, s in enumerate(sizes.tolist()) if s != self.plan.local_batch_size(r)]
+            self._batch_check = (C.all_reduce(sizes, async_op=True), sizes, err)
         else:
-            bad = [(self.rank, n)] if n != expected else []
-        if bad:
-            if err:
-                raise ValueError(f"rank {self.rank}: {err}")
-            what = "; ".join(f"rank {r} got {s if s >= 0 else 'an unreadable batch'} samples, its plan slice is "
-                             f"{self.plan.local_batch_size(r)} (= {self.plan.micro_batch_sizes[r]} x "
-                             f"{self.plan.accum_steps[r]})" for r, s in bad)
-            raise ValueError(f"local batch does not match the plan: {what}. Give each rank "
-                             "global_batch[plan.sample_range(rank)]")
+            self._batch_check = (None, sizes, err)
+        if n != self.plan.local_batch_size(self.rank):
+            self._confirm_batch()
+
+    def _confirm_batch(self) -> None:
+        if self._batch_check is None:
+            return
+        work, sizes, err = self._batch_check
+        self._batch_check = None
+        if work is not None:
+            work.wait()
+        bad = [(r, int(n)) for r, n in enumerate(sizes.tolist())
+               if n != self.plan.local_batch_size(r) and (work is not None or r == self.rank)]
+        if not bad:
+            return
+        if err:
+            raise ValueError(f"rank {self.rank}: {err}")
+        what = "; ".join(f"rank {r} got {n if n >= 0 else 'an unreadable batch of'} samples, its plan slice is "
+                         f"{self.plan.local_batch_size(r)} (= {self.plan.micro_batch_sizes[r]} x "
+                         f"{self.plan.accum_steps[r]})" for r, n in bad)
+        raise ValueError(f"local batch does not match the plan: {what}. Give each rank "
+                         "global_batch[plan.sample_range(rank)]")
 
     def train_batch(self, local_batch, loss_fn: LossFn) -> float:
         """One optimizer step on this rank's slice of the global batch.
@@ -244,7 +261,8 @@ class Engine:
         micro_batch)`` returns the mean loss over the micro-batch. Returns the mean loss
         over the whole global batch, the same on every rank.
         """
-        self._check_batch(local_batch)
+        self._reset_step_state()
+        self._start_batch_check(local_batch)
         global_batch = self.plan.global_batch_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         micro_batches = split_batch(local_batch, self.micro_batch_size, self.device)
@@ -264,12 +282,20 @@ class Engine:
         loss_work.wait()
         return float(loss_sum)
 
+    def _reset_step_state(self) -> None:
+        """Clean gradient state, whatever an earlier (possibly failed) step left behind."""
+        self._pending.clear()
+        for unit in self.units:
+            unit.reset_grads()
+            unit.reshard()
+
     def _begin_micro_step(self, sync: bool) -> None:
         self._sync = sync
         self._next_launch = 0
         for unit in self.units:
             unit.begin_micro_step(unit.n_trainable)
         if self.zero_stage >= 3:
+            self._confirm_batch()     # the all-gathers below are this step's first collectives
             self.units[0].unshard()   # whatever loss_fn calls first, the root's parameters are there
 
     def _end_micro_step(self) -> None:
@@ -309,7 +335,7 @@ class Engine:
         works = [w for w in (u.refresh_params_after_step() for u in self.units) if w is not None]
         for unit in self.units:
             unit.master.grad = None
-            unit.zero_grads()
+            unit.reset_grads()
         for w in works:
             w.wait()
         self.global_steps += 1

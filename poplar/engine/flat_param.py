@@ -43,6 +43,7 @@ class ParamState(Enum):
 class Slot:
     """Where one parameter lives in its unit's flat buffer."""
     param: nn.Parameter
+    index: int
     offset: int
     numel: int
     shape: torch.Size
@@ -58,8 +59,8 @@ class FlatUnit:
         self.shard_params = zero_stage >= 3
         self.compute_dtype = compute_dtype
         offset, slots = 0, []
-        for p in params:
-            slots.append(Slot(p, offset, p.numel(), p.shape))
+        for i, p in enumerate(params):
+            slots.append(Slot(p, i, offset, p.numel(), p.shape))
             offset += p.numel()
         self.slots = slots
         self.numel = offset
@@ -98,8 +99,13 @@ class FlatUnit:
 
         # Gradients: fp32 accumulators. grad_full is the full (padded) flat gradient; it
         # persists across micro-steps in stages 0-1 and lives one micro-step in 2-3.
+        # A gradient window runs from one optimizer step to the next; the first write of
+        # each parameter (and of the shard) in a window copies, later ones add, so no
+        # buffer needs zeroing between steps.
         self.grad_full: torch.Tensor | None = None
         self.grad_shard = torch.zeros(self.shard_numel, device=device) if self.shard_optim else None
+        self._written = [False] * len(slots)
+        self._shard_written = False
         self._gather_work = None
         self.pending_grads = 0   # parameters whose gradient this micro-step has not arrived yet
         self.grads_ready = False
@@ -156,10 +162,30 @@ class FlatUnit:
         self.pending_grads = n_trainable
         self.grads_ready = False
 
+    def _new_grad_full(self) -> torch.Tensor:
+        g = torch.empty(self.padded_numel, device=self.full_param.device)
+        g[self.numel:].zero_()   # padding
+        return g
+
     def add_grad(self, slot: Slot, grad: torch.Tensor) -> None:
         if self.grad_full is None:
-            self.grad_full = torch.zeros(self.padded_numel, device=self.full_param.device)
-        self.grad_full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+            self.grad_full = self._new_grad_full()
+        region = self.grad_full[slot.offset:slot.offset + slot.numel]
+        if self._written[slot.index]:
+            region.add_(grad.reshape(-1))
+        else:
+            region.copy_(grad.reshape(-1))
+            self._written[slot.index] = True
+
+    def _complete_grad_full(self) -> torch.Tensor:
+        """The full gradient with zeros where no parameter wrote this window (unused ones)."""
+        if self.grad_full is None:
+            self.grad_full = self._new_grad_full()
+        for s in self.slots:
+            if not self._written[s.index]:
+                self.grad_full[s.offset:s.offset + s.numel].zero_()
+                self._written[s.index] = True
+        return self.grad_full
 
     def reduce_grads(self):
         """Launch this unit's gradient collective: all-reduce (stage 0) or reduce-scatter.
@@ -167,32 +193,40 @@ class FlatUnit:
         Returns ``(work, shard_out)``; ``shard_out`` is added into ``grad_shard`` once
         the work completes (see :meth:`finish_reduce`).
         """
-        if self.grad_full is None:   # no parameter of this unit was used: it still takes part
-            self.grad_full = torch.zeros(self.padded_numel, device=self.full_param.device)
+        grad_full = self._complete_grad_full()
         if not self.shard_optim:
-            return C.all_reduce(self.grad_full, async_op=True), None
-        out = torch.empty(self.shard_numel, device=self.grad_full.device)
-        return C.reduce_scatter(out, self.grad_full, async_op=True), out
+            return C.all_reduce(grad_full, async_op=True), None
+        out = torch.empty(self.shard_numel, device=grad_full.device)
+        return C.reduce_scatter(out, grad_full, async_op=True), out
 
     def finish_reduce(self, shard_out: torch.Tensor | None) -> None:
         if shard_out is not None:
-            self.grad_shard.add_(shard_out)
-        if self.shard_optim:   # the full gradient has been reduced into the shard
+            if self._shard_written:
+                self.grad_shard.add_(shard_out)
+            else:
+                self.grad_shard.copy_(shard_out)
+                self._shard_written = True
+        if self.shard_optim:   # the full gradient has been reduced into the shard: a new window
             self.grad_full = None
+            self._written = [False] * len(self.slots)
 
     def owned_grad(self) -> torch.Tensor:
         """The gradient this rank applies: the full one (stage 0) or its shard."""
         if self.shard_optim:
+            if not self._shard_written:
+                self.grad_shard.zero_()
             return self.grad_shard
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.padded_numel, device=self.full_param.device)
-        return self.grad_full
+        return self._complete_grad_full()
 
-    def zero_grads(self) -> None:
-        if self.shard_optim:
-            self.grad_shard.zero_()
-        elif self.grad_full is not None:
-            self.grad_full.zero_()
+    def reset_grads(self) -> None:
+        """Start a new gradient window (after a step, or after a step that failed half-way)."""
+        self._written = [False] * len(self.slots)
+        self._shard_written = False
+        if self.shard_grads:
+            self.grad_full = None
+        for s in self.slots:
+            s.param.grad = None
+        self.grads_ready = False
 
     # -- full values --------------------------------------------------------------------
     def full_master(self) -> torch.Tensor:
