@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -23,8 +24,10 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """Embedding, a ModuleList of blocks (one unit each), a head tied to the embedding."""
 
-    def __init__(self, vocab: int = 37, d: int = 16, layers: int = 3, tied: bool = True, unused: bool = False):
+    def __init__(self, vocab: int = 37, d: int = 16, layers: int = 3, tied: bool = True, unused: bool = False,
+                 checkpoint: str | None = None):
         super().__init__()
+        self.checkpoint = checkpoint
         self.embed = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
         self.norm = nn.LayerNorm(d)
@@ -36,8 +39,15 @@ class TinyLM(nn.Module):
     def forward(self, tokens):
         x = self.embed(tokens)
         for b in self.blocks:
-            x = b(x)
+            x = self._checkpointed(b, x) if self.checkpoint else b(x)
         return self.head(self.norm(x))
+
+    def _checkpointed(self, block, x):
+        """Activation checkpointing: 'early_stop' (torch's default), 'full' recompute, or 'reentrant'."""
+        if self.checkpoint == "reentrant":
+            return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(self.checkpoint == "early_stop"):
+            return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
 
 
 def lm_loss(model, batch):

@@ -82,10 +82,11 @@ class Engine:
         self._check_consistent(model)
         self.model = model
         self._broadcast_non_trainable()
-        if self.compute_dtype != torch.float32:
-            for b in model.buffers():
-                if b.is_floating_point():
-                    b.data = b.data.to(self.compute_dtype)
+        if self.compute_dtype != torch.float32:   # what the units do not hold computes in bf16 too
+            frozen = [p for p in model.parameters() if not p.requires_grad]
+            for t in list(model.buffers()) + frozen:
+                if t.is_floating_point():
+                    t.data = t.data.to(self.compute_dtype)
         specs = build_units(model, config.unit_classes, config.unit_numel)
         self.units = [FlatUnit(i, s.module, s.name, s.params, zero_stage=plan.zero_stage, rank=self.rank,
                                world_size=self.world_size, compute_dtype=self.compute_dtype, device=self.device)
@@ -137,7 +138,6 @@ class Engine:
     # ------------------------------------------------------------------ gradient hooks
     def _register_grad_hooks(self) -> None:
         for unit in self.units:
-            unit.n_trainable = len(unit.slots)
             for slot in unit.slots:
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._grad_hook(unit, slot)))
 
@@ -192,6 +192,9 @@ class Engine:
 
     def _pre_forward(self, unit: FlatUnit):
         def hook(module, args):
+            if unit.in_backward:   # activation checkpointing re-running the forward: already gathered
+                unit.unshard()
+                return
             if unit.index not in self._forward_order:
                 self._forward_order.append(unit.index)
             unit.unshard()
@@ -200,6 +203,8 @@ class Engine:
 
     def _post_forward(self, unit: FlatUnit):
         def hook(module, args, output):
+            if unit.in_backward:   # a recomputation inside backward: the backward still needs them
+                return output
             if not torch.is_grad_enabled():
                 unit.reshard()
                 return output
@@ -208,6 +213,7 @@ class Engine:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 def pre_backward(_grads):
+                    unit.in_backward = True
                     unit.unshard()
                     self._prefetch(unit, -1)
                 register_multi_grad_hook(tensors, pre_backward, mode="any")
@@ -293,7 +299,7 @@ class Engine:
         self._sync = sync
         self._next_launch = 0
         for unit in self.units:
-            unit.begin_micro_step(unit.n_trainable)
+            unit.begin_micro_step()
         if self.zero_stage >= 3:
             self._confirm_batch()     # the all-gathers below are this step's first collectives
             self.units[0].unshard()   # whatever loss_fn calls first, the root's parameters are there
@@ -301,8 +307,9 @@ class Engine:
     def _end_micro_step(self) -> None:
         if self.config.track_memory:
             self._sample_memory()
-        for unit in self.units:   # units with parameters unused in this micro-step
-            if not unit.grads_ready:
+        for unit in self.units:
+            unit.in_backward = False
+            if not unit.grads_ready:   # some parameters unused in this micro-step
                 unit.grads_ready = True
                 unit.reshard()
         if self._sync:

@@ -109,6 +109,7 @@ class FlatUnit:
         self._gather_work = None
         self.pending_grads = 0   # parameters whose gradient this micro-step has not arrived yet
         self.grads_ready = False
+        self.in_backward = False  # ZeRO-3: the gradient has reached this unit's outputs
 
     # -- parameters ---------------------------------------------------------------------
     def _my_shard(self, flat: torch.Tensor) -> torch.Tensor:
@@ -158,9 +159,10 @@ class FlatUnit:
         return C.all_gather(self.full_param, shard, async_op=True)
 
     # -- gradients ----------------------------------------------------------------------
-    def begin_micro_step(self, n_trainable: int) -> None:
-        self.pending_grads = n_trainable
+    def begin_micro_step(self) -> None:
+        self.pending_grads = len(self.slots)
         self.grads_ready = False
+        self.in_backward = False
 
     def _new_grad_full(self) -> torch.Tensor:
         g = torch.empty(self.padded_numel, device=self.full_param.device)
@@ -227,6 +229,7 @@ class FlatUnit:
         for s in self.slots:
             s.param.grad = None
         self.grads_ready = False
+        self.in_backward = False
 
     # -- full values --------------------------------------------------------------------
     def full_master(self) -> torch.Tensor:

@@ -41,6 +41,13 @@ def test_unused_parameters_do_not_hang_and_stay_put():
     torch.testing.assert_close(got["unused.weight"], make_model(unused=True).unused.weight.detach())
 
 
+@pytest.mark.parametrize("mode", ["early_stop", "full", "reentrant"])
+def test_zero3_with_activation_checkpointing_matches_single_device(mode):
+    ref_state, _ = reference_train(make_batches(3, 6))
+    for key, value in ref_state.items():
+        torch.testing.assert_close(outcomes()[0][f"checkpoint-{mode}"][key], value, atol=1e-5, rtol=0)
+
+
 def test_zero3_eval_forward_gathers_then_frees():
     for out in outcomes():
         model = make_model()

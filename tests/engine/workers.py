@@ -96,6 +96,10 @@ def feature_scenarios(rank, world_size):
     no_decay = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.0)
     res = train_with_plan(poplar.Plan(2, [2, 1], [2, 2]), 3, {}, {"unused": True}, no_decay)
     out["unused"] = res["state"]
+    # activation checkpointing re-runs each block's forward inside the backward pass
+    for mode in ("early_stop", "full", "reentrant"):
+        res = train_with_plan(poplar.Plan(3, [2, 1], [2, 2]), 3, {}, {"checkpoint": mode})
+        out[f"checkpoint-{mode}"] = res["state"]
 
     # ZeRO-3 outside train_batch: an evaluation forward gathers and frees again
     model = make_model()
