@@ -70,30 +70,34 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
             else:
                 errors[rank] = payload
 
+    procs = pc.processes
     try:
-        while True:
+        while len(outputs) < world_size:
             drain()
             if errors:
                 break
-            try:
-                if pc.join(timeout=0.2):
-                    break
-            except mp.ProcessRaisedException:
-                break
-            except mp.ProcessExitedException as e:
+            # A rank that died before handing in its result failed. One that dies after
+            # (gloo can abort in its own teardown at exit) has done its work.
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outputs]
+            if dead:
                 drain()
-                if not errors:
-                    errors[e.error_index] = f"rank {e.error_index} exited with code {e.exit_code}"
-                break
+                dead = [r for r in dead if r not in outputs]
+                if dead and not errors:
+                    errors[dead[0]] = f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} before returning"
+                if errors:
+                    break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{world_size} ranks did not finish within {timeout_s:.0f} s")
-        drain()
+            time.sleep(0.02)
     finally:
-        for p in pc.processes:
+        # With every result in, the ranks only leave the group: give them a moment.
+        grace = time.monotonic() + (10.0 if len(outputs) == world_size else 0.0)
+        for p in procs:
+            p.join(timeout=max(0.0, grace - time.monotonic()))
+        for p in procs:
             if p.is_alive():
                 p.kill()
-        for p in pc.processes:
-            p.join(timeout=5)
+                p.join(timeout=5)
     if errors:
         rank = min(errors)
         raise RankFailed(f"rank {rank} failed:\n{errors[rank]}")
