@@ -18,11 +18,9 @@ One mechanism serves all four ZeRO stages (see :mod:`poplar.engine.flat_param`):
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Iterable, Literal, Sequence
 
 import torch
-import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook

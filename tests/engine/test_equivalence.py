@@ -48,7 +48,7 @@ def test_matches_single_device_training(world_size, index, clip, plan):
     ref_state, ref_losses = reference_train(make_batches(N_STEPS, global_batch), clip=clip, optimizer=OPTIMIZER)
     got = ranks[0][index]
     for key, ref in ref_state.items():
-        torch.testing.assert_close(got["state"][key], ref, atol=1e-5, rtol=0, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(got["state"][key], ref, atol=1e-5, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
     for r in ranks:   # the returned loss is the global mean, the same on every rank
         assert r[index]["losses"] == pytest.approx(ref_losses, abs=1e-5)
     if clip is not None:
