@@ -1,0 +1,112 @@
+"""The cluster file: which devices the ranks stand for, in rank order.
+
+```yaml
+devices:
+  - kind: big-fast      # think A100-80GB
+    count: 1
+    speed: 1.0          # relative compute speed; 1.0 = this host's own
+    memory_gb: 1.0      # memory capacity of the emulated device
+  - kind: small-slow    # think T4-16GB
+    count: 2
+    speed: 0.35
+    memory_gb: 0.3
+```
+
+Ranks are assigned to devices in file order: here rank 0 is ``big-fast``, ranks 1-2
+are ``small-slow``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+class DeviceGroup(BaseModel):
+    """``count`` identical devices of one kind."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: str = Field(min_length=1, description="a name for this kind of device")
+    count: int = Field(1, gt=0, description="how many ranks are devices of this kind")
+    speed: float = Field(gt=0, description="compute speed relative to this host (1.0 = the host's own)")
+    memory_gb: float = Field(gt=0, description="memory capacity of one device, in GiB")
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gb * 2**30)
+
+
+class ClusterSpec(BaseModel):
+    """The devices of an (emulated) heterogeneous cluster, in rank order."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    devices: list[DeviceGroup] = Field(min_length=1, description="device kinds, in rank order")
+
+    @property
+    def world_size(self) -> int:
+        return sum(d.count for d in self.devices)
+
+    def rank_devices(self) -> list[DeviceGroup]:
+        """One entry per rank: the device that rank stands for."""
+        return [d for d in self.devices for _ in range(d.count)]
+
+    def device(self, rank: int) -> DeviceGroup:
+        ranks = self.rank_devices()
+        if not 0 <= rank < len(ranks):
+            raise ValueError(f"rank {rank} is outside this cluster's {len(ranks)} devices")
+        return ranks[rank]
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            counts = ", ".join(f"{d.count} x {d.kind}" for d in self.devices)
+            raise ValueError(f"the cluster file describes {self.world_size} devices ({counts}) but {world_size} "
+                             f"ranks were launched: launch {self.world_size} ranks or change the devices' counts")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(), sort_keys=False)
+
+
+def _field_errors(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown field (allowed: kind, count, speed, memory_gb under devices)")
+        else:
+            lines.append(f"{where}: {err['msg']}")
+    return "; ".join(lines)
+
+
+def parse_cluster(data, source: str = "cluster") -> ClusterSpec:
+    """Validate a cluster description (the YAML's content); errors name the field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a mapping with a 'devices' list, got {type(data).__name__}")
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(f"{source}: {_field_errors(e)}") from None
+
+
+def load_cluster(path_or_preset: str | Path) -> ClusterSpec:
+    """Load a cluster file, or a preset by name (see :func:`presets`)."""
+    path = Path(path_or_preset)
+    if not path.exists() and (PRESETS_DIR / f"{path_or_preset}.yaml").exists():
+        path = PRESETS_DIR / f"{path_or_preset}.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"no cluster file {str(path_or_preset)!r}; give a YAML path or one of the presets: "
+                                f"{', '.join(presets())}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    return parse_cluster(data, str(path))
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
