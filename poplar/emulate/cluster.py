@@ -18,6 +18,7 @@ are ``small-slow``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -67,6 +68,17 @@ class ClusterSpec(BaseModel):
             counts = ", ".join(f"{d.count} x {d.kind}" for d in self.devices)
             raise ValueError(f"the cluster file describes {self.world_size} devices ({counts}) but {world_size} "
                              f"ranks were launched: launch {self.world_size} ranks or change the devices' counts")
+
+    def host_slowdown(self, cores: int | None = None, busy: float = 0.75) -> float:
+        """How much slower than declared every device must run for the cluster to fit this host.
+
+        Emulating devices whose speeds add up to more than the host's cores would make
+        them compete for cores, and a device cannot be sped up by sleeping less. So the
+        whole cluster is slowed down by one common factor until its demand is ``busy`` of
+        the host's cores; every ratio between devices stays as declared.
+        """
+        cores = cores or os.cpu_count() or 1
+        return max(1.0, sum(d.speed * d.count for d in self.devices) / (cores * busy))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(), sort_keys=False)

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from poplar.engine import collectives as C
 from poplar.engine.batch import batch_size, split_batch
+from poplar.engine.device import Device
 from poplar.engine.dist import init_distributed
 from poplar.engine.flat_param import FlatUnit
 from poplar.engine.units import build_units
@@ -60,7 +61,8 @@ class EngineConfig(BaseModel):
 class Engine:
     """Trains ``model`` with ``plan`` on the default process group. Build it with :func:`initialize`."""
 
-    def __init__(self, model: nn.Module, optimizer: OptimizerFactory, plan: Plan, config: EngineConfig):
+    def __init__(self, model: nn.Module, optimizer: OptimizerFactory, plan: Plan, config: EngineConfig,
+                 device: Device | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(plan, Plan):
@@ -72,6 +74,7 @@ class Engine:
         self.rank, self.world_size, self.device = ctx.rank, ctx.world_size, ctx.device
         plan.check_world_size(self.world_size)
         self.plan, self.config = plan, config
+        self.emulated_device = device or Device()
         self.micro_batch_size = plan.micro_batch_sizes[self.rank]
         self.accum_steps = plan.accum_steps[self.rank]
         self.compute_dtype = _DTYPES[config.mixed_precision]
@@ -159,6 +162,7 @@ class Engine:
     def _launch_ready(self, force: bool = False) -> None:
         """Launch gradient collectives in the fixed unit order, as far as units are ready."""
         self._confirm_batch()
+        self.emulated_device.boundary()
         while self._next_launch < len(self._launch_order):
             unit = self.units[self._launch_order[self._next_launch]]
             if not (unit.grads_ready or force):
@@ -172,7 +176,8 @@ class Engine:
 
     def _finish_oldest_reduce(self) -> None:
         unit, work, out = self._pending.pop(0)
-        work.wait()
+        with self.emulated_device.waiting():
+            work.wait()
         unit.finish_reduce(out)
 
     # ------------------------------------------------------------------ ZeRO-3 hooks
@@ -181,21 +186,27 @@ class Engine:
             self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward(unit)))
             self._hooks.append(unit.module.register_forward_hook(self._post_forward(unit)))
 
+    def _unshard(self, unit: FlatUnit) -> None:
+        self.emulated_device.boundary()
+        with self.emulated_device.waiting():
+            unit.unshard()
+
     def _prefetch(self, unit: FlatUnit, direction: int) -> None:
         if not self.config.prefetch or unit.index not in self._forward_order:
             return
         pos = self._forward_order.index(unit.index) + direction
         if 0 <= pos < len(self._forward_order):
+            self.emulated_device.boundary()
             self.units[self._forward_order[pos]].unshard(async_op=True)
 
     def _pre_forward(self, unit: FlatUnit):
         def hook(module, args):
             if unit.in_backward:   # activation checkpointing re-running the forward: already gathered
-                unit.unshard()
+                self._unshard(unit)
                 return
             if unit.index not in self._forward_order:
                 self._forward_order.append(unit.index)
-            unit.unshard()
+            self._unshard(unit)
             self._prefetch(unit, +1)
         return hook
 
@@ -212,7 +223,7 @@ class Engine:
             if tensors:
                 def pre_backward(_grads):
                     unit.in_backward = True
-                    unit.unshard()
+                    self._unshard(unit)
                     self._prefetch(unit, -1)
                 register_multi_grad_hook(tensors, pre_backward, mode="any")
             return output
@@ -244,7 +255,8 @@ class Engine:
         work, sizes, err = self._batch_check
         self._batch_check = None
         if work is not None:
-            work.wait()
+            with self.emulated_device.waiting():
+                work.wait()
         bad = [(r, int(n)) for r, n in enumerate(sizes.tolist())
                if n != self.plan.local_batch_size(r) and (work is not None or r == self.rank)]
         if not bad:
@@ -265,6 +277,10 @@ class Engine:
         micro_batch)`` returns the mean loss over the micro-batch. Returns the mean loss
         over the whole global batch, the same on every rank.
         """
+        with self.emulated_device.step():
+            return self._train_batch(local_batch, loss_fn)
+
+    def _train_batch(self, local_batch, loss_fn: LossFn) -> float:
         self._reset_step_state()
         self._start_batch_check(local_batch)
         global_batch = self.plan.global_batch_size
@@ -272,18 +288,21 @@ class Engine:
         micro_batches = split_batch(local_batch, self.micro_batch_size, self.device)
         for i, micro_batch in enumerate(micro_batches):
             self._begin_micro_step(sync=self.zero_stage >= 2 or i == len(micro_batches) - 1)
-            loss = loss_fn(self.model, micro_batch)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-                raise ValueError("loss_fn must return the mean loss of the micro-batch as a scalar tensor "
-                                 f"that requires grad; got {type(loss).__name__}"
-                                 f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
-            weight = batch_size(micro_batch) / global_batch
-            (loss.reshape(()) * weight).backward()
+            with self.emulated_device.micro_step(self.model_state_bytes(), self._state_storages()):
+                loss = loss_fn(self.model, micro_batch)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+                    raise ValueError("loss_fn must return the mean loss of the micro-batch as a scalar tensor "
+                                     f"that requires grad; got {type(loss).__name__}"
+                                     f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+                weight = batch_size(micro_batch) / global_batch
+                (loss.reshape(()) * weight).backward()
             self._end_micro_step()
             loss_sum += loss.detach().float().reshape(()) * weight
+        self.emulated_device.boundary()
         loss_work = C.all_reduce(loss_sum, async_op=True)
         self._step()
-        loss_work.wait()
+        with self.emulated_device.waiting():
+            loss_work.wait()
         return float(loss_sum)
 
     def _reset_step_state(self) -> None:
@@ -300,7 +319,7 @@ class Engine:
             unit.begin_micro_step()
         if self.zero_stage >= 3:
             self._confirm_batch()     # the all-gathers below are this step's first collectives
-            self.units[0].unshard()   # whatever loss_fn calls first, the root's parameters are there
+            self._unshard(self.units[0])   # whatever loss_fn calls first, the root's parameters are there
 
     def _end_micro_step(self) -> None:
         if self.config.track_memory:
@@ -321,7 +340,9 @@ class Engine:
         for g in grads:
             sq += g.float().pow(2).sum()
         if self.zero_stage >= 1:   # each rank holds a shard: the squares add up across ranks
-            C.all_reduce(sq)
+            self.emulated_device.boundary()
+            with self.emulated_device.waiting():
+                C.all_reduce(sq)
         norm = float(sq.sqrt())
         self.last_grad_norm = norm
         coef = max_norm / (norm + 1e-6)
@@ -337,12 +358,14 @@ class Engine:
         for unit, g in zip(self.units, grads):
             unit.master.grad = g
         self.optimizer.step()
+        self.emulated_device.boundary()
         works = [w for w in (u.refresh_params_after_step() for u in self.units) if w is not None]
         for unit in self.units:
             unit.master.grad = None
             unit.reset_grads()
-        for w in works:
-            w.wait()
+        with self.emulated_device.waiting():
+            for w in works:
+                w.wait()
         self.global_steps += 1
 
     # ------------------------------------------------------------------ state
@@ -415,6 +438,29 @@ class Engine:
         report["total"] = sum(report.values())
         return report
 
+    def model_state_bytes(self) -> int:
+        """Bytes of model state this rank holds through a micro-step, at their steady level.
+
+        What the tensors hold now (:meth:`memory_report`), plus what a step allocates on
+        the way: the full gradient accumulators of stages 0-1 before their first use, the
+        full-size gradient buckets in flight in stages 2-3, and in ZeRO-3 the units
+        gathered at once (the root, the current one and the prefetched one).
+        """
+        total = self.memory_report()["total"]
+        largest = max(u.padded_numel for u in self.units)
+        if self.zero_stage <= 1:
+            total += sum(4 * u.padded_numel for u in self.units if u.grad_full is None)
+        else:
+            total += 4 * largest * (self.config.max_inflight_reduces + 1)
+        if self.zero_stage >= 3:
+            itemsize = torch.finfo(self.compute_dtype).bits // 8
+            total += itemsize * (self.units[0].padded_numel + 2 * largest)
+        return total
+
+    def _state_storages(self) -> set[int]:
+        tensors = [u.full_param for u in self.units] + [u.master.data for u in self.units]
+        return {t.untyped_storage()._cdata for t in tensors}
+
     def _sample_memory(self) -> None:
         now = self.memory_report()
         self.peak_memory = {k: max(v, self.peak_memory.get(k, 0)) for k, v in now.items()}
@@ -430,7 +476,7 @@ class Engine:
 
 
 def initialize(model: nn.Module, optimizer: OptimizerFactory, plan: Plan, config: EngineConfig | dict | None = None,
-               **overrides) -> Engine:
+               *, device: Device | None = None, **overrides) -> Engine:
     """Wrap ``model`` for heterogeneous ZeRO training with ``plan``.
 
     Joins the default process group (torchrun's environment, NCCL on CUDA ranks, gloo on
@@ -454,4 +500,4 @@ def initialize(model: nn.Module, optimizer: OptimizerFactory, plan: Plan, config
         config = EngineConfig(**{**config, **overrides})
     elif overrides:
         config = config.model_copy(update=overrides)
-    return Engine(model, optimizer, plan, config)
+    return Engine(model, optimizer, plan, config, device)

@@ -1,0 +1,58 @@
+"""The emulated device runs at its declared speed and within its declared memory, for real."""
+
+import statistics
+
+import pytest
+
+from poplar.launch import spawn
+from tests.emulate.workers import largest_fitting_micro_batch, timed_steps
+
+HALF_SPEED = {"devices": [{"kind": "fast", "speed": 1.0, "memory_gb": 4.0},
+                          {"kind": "half", "speed": 0.5, "memory_gb": 4.0}]}
+
+
+def test_half_speed_device_takes_twice_the_time_at_the_same_micro_batch():
+    plan = {"zero_stage": 0, "micro_batch_sizes": [4, 4], "accum_steps": [1, 1]}
+    fast, half = spawn(timed_steps, 2, HALF_SPEED, plan, 6, timeout_s=180)
+    ratio = statistics.median(s["compute"] for s in half) / statistics.median(s["compute"] for s in fast)
+    assert ratio == pytest.approx(2.0, rel=0.15), ratio
+    # the fast device really waits for the slow one at the gradient all-reduce
+    assert statistics.median(s["wait"] for s in fast) > 0.5 * statistics.median(s["compute"] for s in fast)
+
+
+def test_speed_holds_when_ranks_share_cores():
+    # 4 ranks on this 2-core host: every device, the fast one too, runs at its declared
+    # speed (times the cluster's common slowdown) measured against its own CPU work
+    cluster = {"devices": [{"kind": "big", "speed": 1.0, "memory_gb": 4.0},
+                           {"kind": "small", "count": 3, "speed": 0.35, "memory_gb": 4.0}]}
+    plan = {"zero_stage": 1, "micro_batch_sizes": [4, 2, 2, 2], "accum_steps": [1, 1, 1, 1]}
+    ranks = spawn(timed_steps, 4, cluster, plan, 6, timeout_s=240)
+    assert ranks[0][0]["slowdown"] > 1.0
+    for rank in ranks:
+        achieved = statistics.median(s["compute"] / (s["cpu"] / s["speed"]) for s in rank)
+        assert achieved == pytest.approx(1.0, rel=0.15), [round(s["compute"] / (s["cpu"] / s["speed"]), 2) for s in rank]
+
+
+@pytest.fixture(scope="module")
+def fits():
+    def run(memory_gb, stage=0):
+        return spawn(largest_fitting_micro_batch, 1, memory_gb, stage, timeout_s=120)[0]
+    return run
+
+
+def test_running_above_capacity_raises_out_of_memory(fits):
+    small = fits(0.03)
+    assert 0 < small["best"] < 64
+    assert small["error"] is not None and "out of memory" in small["error"] and "capacity" in small["error"]
+
+
+def test_largest_micro_batch_grows_with_memory_and_activations_grow_with_it(fits):
+    small, large = fits(0.03), fits(0.12)
+    assert large["best"] > small["best"]
+    peaks = [large["peaks"][m] for m in sorted(large["peaks"])]
+    assert peaks == sorted(peaks) and peaks[-1] > peaks[0]
+
+
+def test_a_higher_zero_stage_fits_a_larger_micro_batch_only_with_more_ranks(fits):
+    # one rank: nothing to shard, so stage 3 fits no more than stage 0
+    assert fits(0.03, stage=3)["best"] <= fits(0.03, stage=0)["best"]
