@@ -46,11 +46,13 @@ def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float, threads:
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0, threads: int = 1,
-          collective_timeout_s: float | None = None, **kwargs) -> list[Any]:
+          collective_timeout_s: float | None = None, on_poll: Callable[[], None] | None = None,
+          **kwargs) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return their results.
 
     ``fn`` must be importable (a module-level function). Raises :class:`RankFailed` with
     the first failing rank's traceback, or :class:`TimeoutError` after ``timeout_s``.
+    ``on_poll`` is called while waiting (e.g. to show progress the ranks report).
     """
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
@@ -88,6 +90,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
                     break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{world_size} ranks did not finish within {timeout_s:.0f} s")
+            if on_poll is not None:
+                on_poll()
             time.sleep(0.02)
     finally:
         # With every result in, the ranks only leave the group: give them a moment.

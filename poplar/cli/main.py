@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 app = typer.Typer(help="Poplar: ZeRO data parallelism for clusters of different GPUs.", no_args_is_help=True,
@@ -23,6 +25,83 @@ def demo(steps: int = typer.Option(10, min=1, help="optimizer steps per ZeRO sta
     if worst > 1e-4:
         typer.echo(f"parameters differ from single-device training by {worst:.2e}", err=True)
         raise typer.Exit(1)
+
+
+@app.command()
+def profile(
+    model: str = typer.Option("tiny", help="model preset: tiny, small, base"),
+    cluster: str = typer.Option(..., help="cluster YAML file, or a preset: memory-differs, compute-differs, "
+                                           "both-differ, uneven-quantity"),
+    out: Path = typer.Option(Path("profile.json"), help="where to write the profile (JSON)"),
+    plot: Path | None = typer.Option(None, help="also draw the fitted curves here (PNG)"),
+    stages: str = typer.Option("0,1,2,3", help="ZeRO stages to profile, comma-separated"),
+    points: int = typer.Option(4, min=2, help="micro-batch sizes timed per stage"),
+    repeats: int = typer.Option(3, min=1, help="timed steps per size (after one warm-up)"),
+    no_cache: bool = typer.Option(False, "--no-cache", help="measure again even where a cached profile exists"),
+    max_micro_batch: int = typer.Option(256, min=1, help="largest micro-batch the memory search tries"),
+) -> None:
+    """Measure every device kind of an emulated cluster in every ZeRO stage."""
+    import multiprocessing as mp
+    import time
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from poplar.emulate import load_cluster
+    from poplar.models import MODEL_PRESETS
+    from poplar.profile.plot import plot_profile
+    from poplar.profile.profiler import profile_cluster
+
+    console = Console()
+    try:
+        spec = load_cluster(cluster)
+        stage_list = sorted({int(s) for s in stages.split(",") if s.strip()})
+        if not stage_list or any(s not in (0, 1, 2, 3) for s in stage_list):
+            raise ValueError(f"--stages {stages!r}: give stages from 0, 1, 2, 3, e.g. 0,1,2,3")
+        if model not in MODEL_PRESETS:
+            raise ValueError(f"--model {model!r}: choose one of {', '.join(MODEL_PRESETS)}")
+    except (ValueError, FileNotFoundError) as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    console.print(f"profiling [bold]{model}[/] on {spec.world_size} emulated ranks: "
+                  + ", ".join(f"{d.count} x {d.kind} (speed {d.speed}, {d.memory_gb} GiB)" for d in spec.devices)
+                  + (f"; whole cluster slowed {spec.host_slowdown():.2f}x to fit this host" if spec.host_slowdown() > 1 else ""))
+    queue = mp.get_context("spawn").Queue()
+    start = time.perf_counter()
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("starting ranks", total=len(stage_list) * (points + 2))
+
+        def on_poll():
+            while not queue.empty():
+                stage, what = queue.get()
+                bar.update(task, advance=1, description=f"stage {stage}: {what}")
+
+        prof, summary = profile_cluster(model, spec.model_dump(), stage_list, n_points=points, repeats=repeats,
+                                        use_cache=not no_cache, progress=queue, on_poll=on_poll,
+                                        max_micro_batch=max_micro_batch)
+    prof.save(out)
+    table = Table(title=f"profile of {model} ({prof.model.n_params:,} parameters), {time.perf_counter() - start:.0f} s")
+    for col in ("device", "stage", "max micro-batch", "state MiB", "ms at 1", "ms at max", "samples/s at max", "source"):
+        table.add_column(col, justify="right")
+    for kind, dev in prof.devices.items():
+        for stage, sp in sorted(dev.stages.items()):
+            source = "cache" if (kind, stage) in summary["from_cache"] else "measured"
+            if sp.points:
+                top = sp.max_micro_batch
+                table.add_row(kind, str(stage), str(top), f"{sp.state_bytes / 2**20:.2f}", f"{1000 * sp.time(1):.1f}",
+                              f"{1000 * sp.time(top):.1f}", f"{sp.throughput(top):.1f}", source)
+            else:
+                table.add_row(kind, str(stage), str(sp.max_micro_batch), f"{sp.state_bytes / 2**20:.2f}", "-", "-",
+                              "-", sp.note or source)
+    console.print(table)
+    if prof.comm:
+        c = prof.comm
+        console.print(f"collectives at {c.numel:,} fp32 elements: all-reduce {1000 * c.all_reduce_s:.1f} ms, "
+                      f"reduce-scatter {1000 * c.reduce_scatter_s:.1f} ms, all-gather {1000 * c.all_gather_s:.1f} ms")
+    console.print(f"wrote {out}")
+    if plot:
+        console.print(f"wrote {plot_profile(prof, plot)}")
 
 
 if __name__ == "__main__":

@@ -14,13 +14,31 @@ own speed and within its own memory. The engine calls:
 from __future__ import annotations
 
 import contextlib
+import time
 
 
 class Device:
-    """The real device: nothing to emulate."""
+    """The real device: nothing to emulate; it only keeps the time of the last step.
 
+    ``step_wall_s`` is the last step's wall time and ``wait_s`` the part of it spent
+    waiting for collectives, so ``compute_s`` is the rest (what the profiler measures).
+    """
+
+    step_wall_s = 0.0
+    wait_s = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        return self.step_wall_s - self.wait_s
+
+    @contextlib.contextmanager
     def step(self):
-        return contextlib.nullcontext()
+        self.wait_s = 0.0
+        start = time.perf_counter()
+        try:
+            yield self
+        finally:
+            self.step_wall_s = time.perf_counter() - start
 
     def micro_step(self, state_bytes: int, state_storages: set[int]):
         return contextlib.nullcontext()
@@ -28,5 +46,10 @@ class Device:
     def boundary(self) -> None:
         pass
 
+    @contextlib.contextmanager
     def waiting(self):
-        return contextlib.nullcontext()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wait_s += time.perf_counter() - start

@@ -452,7 +452,8 @@ class Engine:
             total += sum(4 * u.padded_numel for u in self.units if u.grad_full is None)
         else:
             total += 4 * largest * (self.config.max_inflight_reduces + 1)
-        if self.zero_stage >= 3:
+        if self.zero_stage >= 3:   # the allowance, not whatever happens to be gathered right now
+            total -= sum(u.full_param.untyped_storage().nbytes() for u in self.units)
             itemsize = torch.finfo(self.compute_dtype).bits // 8
             total += itemsize * (self.units[0].padded_numel + 2 * largest)
         return total

@@ -1,0 +1,99 @@
+"""The `Profile`: what every device kind can do in every ZeRO stage, as a readable JSON value.
+
+Per device kind and stage: the largest micro-batch that fits, and measured points
+``(micro_batch, seconds)`` of one training step with one micro-batch (forward, backward
+and the stage's own per-step work; waits for other ranks excluded). A cubic spline
+through the points gives the time at any micro-batch size. Per cluster: the time of the
+collectives the stages use, at the model's size.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+from scipy.interpolate import CubicSpline
+
+
+class StageProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_micro_batch: int = Field(ge=0, description="largest micro-batch that fits; 0: not even 1")
+    state_bytes: int = Field(ge=0, description="model-state bytes held in this stage")
+    points: list[tuple[int, float]] = Field(default_factory=list, description="(micro_batch, seconds) measured")
+    note: str = ""
+
+    def time(self, micro_batch: float) -> float:
+        """Seconds of a step with one micro-batch of this size (spline through the points)."""
+        if not self.points:
+            raise ValueError(f"no measured points{': ' + self.note if self.note else ''}")
+        m = np.array([p[0] for p in self.points], dtype=float)
+        t = np.array([p[1] for p in self.points], dtype=float)
+        if len(m) == 1:
+            return float(t[0] * micro_batch / m[0])
+        if len(m) == 2:
+            return float(np.interp(micro_batch, m, t, left=None, right=None) if m[0] <= micro_batch <= m[1]
+                         else t[0] + (t[1] - t[0]) * (micro_batch - m[0]) / (m[1] - m[0]))
+        return float(CubicSpline(m, t, bc_type="natural")(micro_batch))
+
+    def throughput(self, micro_batch: float) -> float:
+        """Samples per second at this micro-batch size."""
+        return micro_batch / self.time(micro_batch)
+
+
+class DeviceProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str
+    memory_gb: float
+    speed: float | None = Field(None, description="declared speed of an emulated device")
+    stages: dict[int, StageProfile] = Field(default_factory=dict)
+
+
+class CommProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    numel: int = Field(description="elements moved: the model's (padded) parameter count, fp32")
+    all_reduce_s: float
+    reduce_scatter_s: float
+    all_gather_s: float
+
+    def bandwidth_gbps(self, which: str) -> float:
+        """Algorithm bandwidth in GB/s (bytes of the full buffer per second)."""
+        return 4 * self.numel / getattr(self, f"{which}_s") / 1e9
+
+
+class ModelInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    n_params: int
+    seq_len: int
+    dtype: str = "fp32"
+
+
+class Profile(BaseModel):
+    """Profiles of every device kind of a cluster (ranks in order), and its collectives."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelInfo
+    ranks: list[str] = Field(description="device kind of each rank, in rank order")
+    devices: dict[str, DeviceProfile]
+    comm: CommProfile | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def stage(self, kind: str, zero_stage: int) -> StageProfile:
+        return self.devices[kind].stages[zero_stage]
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.model_dump_json(indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        return cls.model_validate(json.loads(Path(path).read_text()))
