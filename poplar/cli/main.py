@@ -42,6 +42,7 @@ def profile(
 ) -> None:
     """Measure every device kind of an emulated cluster in every ZeRO stage."""
     import multiprocessing as mp
+    import os
     import time
 
     from rich.console import Console
@@ -67,23 +68,40 @@ def profile(
     console.print(f"profiling [bold]{model}[/] on {spec.world_size} emulated ranks: "
                   + ", ".join(f"{d.count} x {d.kind} (speed {d.speed}, {d.memory_gb} GiB)" for d in spec.devices)
                   + (f"; whole cluster slowed {spec.host_slowdown():.2f}x to fit this host" if spec.host_slowdown() > 1 else ""))
-    queue = mp.get_context("spawn").Queue()
     start = time.perf_counter()
-    with Progress(console=console, transient=True) as bar:
+    under_torchrun = "WORLD_SIZE" in os.environ
+    with Progress(console=console, transient=True, disable=under_torchrun and os.environ.get("RANK") != "0") as bar:
         task = bar.add_task("starting ranks", total=len(stage_list) * (points + 2))
 
-        def on_poll():
-            while not queue.empty():
-                stage, what = queue.get()
-                bar.update(task, advance=1, description=f"stage {stage}: {what}")
+        class ToBar:   # progress events from rank 0 (in this process under torchrun)
+            def put(self, event):
+                bar.update(task, advance=1, description=f"stage {event[0]}: {event[1]}")
 
-        prof, summary = profile_cluster(model, spec.model_dump(), stage_list, n_points=points, repeats=repeats,
-                                        use_cache=not no_cache, progress=queue, on_poll=on_poll,
-                                        max_micro_batch=max_micro_batch)
+        if under_torchrun:
+            from poplar.engine.dist import init_distributed, shutdown
+
+            init_distributed()
+            spec.check_world_size(int(os.environ["WORLD_SIZE"]))
+            prof, summary = profile_cluster(model, spec.model_dump(), stage_list, n_points=points, repeats=repeats,
+                                            use_cache=not no_cache, progress=ToBar(), distributed=True,
+                                            max_micro_batch=max_micro_batch)
+            shutdown()
+            if os.environ.get("RANK") != "0":
+                return
+        else:
+            queue = mp.get_context("spawn").Queue()
+
+            def on_poll():
+                while not queue.empty():
+                    ToBar().put(queue.get())
+
+            prof, summary = profile_cluster(model, spec.model_dump(), stage_list, n_points=points, repeats=repeats,
+                                            use_cache=not no_cache, progress=queue, on_poll=on_poll,
+                                            max_micro_batch=max_micro_batch)
     prof.save(out)
     table = Table(title=f"profile of {model} ({prof.model.n_params:,} parameters), {time.perf_counter() - start:.0f} s")
-    for col in ("device", "stage", "max micro-batch", "state MiB", "ms at 1", "ms at max", "samples/s at max", "source"):
-        table.add_column(col, justify="right")
+    for col in ("device", "stage", "max mbs", "state MiB", "ms@1", "ms@max", "samples/s", "source"):
+        table.add_column(col, justify="right", no_wrap=True)
     for kind, dev in prof.devices.items():
         for stage, sp in sorted(dev.stages.items()):
             source = "cache" if (kind, stage) in summary["from_cache"] else "measured"

@@ -189,12 +189,17 @@ def _merge_points(point_lists: list[list[tuple[int, float]]]) -> list[tuple[int,
 
 def profile_cluster(model_name: str, cluster: dict, stages=(0, 1, 2, 3), n_points: int = 4, warmup: int = 1,
                     repeats: int = 3, cache_dir: Path | None = None, use_cache: bool = True, progress=None,
-                    on_poll=None, max_micro_batch: int = 256, timeout_s: float = 900) -> tuple[Profile, dict]:
+                    on_poll=None, max_micro_batch: int = 256, timeout_s: float = 900,
+                    distributed: bool = False) -> tuple[Profile, dict]:
     """Profile ``model_name`` on the emulated ``cluster``, launching its ranks locally.
 
     The largest micro-batch searched is ``max_micro_batch`` (a plan never needs more
     than its global batch). Returns the :class:`Profile` and a summary of the cache
     (which (kind, stage) were measured, which were read back).
+
+    ``distributed=True``: this process is one rank of a running group (torchrun); every
+    rank calls this, rank 0's view of the cache decides what is measured, and rank 0
+    alone writes the cache. ``progress`` then only needs a ``put`` method.
     """
     from poplar.launch import spawn
 
@@ -214,10 +219,23 @@ def profile_cluster(model_name: str, cluster: dict, stages=(0, 1, 2, 3), n_point
     comm_path = cache_dir / f"comm-{cache_key(model_name, {}, -1, world, slowdown)}.json"
     comm = CommProfile.model_validate_json(comm_path.read_text()) if use_cache and comm_path.exists() else None
     todo = [s for s in stages if any((k, s) not in cached for k in kinds)]
+    rank = dist.get_rank() if distributed else 0
+    if distributed:   # every rank must measure the same stages: rank 0's cache decides
+        decided = [todo, comm is None]
+        dist.broadcast_object_list(decided, src=0)
+        todo, missing_comm = decided
+    else:
+        missing_comm = comm is None
     measured: dict = {}
-    if todo or comm is None:
-        ranks = spawn(profile_rank, world, model_name, cluster, todo, n_points, warmup, repeats, progress,
-                      max_micro_batch, timeout_s=timeout_s, on_poll=on_poll)
+    if todo or missing_comm:
+        if distributed:
+            mine = profile_rank(rank, world, model_name, cluster, todo, n_points, warmup, repeats, progress,
+                                max_micro_batch)
+            ranks = [None] * world
+            dist.all_gather_object(ranks, mine)
+        else:
+            ranks = spawn(profile_rank, world, model_name, cluster, todo, n_points, warmup, repeats, progress,
+                          max_micro_batch, timeout_s=timeout_s, on_poll=on_poll)
         comm = CommProfile(**ranks[0]["comm"])
         for s in todo:
             for k in kinds:
@@ -226,10 +244,11 @@ def profile_cluster(model_name: str, cluster: dict, stages=(0, 1, 2, 3), n_point
                                                 state_bytes=max(m["state_bytes"] for m in mine),
                                                 points=_merge_points([m["points"] for m in mine]),
                                                 note=mine[0]["note"])
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        for ks, sp in measured.items():
-            _write_atomic(cache_dir / f"{keys[ks]}.json", sp.model_dump_json())
-        _write_atomic(comm_path, comm.model_dump_json())
+        if rank == 0:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            for ks, sp in measured.items():
+                _write_atomic(cache_dir / f"{keys[ks]}.json", sp.model_dump_json())
+            _write_atomic(comm_path, comm.model_dump_json())
     devices = {}
     for k, d in kinds.items():
         stage_profiles = {s: measured.get((k, s)) or cached[(k, s)] for s in stages}
