@@ -138,11 +138,12 @@ def profile_rank(rank: int, world_size: int, model_name: str, cluster: dict, sta
     device = EmulatedDevice(spec.device(rank), rank, spec.host_slowdown())
     optimizer = lambda params: torch.optim.AdamW(params, lr=_OPTIMIZER_LR)  # noqa: E731
     out: dict = {"kind": spec.device(rank).kind, "stages": {}}
+    def note(stage: int, what: str) -> None:
+        if progress is not None and rank == 0:
+            progress.put((stage, what))
+
     for stage in stages:
-        def note(what):
-            if progress is not None and rank == 0:
-                progress.put((stage, what))
-        note("memory")
+        note(stage, "memory")
         engine = poplar.initialize(build_model(model_name), optimizer, poplar.Plan(stage, [1] * world_size, 1),
                                    device=device)
         state_before = engine.model_state_bytes()
@@ -153,7 +154,7 @@ def profile_rank(rank: int, world_size: int, model_name: str, cluster: dict, sta
             engine.close()
             out["stages"][stage] = {"max": 1 if fits_one else 0, "state_bytes": state_before, "points": [],
                                     "note": "not timed: a device of this cluster does not fit micro-batch 1"}
-            note("done")
+            note(stage, "done")
             continue
         engine.train_batch(random_token_batch(model_name, 1), causal_lm_loss)   # optimizer states now exist
         state = engine.model_state_bytes()
@@ -164,14 +165,14 @@ def profile_rank(rank: int, world_size: int, model_name: str, cluster: dict, sta
         dist.all_reduce(sizes)
         points = []
         for i in range(n_points):
-            note(f"point {i + 1}/{n_points}")
+            note(stage, f"point {i + 1}/{n_points}")
             plan = poplar.Plan(stage, [int(s) for s in sizes[:, i]], 1)
             engine = poplar.initialize(build_model(model_name), optimizer, plan, device=device)
             seconds = _timed_steps(engine, device, model_name, plan.micro_batch_sizes[rank], warmup, repeats)
             engine.close()
             points.append((plan.micro_batch_sizes[rank], seconds))
         out["stages"][stage] = {"max": limit, "state_bytes": state, "points": points, "note": ""}
-        note("done")
+        note(stage, "done")
     n_params = sum(p.numel() for p in build_model(model_name).parameters())
     out["comm"] = _time_collectives(n_params).model_dump()
     return out
