@@ -74,7 +74,7 @@ class Engine:
         self.rank, self.world_size, self.device = ctx.rank, ctx.world_size, ctx.device
         plan.check_world_size(self.world_size)
         self.plan, self.config = plan, config
-        self.emulated_device = device or Device()
+        self.rank_device = device or Device()
         self.micro_batch_size = plan.micro_batch_sizes[self.rank]
         self.accum_steps = plan.accum_steps[self.rank]
         self.compute_dtype = _DTYPES[config.mixed_precision]
@@ -162,7 +162,7 @@ class Engine:
     def _launch_ready(self, force: bool = False) -> None:
         """Launch gradient collectives in the fixed unit order, as far as units are ready."""
         self._confirm_batch()
-        self.emulated_device.boundary()
+        self.rank_device.boundary()
         while self._next_launch < len(self._launch_order):
             unit = self.units[self._launch_order[self._next_launch]]
             if not (unit.grads_ready or force):
@@ -176,7 +176,7 @@ class Engine:
 
     def _finish_oldest_reduce(self) -> None:
         unit, work, out = self._pending.pop(0)
-        with self.emulated_device.waiting():
+        with self.rank_device.waiting():
             work.wait()
         unit.finish_reduce(out)
 
@@ -187,8 +187,8 @@ class Engine:
             self._hooks.append(unit.module.register_forward_hook(self._post_forward(unit)))
 
     def _unshard(self, unit: FlatUnit) -> None:
-        self.emulated_device.boundary()
-        with self.emulated_device.waiting():
+        self.rank_device.boundary()
+        with self.rank_device.waiting():
             unit.unshard()
 
     def _prefetch(self, unit: FlatUnit, direction: int) -> None:
@@ -196,7 +196,7 @@ class Engine:
             return
         pos = self._forward_order.index(unit.index) + direction
         if 0 <= pos < len(self._forward_order):
-            self.emulated_device.boundary()
+            self.rank_device.boundary()
             self.units[self._forward_order[pos]].unshard(async_op=True)
 
     def _pre_forward(self, unit: FlatUnit):
@@ -255,7 +255,7 @@ class Engine:
         work, sizes, err = self._batch_check
         self._batch_check = None
         if work is not None:
-            with self.emulated_device.waiting():
+            with self.rank_device.waiting():
                 work.wait()
         bad = [(r, int(n)) for r, n in enumerate(sizes.tolist())
                if n != self.plan.local_batch_size(r) and (work is not None or r == self.rank)]
@@ -277,7 +277,7 @@ class Engine:
         micro_batch)`` returns the mean loss over the micro-batch. Returns the mean loss
         over the whole global batch, the same on every rank.
         """
-        with self.emulated_device.step():
+        with self.rank_device.step():
             return self._train_batch(local_batch, loss_fn)
 
     def _train_batch(self, local_batch, loss_fn: LossFn) -> float:
@@ -288,7 +288,7 @@ class Engine:
         micro_batches = split_batch(local_batch, self.micro_batch_size, self.device)
         for i, micro_batch in enumerate(micro_batches):
             self._begin_micro_step(sync=self.zero_stage >= 2 or i == len(micro_batches) - 1)
-            with self.emulated_device.micro_step(self.model_state_bytes(), self._state_storages()):
+            with self.rank_device.micro_step(self.model_state_bytes(), self._state_storages()):
                 loss = loss_fn(self.model, micro_batch)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
                     raise ValueError("loss_fn must return the mean loss of the micro-batch as a scalar tensor "
@@ -298,10 +298,10 @@ class Engine:
                 (loss.reshape(()) * weight).backward()
             self._end_micro_step()
             loss_sum += loss.detach().float().reshape(()) * weight
-        self.emulated_device.boundary()
+        self.rank_device.boundary()
         loss_work = C.all_reduce(loss_sum, async_op=True)
         self._step()
-        with self.emulated_device.waiting():
+        with self.rank_device.waiting():
             loss_work.wait()
         return float(loss_sum)
 
@@ -340,8 +340,8 @@ class Engine:
         for g in grads:
             sq += g.float().pow(2).sum()
         if self.zero_stage >= 1:   # each rank holds a shard: the squares add up across ranks
-            self.emulated_device.boundary()
-            with self.emulated_device.waiting():
+            self.rank_device.boundary()
+            with self.rank_device.waiting():
                 C.all_reduce(sq)
         norm = float(sq.sqrt())
         self.last_grad_norm = norm
@@ -358,12 +358,12 @@ class Engine:
         for unit, g in zip(self.units, grads):
             unit.master.grad = g
         self.optimizer.step()
-        self.emulated_device.boundary()
+        self.rank_device.boundary()
         works = [w for w in (u.refresh_params_after_step() for u in self.units) if w is not None]
         for unit in self.units:
             unit.master.grad = None
             unit.reset_grads()
-        with self.emulated_device.waiting():
+        with self.rank_device.waiting():
             for w in works:
                 w.wait()
         self.global_steps += 1
