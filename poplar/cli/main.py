@@ -36,7 +36,7 @@ def profile(
     plot: Path | None = typer.Option(None, help="also draw the fitted curves here (PNG)"),
     stages: str = typer.Option("0,1,2,3", help="ZeRO stages to profile, comma-separated"),
     points: int = typer.Option(4, min=2, help="micro-batch sizes timed per stage"),
-    repeats: int = typer.Option(3, min=1, help="timed steps per size (after one warm-up)"),
+    repeats: int = typer.Option(5, min=1, help="timed steps per size (after one warm-up); the median counts"),
     no_cache: bool = typer.Option(False, "--no-cache", help="measure again even where a cached profile exists"),
     max_micro_batch: int = typer.Option(256, min=1, help="largest micro-batch the memory search tries"),
 ) -> None:

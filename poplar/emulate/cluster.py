@@ -69,7 +69,7 @@ class ClusterSpec(BaseModel):
             raise ValueError(f"the cluster file describes {self.world_size} devices ({counts}) but {world_size} "
                              f"ranks were launched: launch {self.world_size} ranks or change the devices' counts")
 
-    def host_slowdown(self, cores: int | None = None, busy: float = 0.75) -> float:
+    def host_slowdown(self, cores: int | None = None, busy: float = 0.6) -> float:
         """How much slower than declared every device must run for the cluster to fit this host.
 
         Emulating devices whose speeds add up to more than the host's cores would make

@@ -131,7 +131,7 @@ def _time_collectives(numel: int, repeats: int = 3) -> CommProfile:
 
 
 def profile_rank(rank: int, world_size: int, model_name: str, cluster: dict, stages: list[int], n_points: int = 4,
-                 warmup: int = 1, repeats: int = 3, progress=None, max_micro_batch: int = 256) -> dict:
+                 warmup: int = 1, repeats: int = 5, progress=None, max_micro_batch: int = 256) -> dict:
     """What each rank of the cluster runs. Returns its per-stage figures and the collectives' times."""
     spec = parse_cluster(cluster)
     spec.check_world_size(world_size)
@@ -189,7 +189,7 @@ def _merge_points(point_lists: list[list[tuple[int, float]]]) -> list[tuple[int,
 
 
 def profile_cluster(model_name: str, cluster: dict, stages=(0, 1, 2, 3), n_points: int = 4, warmup: int = 1,
-                    repeats: int = 3, cache_dir: Path | None = None, use_cache: bool = True, progress=None,
+                    repeats: int = 5, cache_dir: Path | None = None, use_cache: bool = True, progress=None,
                     on_poll=None, max_micro_batch: int = 256, timeout_s: float = 900,
                     distributed: bool = False) -> tuple[Profile, dict]:
     """Profile ``model_name`` on the emulated ``cluster``, launching its ranks locally.
