@@ -29,6 +29,8 @@ from poplar.engine.device import Device
 
 
 class EmulatedDevice(Device):
+    tracks_memory = True
+
     def __init__(self, spec: DeviceGroup, rank: int = 0, slowdown: float = 1.0):
         """``slowdown``: a factor common to the whole cluster (``ClusterSpec.host_slowdown``)."""
         if slowdown < 1.0:

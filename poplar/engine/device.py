@@ -26,6 +26,7 @@ class Device:
 
     step_wall_s = 0.0
     wait_s = 0.0
+    tracks_memory = False   # True: the engine reports its state bytes to micro_step()
 
     @property
     def compute_s(self) -> float:

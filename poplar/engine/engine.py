@@ -18,6 +18,7 @@ One mechanism serves all four ZeRO stages (see :mod:`poplar.engine.flat_param`):
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterable, Literal, Sequence
 
 import torch
@@ -288,7 +289,7 @@ class Engine:
         micro_batches = split_batch(local_batch, self.micro_batch_size, self.device)
         for i, micro_batch in enumerate(micro_batches):
             self._begin_micro_step(sync=self.zero_stage >= 2 or i == len(micro_batches) - 1)
-            with self.rank_device.micro_step(self.model_state_bytes(), self._state_storages()):
+            with self._memory_accounting():
                 loss = loss_fn(self.model, micro_batch)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
                     raise ValueError("loss_fn must return the mean loss of the micro-batch as a scalar tensor "
@@ -457,6 +458,12 @@ class Engine:
             itemsize = torch.finfo(self.compute_dtype).bits // 8
             total += itemsize * (self.units[0].padded_numel + 2 * largest)
         return total
+
+    def _memory_accounting(self):
+        """The device's accounting of one micro-step (only a device that wants the figures gets them)."""
+        if not self.rank_device.tracks_memory:
+            return contextlib.nullcontext()
+        return self.rank_device.micro_step(self.model_state_bytes(), self._state_storages())
 
     def _state_storages(self) -> set[int]:
         tensors = [u.full_param for u in self.units] + [u.master.data for u in self.units]
