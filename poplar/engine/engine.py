@@ -361,9 +361,8 @@ class Engine:
         self.optimizer.step()
         self.rank_device.boundary()
         works = [w for w in (u.refresh_params_after_step() for u in self.units) if w is not None]
-        for unit in self.units:
+        for unit in self.units:   # the next train_batch starts a new gradient window
             unit.master.grad = None
-            unit.reset_grads()
         with self.rank_device.waiting():
             for w in works:
                 w.wait()
@@ -472,10 +471,6 @@ class Engine:
     def _sample_memory(self) -> None:
         now = self.memory_report()
         self.peak_memory = {k: max(v, self.peak_memory.get(k, 0)) for k, v in now.items()}
-
-    @property
-    def num_parameters(self) -> int:
-        return sum(u.numel for u in self.units)
 
     def close(self) -> None:
         for h in self._hooks:

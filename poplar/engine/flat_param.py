@@ -229,7 +229,6 @@ class FlatUnit:
         for s in self.slots:
             s.param.grad = None
         self.grads_ready = False
-        self.in_backward = False
 
     # -- full values --------------------------------------------------------------------
     def full_master(self) -> torch.Tensor:
