@@ -49,6 +49,12 @@ class Plan:
     samples per optimizer step. The global batch is the sum of ``mbs * accum`` over
     ranks; rank ``i`` takes the consecutive slice :meth:`sample_range` of it.
 
+    ``local_batch_sizes`` (optional) lets a rank take any number of samples ``b`` in
+    ``accum`` micro-batches that differ by at most one sample (the larger ones first):
+    ``micro_batch_sizes[i]`` is then the largest, ``ceil(b / accum)``, which is what
+    must fit the device. So every global batch can be met exactly with the fewest
+    accumulation steps memory allows (37 samples = 19 + 18). See :meth:`from_local_batches`.
+
     ``accum_steps`` may be a single integer, meaning the same count on every rank.
     Stages 2 and 3 reduce-scatter gradients on every micro-step, so they require the
     same ``accum_steps`` on every rank (balance them with ``micro_batch_sizes``).
@@ -58,7 +64,10 @@ class Plan:
     micro_batch_sizes: tuple[int, ...]
     accum_steps: tuple[int, ...]
 
-    def __init__(self, zero_stage: int, micro_batch_sizes: Sequence[int], accum_steps: Sequence[int] | int = 1):
+    local_batch_sizes: tuple[int, ...]
+
+    def __init__(self, zero_stage: int, micro_batch_sizes: Sequence[int], accum_steps: Sequence[int] | int = 1,
+                 local_batch_sizes: Sequence[int] | None = None):
         if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage = {zero_stage!r}: choose one of 0, 1, 2, 3")
         mbs = _positive_ints("micro_batch_sizes", micro_batch_sizes)
@@ -77,9 +86,40 @@ class Plan:
                 "Give every rank the same accum_steps and balance the work with micro_batch_sizes, "
                 "or use zero_stage 0 or 1, which synchronise once per step and allow unequal counts."
             )
+        if local_batch_sizes is None:
+            local = tuple(m * a for m, a in zip(mbs, acc))
+        else:
+            local = _positive_ints("local_batch_sizes", local_batch_sizes)
+            if len(local) != len(mbs):
+                raise ValueError(f"local_batch_sizes has {len(local)} entries but micro_batch_sizes has "
+                                 f"{len(mbs)}: give exactly one of each per rank")
+            for rank, (b, m, a) in enumerate(zip(local, mbs, acc)):
+                if b < a or -(-b // a) != m:
+                    fix = (f"give at least {a} samples or fewer accumulation steps" if b < a else
+                           f"set micro_batch_sizes[{rank}] = {-(-b // a)}, the largest of {a} near-equal "
+                           f"micro-batches of {b} samples")
+                    raise ValueError(f"rank {rank}: {b} samples in {a} micro-batches of at most {m}: {fix}")
         object.__setattr__(self, "zero_stage", int(zero_stage))
         object.__setattr__(self, "micro_batch_sizes", mbs)
         object.__setattr__(self, "accum_steps", acc)
+        object.__setattr__(self, "local_batch_sizes", local)
+
+    @classmethod
+    def from_local_batches(cls, zero_stage: int, local_batch_sizes: Sequence[int],
+                           accum_steps: Sequence[int] | int = 1) -> "Plan":
+        """``local_batch_sizes[i]`` samples on rank ``i`` in ``accum_steps[i]`` near-equal micro-batches.
+
+        >>> Plan.from_local_batches(0, [37, 5], [2, 1]).micro_batches(0)
+        [19, 18]
+        """
+        local = _positive_ints("local_batch_sizes", local_batch_sizes)
+        if isinstance(accum_steps, int) and not isinstance(accum_steps, bool):
+            accum_steps = [accum_steps] * len(local)
+        acc = _positive_ints("accum_steps", accum_steps)
+        if len(acc) != len(local):
+            raise ValueError(f"local_batch_sizes has {len(local)} entries but accum_steps has {len(acc)}: "
+                             "give exactly one of each per rank")
+        return cls(zero_stage, [-(-b // a) for b, a in zip(local, acc)], acc, local)
 
     # -- derived figures ---------------------------------------------------------------
     @property
@@ -90,9 +130,16 @@ class Plan:
     def global_batch_size(self) -> int:
         return sum(self.local_batch_sizes)
 
+    def micro_batches(self, rank: int) -> list[int]:
+        """Sizes of ``rank``'s micro-batches in the order it runs them (the larger first)."""
+        rank = self._check_rank(rank)
+        q, rem = divmod(self.local_batch_sizes[rank], self.accum_steps[rank])
+        return [q + 1] * rem + [q] * (self.accum_steps[rank] - rem)
+
     @property
-    def local_batch_sizes(self) -> tuple[int, ...]:
-        return tuple(m * a for m, a in zip(self.micro_batch_sizes, self.accum_steps))
+    def is_exact(self) -> bool:
+        """Every micro-batch of every rank is exactly ``micro_batch_sizes[rank]``."""
+        return all(b == m * a for b, m, a in zip(self.local_batch_sizes, self.micro_batch_sizes, self.accum_steps))
 
     def local_batch_size(self, rank: int) -> int:
         return self.local_batch_sizes[self._check_rank(rank)]
@@ -122,6 +169,7 @@ class Plan:
             "zero_stage": self.zero_stage,
             "micro_batch_sizes": list(self.micro_batch_sizes),
             "accum_steps": list(self.accum_steps),
+            "local_batch_sizes": list(self.local_batch_sizes),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -132,14 +180,14 @@ class Plan:
         if not isinstance(data, dict):
             raise ValueError(f"a plan is a JSON object with zero_stage, micro_batch_sizes, accum_steps; got {data!r}")
         expected = {"zero_stage", "micro_batch_sizes", "accum_steps"}
-        unknown = set(data) - expected - {"predicted", "meta"}
+        unknown = set(data) - expected - {"local_batch_sizes", "predicted", "meta"}
         missing = expected - set(data)
         if missing or unknown:
             raise ValueError(
                 f"plan fields: missing {sorted(missing) or 'none'}, unknown {sorted(unknown) or 'none'}; "
-                f"a plan has exactly {sorted(expected)}"
+                f"a plan has {sorted(expected)} and optionally local_batch_sizes"
             )
-        return cls(data["zero_stage"], data["micro_batch_sizes"], data["accum_steps"])
+        return cls(data["zero_stage"], data["micro_batch_sizes"], data["accum_steps"], data.get("local_batch_sizes"))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -157,5 +205,7 @@ class Plan:
         return cls.from_json(Path(path).read_text())
 
     def __str__(self) -> str:
-        rows = ", ".join(f"r{i}:{m}x{a}" for i, (m, a) in enumerate(zip(self.micro_batch_sizes, self.accum_steps)))
+        rows = ", ".join(f"r{i}:{m}x{a}" if b == m * a else f"r{i}:{b}<={m}x{a}"
+                         for i, (b, m, a) in enumerate(zip(self.local_batch_sizes, self.micro_batch_sizes,
+                                                           self.accum_steps)))
         return f"Plan(stage {self.zero_stage}, global batch {self.global_batch_size}: {rows})"

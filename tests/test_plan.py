@@ -21,7 +21,10 @@ def test_single_accum_count_applies_to_every_rank():
 def test_json_round_trip_and_file(tmp_path):
     plan = Plan(2, [4, 2, 1], [2, 2, 2])
     assert Plan.from_json(plan.to_json()) == plan
-    assert json.loads(plan.to_json()) == {"zero_stage": 2, "micro_batch_sizes": [4, 2, 1], "accum_steps": [2, 2, 2]}
+    assert json.loads(plan.to_json()) == {"zero_stage": 2, "micro_batch_sizes": [4, 2, 1], "accum_steps": [2, 2, 2],
+                                          "local_batch_sizes": [8, 4, 2]}
+    # a plan written without local_batch_sizes (micro-batches all full) still loads
+    assert Plan.from_json('{"zero_stage": 2, "micro_batch_sizes": [4, 2, 1], "accum_steps": [2, 2, 2]}') == plan
     plan.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json") == plan
 
@@ -42,6 +45,30 @@ def test_json_round_trip_and_file(tmp_path):
 def test_invalid_plans_say_what_to_change(kwargs, words):
     with pytest.raises(ValueError, match=None) as e:
         Plan(**kwargs)
+    assert words in str(e.value)
+
+
+def test_near_equal_micro_batches_meet_any_local_batch():
+    plan = Plan.from_local_batches(1, [37, 5, 1], [2, 1, 1])
+    assert plan.micro_batch_sizes == (19, 5, 1)
+    assert plan.micro_batches(0) == [19, 18] and plan.micro_batches(1) == [5]
+    assert plan.global_batch_size == 43 and plan.sample_range(1) == (37, 42)
+    assert not plan.is_exact and Plan(1, [2], [3]).is_exact
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "r0:37<=19x2" in str(plan)
+    assert Plan.from_local_batches(3, [7, 9, 3], 3).micro_batches(1) == [3, 3, 3]
+
+
+@pytest.mark.parametrize("args, words", [
+    ((1, [4, 2], [2, 1], [9, 2]), "set micro_batch_sizes[0] = 5"),
+    ((1, [4, 2], [2, 1], [6, 2]), "set micro_batch_sizes[0] = 3"),
+    ((1, [1, 2], [3, 1], [2, 2]), "give at least 3 samples"),
+    ((1, [1, 2], [3, 1], [3]), "give exactly one of each per rank"),
+    ((1, [1, 2], [3, 1], [3, 0]), "local_batch_sizes[1] = 0"),
+])
+def test_inconsistent_local_batches_say_what_to_change(args, words):
+    with pytest.raises(ValueError) as e:
+        Plan(*args)
     assert words in str(e.value)
 
 

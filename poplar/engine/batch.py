@@ -26,14 +26,23 @@ def batch_size(batch: Any) -> int:
     return next(iter(sizes))[0]
 
 
-def split_batch(batch: Any, micro_batch_size: int, device: torch.device | None = None) -> list[Any]:
-    """Consecutive micro-batches of ``micro_batch_size`` samples (views, no copy on the same device)."""
+def split_batch(batch: Any, sizes: int | list[int], device: torch.device | None = None) -> list[Any]:
+    """Consecutive micro-batches (views, no copy on the same device).
+
+    ``sizes``: one micro-batch size for all (the last takes what is left), or the size
+    of each micro-batch in order, which must add up to the batch's samples.
+    """
     n = batch_size(batch)
+    if isinstance(sizes, int):
+        sizes = [min(sizes, n - start) for start in range(0, n, sizes)]
+    elif sum(sizes) != n:
+        raise ValueError(f"micro-batch sizes {sizes} add up to {sum(sizes)}, but the batch has {n} samples")
     leaves, spec = tree_flatten(batch)
     if device is not None:
         leaves = [t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in leaves]
-    out = []
-    for start in range(0, n, micro_batch_size):
-        part = [t[start:start + micro_batch_size] if isinstance(t, torch.Tensor) else t for t in leaves]
+    out, start = [], 0
+    for size in sizes:
+        part = [t[start:start + size] if isinstance(t, torch.Tensor) else t for t in leaves]
         out.append(tree_unflatten(part, spec))
+        start += size
     return out

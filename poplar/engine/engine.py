@@ -1,7 +1,7 @@
 """The heterogeneity-aware ZeRO engine: every rank its own micro-batch, exact updates.
 
 Every rank ``i`` runs ``accum_steps[i]`` micro-batches of ``micro_batch_sizes[i]``
-samples. A micro-batch's mean loss is weighted by ``its size / global batch`` before
+samples (or of near-equal sizes adding up to ``local_batch_sizes[i]``). A micro-batch's mean loss is weighted by ``its size / global batch`` before
 its backward pass, and gradients are *summed* over ranks, so the update equals that of
 one device computing the mean loss over the whole global batch, however unevenly the
 batch was spread.
@@ -119,7 +119,8 @@ class Engine:
         """Every rank must hold the same plan and the same model: fail everywhere if not."""
         n_params = sum(p.numel() for p in model.parameters())
         # check_world_size passed, so every rank sends the same number of values.
-        values = [n_params, self.plan.zero_stage, *self.plan.micro_batch_sizes, *self.plan.accum_steps]
+        values = [n_params, self.plan.zero_stage, *self.plan.micro_batch_sizes, *self.plan.accum_steps,
+                  *self.plan.local_batch_sizes]
         lo, hi = C.agree(values, self.device)
         if lo[0] != hi[0]:
             raise ValueError(f"ranks hold different models: parameter counts range from {lo[0]} to {hi[0]}; "
@@ -265,8 +266,8 @@ class Engine:
         if err:
             raise ValueError(f"rank {self.rank}: {err}")
         what = "; ".join(f"rank {r} got {n if n >= 0 else 'an unreadable batch of'} samples, its plan slice is "
-                         f"{self.plan.local_batch_size(r)} (= {self.plan.micro_batch_sizes[r]} x "
-                         f"{self.plan.accum_steps[r]})" for r, n in bad)
+                         f"{self.plan.local_batch_size(r)} (micro-batches {self.plan.micro_batches(r)})"
+                         for r, n in bad)
         raise ValueError(f"local batch does not match the plan: {what}. Give each rank "
                          "global_batch[plan.sample_range(rank)]")
 
@@ -286,7 +287,7 @@ class Engine:
         self._start_batch_check(local_batch)
         global_batch = self.plan.global_batch_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        micro_batches = split_batch(local_batch, self.micro_batch_size, self.device)
+        micro_batches = split_batch(local_batch, self.plan.micro_batches(self.rank), self.device)
         for i, micro_batch in enumerate(micro_batches):
             self._begin_micro_step(sync=self.zero_stage >= 2 or i == len(micro_batches) - 1)
             with self._memory_accounting():

@@ -21,3 +21,11 @@ def test_bad_batches_are_named():
         batch_size([1, 2, 3])
     with pytest.raises(ValueError, match="0-dimensional"):
         batch_size(torch.tensor(1.0))
+
+
+def test_split_by_sizes_and_their_sum_is_checked():
+    x = torch.arange(7).reshape(7, 1)
+    parts = split_batch(x, [3, 2, 2])
+    assert [p[:, 0].tolist() for p in parts] == [[0, 1, 2], [3, 4], [5, 6]]
+    with pytest.raises(ValueError, match="add up to 6, but the batch has 7"):
+        split_batch(x, [3, 3])

@@ -20,15 +20,19 @@ N_STEPS = 4
 # lr-sized Adam step. That is Adam's conditioning, not a difference of the engine.
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01, eps=1e-6)
 
+# (stage, micro_batch_sizes, accum_steps[, local_batch_sizes]): the last form splits a
+# rank's samples into near-equal micro-batches (7 samples in 2 = 4 + 3).
 PLANS = {
-    2: [(0, [5, 1], [1, 3]), (1, [2, 3], [3, 1]), (2, [5, 1], [2, 2]), (3, [1, 3], [2, 2])],
-    3: [(0, [1, 2, 3], [3, 2, 1]), (1, [1, 2, 3], [1, 1, 2]), (2, [1, 2, 3], [2, 2, 2]), (3, [3, 1, 2], [1, 1, 1])],
+    2: [(0, [5, 1], [1, 3]), (1, [2, 3], [3, 1]), (2, [5, 1], [2, 2]), (3, [1, 3], [2, 2]),
+        (0, [4, 1], [2, 3], [7, 3]), (2, [3, 2], [3, 3], [7, 5])],
+    3: [(0, [1, 2, 3], [3, 2, 1]), (1, [1, 2, 3], [1, 1, 2]), (2, [1, 2, 3], [2, 2, 2]), (3, [3, 1, 2], [1, 1, 1]),
+        (1, [3, 1, 2], [2, 1, 3], [5, 1, 4]), (3, [2, 3, 1], [2, 2, 2], [3, 5, 2])],
 }
 CLIPS = [None, 0.05]   # 0.05 is below every step's gradient norm here, so clipping really acts
 
 
-def _plan(stage, mbs, acc):
-    return {"zero_stage": stage, "micro_batch_sizes": mbs, "accum_steps": acc}
+def _plan(stage, mbs, acc, local=None):
+    return {"zero_stage": stage, "micro_batch_sizes": mbs, "accum_steps": acc, "local_batch_sizes": local}
 
 
 @functools.cache
@@ -41,10 +45,11 @@ CASES = [(w, i, clip, p) for w in PLANS for i, (clip, p) in enumerate((c, p) for
 
 
 @pytest.mark.parametrize("world_size, index, clip, plan", CASES,
-                         ids=[f"w{w}-stage{p[0]}-mbs{p[1]}-acc{p[2]}-clip{c}" for w, _, c, p in CASES])
+                         ids=[f"w{w}-stage{p[0]}-mbs{p[1]}-acc{p[2]}{'-local' + str(p[3]) if len(p) > 3 else ''}-clip{c}"
+                              for w, _, c, p in CASES])
 def test_matches_single_device_training(world_size, index, clip, plan):
     ranks = results(world_size)
-    global_batch = sum(m * a for m, a in zip(plan[1], plan[2]))
+    global_batch = sum(plan[3]) if len(plan) > 3 else sum(m * a for m, a in zip(plan[1], plan[2]))
     ref_state, ref_losses = reference_train(make_batches(N_STEPS, global_batch), clip=clip, optimizer=OPTIMIZER)
     got = ranks[0][index]
     for key, ref in ref_state.items():
