@@ -10,4 +10,4 @@ from poplar.engine import Engine, EngineConfig, initialize
 from poplar.plan import Plan
 
 __all__ = ["Engine", "EngineConfig", "Plan", "initialize"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

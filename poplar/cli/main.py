@@ -35,8 +35,9 @@ def profile(
     out: Path = typer.Option(Path("profile.json"), help="where to write the profile (JSON)"),
     plot: Path | None = typer.Option(None, help="also draw the fitted curves here (PNG)"),
     stages: str = typer.Option("0,1,2,3", help="ZeRO stages to profile, comma-separated"),
-    points: int = typer.Option(4, min=2, help="micro-batch sizes timed per stage"),
-    repeats: int = typer.Option(5, min=1, help="timed steps per size (after one warm-up); the median counts"),
+    points: int = typer.Option(5, min=2, help="micro-batch sizes timed per stage"),
+    repeats: int = typer.Option(6, min=1, help="timed rounds (one step of each size per round, after one "
+                                               "warm-up round); the median counts"),
     no_cache: bool = typer.Option(False, "--no-cache", help="measure again even where a cached profile exists"),
     max_micro_batch: int = typer.Option(256, min=1, help="largest micro-batch the memory search tries"),
 ) -> None:
@@ -71,7 +72,7 @@ def profile(
     start = time.perf_counter()
     under_torchrun = "WORLD_SIZE" in os.environ
     with Progress(console=console, transient=True, disable=under_torchrun and os.environ.get("RANK") != "0") as bar:
-        task = bar.add_task("starting ranks", total=len(stage_list) * (points + 2))
+        task = bar.add_task("starting ranks", total=len(stage_list) * (repeats + 3))
 
         class ToBar:   # progress events from rank 0 (in this process under torchrun)
             def put(self, event):

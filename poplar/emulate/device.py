@@ -43,6 +43,7 @@ class EmulatedDevice(Device):
         self.compute_wall_s = 0.0      # the emulated device's compute time (after stretching)
         self.wait_s = 0.0              # time blocked in collectives
         self.step_wall_s = 0.0         # the whole step, as the clock on the wall saw it
+        self.update_cpu_s = 0.0        # the part of compute_cpu_s spent in the optimizer update
         self.peak_bytes = 0            # model states + saved activations, at their highest
         self._active = False
 
@@ -52,7 +53,7 @@ class EmulatedDevice(Device):
     @contextlib.contextmanager
     def step(self):
         """One optimizer step: everything inside runs at the device's speed."""
-        self.compute_cpu_s = self.compute_wall_s = self.wait_s = 0.0
+        self.compute_cpu_s = self.compute_wall_s = self.wait_s = self.update_cpu_s = 0.0
         self._wait_cpu = 0.0
         self._start_wall, self._start_cpu = time.perf_counter(), time.thread_time()
         self._active = True
@@ -88,6 +89,25 @@ class EmulatedDevice(Device):
         finally:
             self.wait_s += time.perf_counter() - wall
             self._wait_cpu += time.thread_time() - cpu
+
+    @property
+    def per_step_s(self) -> float:
+        """The last step's compute in its optimizer update (the rest grows with its micro-steps)."""
+        if self.compute_cpu_s <= 0:
+            return 0.0
+        return self.compute_s * min(1.0, self.update_cpu_s / self.compute_cpu_s)
+
+    @contextlib.contextmanager
+    def update(self):
+        """The optimizer update: its CPU time (waits excluded) is kept apart."""
+        if not self._active:
+            yield
+            return
+        start_cpu, start_wait = time.thread_time(), self._wait_cpu
+        try:
+            yield
+        finally:
+            self.update_cpu_s += time.thread_time() - start_cpu - (self._wait_cpu - start_wait)
 
     # -- memory -------------------------------------------------------------------------
     @contextlib.contextmanager

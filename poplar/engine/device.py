@@ -8,7 +8,8 @@ own speed and within its own memory. The engine calls:
   forward and backward, with the bytes of model state held meanwhile and the storages
   that already counts;
 - ``boundary()``: right before a collective is launched;
-- ``waiting()``: a context around each wait for a collective.
+- ``waiting()``: a context around each wait for a collective;
+- ``update()``: a context around the optimizer update (once per step).
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ class Device:
     @property
     def compute_s(self) -> float:
         return self.step_wall_s - self.wait_s
+
+    @property
+    def per_step_s(self) -> float:
+        """The part of ``compute_s`` spent in the optimizer update; 0: not measured."""
+        return 0.0
+
+    def update(self):
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def step(self):

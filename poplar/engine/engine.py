@@ -302,7 +302,8 @@ class Engine:
             loss_sum += loss.detach().float().reshape(()) * weight
         self.rank_device.boundary()
         loss_work = C.all_reduce(loss_sum, async_op=True)
-        self._step()
+        with self.rank_device.update():
+            self._step()
         with self.rank_device.waiting():
             loss_work.wait()
         return float(loss_sum)

@@ -2,7 +2,9 @@
 
 Per device kind and stage: the largest micro-batch that fits, and measured points
 ``(micro_batch, seconds)`` of one training step with one micro-batch (forward, backward
-and the stage's own per-step work; waits for other ranks excluded). A cubic spline
+and the stage's own per-step work; waits for other ranks excluded), and how much of
+each point is spent once per step (``per_step_s``: the optimizer update), so a step of
+``a`` micro-batches takes ``a * (time(m) - per_step_s) + per_step_s``. A cubic spline
 through the points gives the time at any micro-batch size. Per cluster: the time of the
 collectives the stages use, at the model's size.
 """
@@ -23,6 +25,8 @@ class StageProfile(BaseModel):
     max_micro_batch: int = Field(ge=0, description="largest micro-batch that fits; 0: not even 1")
     state_bytes: int = Field(ge=0, description="model-state bytes held in this stage")
     points: list[tuple[int, float]] = Field(default_factory=list, description="(micro_batch, seconds) measured")
+    per_step_s: float = Field(0.0, ge=0, description="the part of every point spent once per optimizer step "
+                              "(the optimizer update); 0 if not measured")
     note: str = ""
 
     def time(self, micro_batch: float) -> float:
@@ -59,6 +63,10 @@ class CommProfile(BaseModel):
     all_reduce_s: float
     reduce_scatter_s: float
     all_gather_s: float
+    sync_s: dict[int, float] = Field(default_factory=dict, description="per stage: how much longer a step took "
+                                     "than its slowest rank's compute, on a plan balanced by the profile")
+    sync_accum: dict[int, int] = Field(default_factory=dict, description="per stage: the accumulation count of "
+                                       "that balanced plan")
 
     def bandwidth_gbps(self, which: str) -> float:
         """Algorithm bandwidth in GB/s (bytes of the full buffer per second)."""
@@ -71,6 +79,8 @@ class ModelInfo(BaseModel):
     name: str
     n_params: int
     seq_len: int
+    unit_numels: list[int] = Field(default_factory=list, description="parameters of each engine unit (the root "
+                                   "first); each is one gradient bucket")
     dtype: str = "fp32"
 
 

@@ -8,9 +8,11 @@ Per stage, each rank
    device's memory accounting (the activations do not depend on the stage; the model
    states do and come from step 1). An out-of-memory is caught, cleaned up after, and
    never strands the other ranks, since this probe has no collectives;
-3. trains a few steps at each of ``n_points`` micro-batch sizes up to that limit,
-   every rank at its own sizes, and records its compute time per step (the step's
-   wall time minus its waits for collectives), after warm-up, median of repeats.
+3. trains at ``n_points`` micro-batch sizes up to that limit, every rank at its own
+   sizes, one step of each size per round (so drifts of the host fall on all sizes
+   alike), and records its compute time per step (the step's wall time minus its waits
+   for collectives) and the part of it in the optimizer update; after warm-up rounds,
+   the median over ``repeats`` rounds.
 Then the collectives are timed at the model's size. Identical devices share one
 profile; profiles are cached on disk, keyed by what changes them.
 """
@@ -32,6 +34,8 @@ import torch.distributed as dist
 import poplar
 from poplar.emulate import EmulatedDevice, parse_cluster
 from poplar.engine import collectives as C
+from poplar.engine.engine import EngineConfig
+from poplar.engine.units import build_units
 from poplar.models import MODEL_PRESETS, build_model, causal_lm_loss, random_token_batch
 from poplar.profile.profile import CommProfile, DeviceProfile, ModelInfo, Profile, StageProfile
 
@@ -100,16 +104,6 @@ def point_sizes(max_micro_batch: int, n_points: int) -> list[int]:
     return [int(round(v)) for v in np.geomspace(1, max_micro_batch, n_points)]
 
 
-def _timed_steps(engine, device, model_name: str, micro_batch: int, warmup: int, repeats: int) -> float:
-    batch = random_token_batch(model_name, micro_batch)
-    times = []
-    for i in range(warmup + repeats):
-        engine.train_batch(batch, causal_lm_loss)
-        if i >= warmup:
-            times.append(device.compute_s)
-    return statistics.median(times)
-
-
 def _time_collectives(numel: int, repeats: int = 3) -> CommProfile:
     world = dist.get_world_size()
     padded = -(-numel // world) * world
@@ -130,8 +124,8 @@ def _time_collectives(numel: int, repeats: int = 3) -> CommProfile:
                        all_gather_s=timed(lambda: C.all_gather(full, shard)))
 
 
-def profile_rank(rank: int, world_size: int, model_name: str, cluster: dict, stages: list[int], n_points: int = 4,
-                 warmup: int = 1, repeats: int = 5, progress=None, max_micro_batch: int = 256) -> dict:
+def profile_rank(rank: int, world_size: int, model_name: str, cluster: dict, stages: list[int], n_points: int = 5,
+                 warmup: int = 1, repeats: int = 6, progress=None, max_micro_batch: int = 256) -> dict:
     """What each rank of the cluster runs. Returns its per-stage figures and the collectives' times."""
     spec = parse_cluster(cluster)
     spec.check_world_size(world_size)
@@ -163,19 +157,77 @@ def profile_rank(rank: int, world_size: int, model_name: str, cluster: dict, sta
         sizes = torch.zeros(world_size, n_points, dtype=torch.int64)
         sizes[rank] = torch.tensor(point_sizes(limit, n_points))
         dist.all_reduce(sizes)
-        points = []
-        for i in range(n_points):
-            note(stage, f"point {i + 1}/{n_points}")
-            plan = poplar.Plan(stage, [int(s) for s in sizes[:, i]], 1)
-            engine = poplar.initialize(build_model(model_name), optimizer, plan, device=device)
-            seconds = _timed_steps(engine, device, model_name, plan.micro_batch_sizes[rank], warmup, repeats)
+        # every size's engine at once, timed in interleaved rounds (one step of each size per
+        # round), so a drift of the host's speed falls on every size alike
+        plans = [poplar.Plan(stage, [int(s) for s in sizes[:, i]], 1) for i in range(n_points)]
+        engines = [poplar.initialize(build_model(model_name), optimizer, plan, device=device) for plan in plans]
+        batches = [random_token_batch(model_name, plan.micro_batch_sizes[rank]) for plan in plans]
+        times: list[list[float]] = [[] for _ in plans]
+        per_step = []
+        for r in range(warmup + repeats):
+            note(stage, f"round {r + 1}/{warmup + repeats}")
+            for i, engine in enumerate(engines):
+                engine.train_batch(batches[i], causal_lm_loss)     # back to this size: settle first
+                if r < warmup:
+                    continue
+                engine.train_batch(batches[i], causal_lm_loss)
+                if r >= warmup:
+                    times[i].append(device.compute_s)
+                    per_step.append(device.per_step_s)
+        for engine in engines:
             engine.close()
-            points.append((plan.micro_batch_sizes[rank], seconds))
-        out["stages"][stage] = {"max": limit, "state_bytes": state, "points": points, "note": ""}
+        points = [(plan.micro_batch_sizes[rank], statistics.median(t)) for plan, t in zip(plans, times)]
+        out["stages"][stage] = {"max": limit, "state_bytes": state, "points": points, "note": "",
+                                "per_step": statistics.median(per_step)}
+        note(stage, "balanced plan")
+        out.setdefault("sync", {})[stage] = _calibrate_sync(rank, world_size, stage, model_name, spec, device,
+                                                            optimizer, out["kind"], out["stages"][stage], repeats)
         note(stage, "done")
     n_params = sum(p.numel() for p in build_model(model_name).parameters())
     out["comm"] = _time_collectives(n_params).model_dump()
     return out
+
+
+def _calibrate_sync(rank: int, world_size: int, stage: int, model_name: str, spec, device, optimizer, kind: str,
+                    mine: dict, repeats: int) -> tuple[float, int]:
+    """Time a step beyond the slowest rank's compute, on a plan balanced by what was just measured.
+
+    The ranks synchronise at collectives (in ZeRO-2/3 inside every micro-step, unit by
+    unit), so a step lasts longer than its slowest rank computes: collectives that are
+    not hidden, and the ranks' small drifts between sync points. Returns the median
+    excess per step and the plan's accumulation count it was measured at.
+    """
+    from poplar.planner.cost import CostModel
+    from poplar.planner.search import allocate
+
+    seen = [None] * world_size
+    dist.all_gather_object(seen, (kind, mine))
+    devices = {}
+    for k in dict.fromkeys(x[0] for x in seen):
+        same = [m for kk, m in seen if kk == k]
+        devices[k] = DeviceProfile(kind=k, memory_gb=1.0, stages={stage: StageProfile(
+            max_micro_batch=min(m["max"] for m in same), state_bytes=0,
+            points=_merge_points([m["points"] for m in same]),
+            per_step_s=statistics.median(m["per_step"] for m in same))})
+    interim = Profile(model=ModelInfo(name=model_name, n_params=1, seq_len=1), ranks=[x[0] for x in seen],
+                      devices=devices)
+    cost = CostModel(interim, stage)
+    plan = allocate(cost, sum(kc.max_micro_batch * cost.rank_kinds.count(k) for k, kc in cost.kinds.items()))
+    engine = poplar.initialize(build_model(model_name), optimizer, plan, device=device)
+    batch = random_token_batch(model_name, plan.local_batch_size(rank))
+    walls, busy = [], []
+    for i in range(1 + repeats):
+        engine.train_batch(batch, causal_lm_loss)
+        if i:
+            walls.append(device.step_wall_s)
+            busy.append(device.compute_s)
+    engine.close()
+    figures = torch.tensor([statistics.median(walls), statistics.median(busy)], dtype=torch.float64)
+    everyone = [torch.zeros_like(figures) for _ in range(world_size)]
+    dist.all_gather(everyone, figures)
+    step = statistics.median(float(f[0]) for f in everyone)
+    slowest = max(float(f[1]) for f in everyone)
+    return max(0.0, step - slowest), max(plan.accum_steps)
 
 
 # ---------------------------------------------------------------------------- the whole cluster
@@ -188,8 +240,8 @@ def _merge_points(point_lists: list[list[tuple[int, float]]]) -> list[tuple[int,
     return [(m, statistics.median(ts)) for m, ts in sorted(by_size.items())]
 
 
-def profile_cluster(model_name: str, cluster: dict, stages=(0, 1, 2, 3), n_points: int = 4, warmup: int = 1,
-                    repeats: int = 5, cache_dir: Path | None = None, use_cache: bool = True, progress=None,
+def profile_cluster(model_name: str, cluster: dict, stages=(0, 1, 2, 3), n_points: int = 5, warmup: int = 1,
+                    repeats: int = 6, cache_dir: Path | None = None, use_cache: bool = True, progress=None,
                     on_poll=None, max_micro_batch: int = 256, timeout_s: float = 900,
                     distributed: bool = False) -> tuple[Profile, dict]:
     """Profile ``model_name`` on the emulated ``cluster``, launching its ranks locally.
@@ -217,9 +269,10 @@ def profile_cluster(model_name: str, cluster: dict, stages=(0, 1, 2, 3), n_point
             path = cache_dir / f"{key}.json"
             if path.exists():
                 cached[ks] = StageProfile.model_validate_json(path.read_text())
-    comm_path = cache_dir / f"comm-{cache_key(model_name, {}, -1, world, slowdown)}.json"
+    # the collectives and the ranks' synchronisation depend on the whole cluster
+    comm_path = cache_dir / f"comm-{cache_key(model_name, spec.model_dump(), -1, world, slowdown)}.json"
     comm = CommProfile.model_validate_json(comm_path.read_text()) if use_cache and comm_path.exists() else None
-    todo = [s for s in stages if any((k, s) not in cached for k in kinds)]
+    todo = [s for s in stages if any((k, s) not in cached for k in kinds) or comm is None or s not in comm.sync_s]
     rank = dist.get_rank() if distributed else 0
     if distributed:   # every rank must measure the same stages: rank 0's cache decides
         decided = [todo, comm is None]
@@ -237,13 +290,19 @@ def profile_cluster(model_name: str, cluster: dict, stages=(0, 1, 2, 3), n_point
         else:
             ranks = spawn(profile_rank, world, model_name, cluster, todo, n_points, warmup, repeats, progress,
                           max_micro_batch, timeout_s=timeout_s, on_poll=on_poll)
+        old = comm
         comm = CommProfile(**ranks[0]["comm"])
+        if old is not None:
+            comm.sync_s, comm.sync_accum = dict(old.sync_s), dict(old.sync_accum)
+        for s, (excess, accum) in ranks[0].get("sync", {}).items():
+            comm.sync_s[int(s)], comm.sync_accum[int(s)] = excess, accum
         for s in todo:
             for k in kinds:
                 mine = [r["stages"][s] for r in ranks if r["kind"] == k]
                 measured[(k, s)] = StageProfile(max_micro_batch=min(m["max"] for m in mine),
                                                 state_bytes=max(m["state_bytes"] for m in mine),
                                                 points=_merge_points([m["points"] for m in mine]),
+                                                per_step_s=statistics.median(m.get("per_step", 0.0) for m in mine),
                                                 note=mine[0]["note"])
         if rank == 0:
             cache_dir.mkdir(parents=True, exist_ok=True)
@@ -254,8 +313,11 @@ def profile_cluster(model_name: str, cluster: dict, stages=(0, 1, 2, 3), n_point
     for k, d in kinds.items():
         stage_profiles = {s: measured.get((k, s)) or cached[(k, s)] for s in stages}
         devices[k] = DeviceProfile(kind=k, memory_gb=d.memory_gb, speed=d.speed, stages=stage_profiles)
-    n_params = sum(p.numel() for p in build_model(model_name).parameters())
-    profile = Profile(model=ModelInfo(name=model_name, n_params=n_params, seq_len=MODEL_PRESETS[model_name]["max_seq_len"]),
+    model = build_model(model_name)
+    n_params = sum(p.numel() for p in model.parameters())
+    units = [sum(p.numel() for p in u.params) for u in build_units(model, None, EngineConfig().unit_numel)]
+    profile = Profile(model=ModelInfo(name=model_name, n_params=n_params, unit_numels=units,
+                                      seq_len=MODEL_PRESETS[model_name]["max_seq_len"]),
                       ranks=[d.kind for d in spec.rank_devices()], devices=devices, comm=comm)
     summary = {"measured": sorted(measured), "from_cache": sorted(ks for ks in cached if ks not in measured)}
     return profile, summary

@@ -1,0 +1,88 @@
+"""Does the cost model match reality? Predicted vs measured step time on the emulated presets.
+
+For each cluster preset: profile the model (or reuse the cache), plan the global batch,
+then train with the chosen plan, with Poplar's plan of every other stage, and with the
+`uniform` and `proportional` baselines, all in one launch of the cluster, and print
+predicted and measured step times side by side.
+
+    python bench/bench_plan.py                       # all four presets, global batch 128
+    python bench/bench_plan.py --presets both-differ --global-batch 256 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from poplar.emulate import load_cluster, presets
+from poplar.measure import measure_plans
+from poplar.planner import make_plan
+from poplar.profile.profiler import profile_cluster
+
+
+def bench_preset(name: str, model: str, global_batch: int, steps: int, rounds: int, use_cache: bool,
+                 all_stages: bool) -> list[dict]:
+    cluster = load_cluster(name).model_dump()
+    profile, _ = profile_cluster(model, cluster, use_cache=use_cache)
+    result = make_plan(profile, global_batch)
+    rows = []
+    for stage, sp in result.stages.items():
+        if sp.excluded or (stage != result.stage and not all_stages):
+            continue
+        for alloc in sp.allocations.values():
+            if alloc.plan is None or (alloc.name != "poplar" and stage != result.stage):
+                continue
+            rows.append({"preset": name, "stage": stage, "allocation": alloc.name, "chosen": stage == result.stage,
+                         "plan": str(alloc.plan), "plan_obj": alloc.plan,
+                         "predicted_step_s": alloc.predicted.step_s,
+                         "predicted_samples_per_s": alloc.predicted.samples_per_s,
+                         "ideal_samples_per_s": sp.ideal_samples_per_s})
+    measured = measure_plans(model, cluster, [r["plan_obj"] for r in rows], steps=steps, rounds=rounds)
+    for r, m in zip(rows, measured):
+        r.pop("plan_obj")
+        r["measured_step_s"] = m["step_s"]
+        r["measured_samples_per_s"] = m["samples_per_s"]
+        r["error"] = r["predicted_step_s"] / m["step_s"] - 1
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", default=",".join(presets()), help="comma-separated cluster presets or YAML files")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--global-batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=12, help="measured steps per plan")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds the steps are spread over")
+    p.add_argument("--no-cache", action="store_true", help="profile again")
+    p.add_argument("--chosen-stage-only", action="store_true", help="skip Poplar's plans of the other stages")
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args()
+    console = Console()
+    rows = []
+    start = time.perf_counter()
+    for name in [s.strip() for s in args.presets.split(",") if s.strip()]:
+        rows += bench_preset(name, args.model, args.global_batch, args.steps, args.rounds, not args.no_cache,
+                             not args.chosen_stage_only)
+    table = Table(title=f"predicted vs measured step time, {args.model}, global batch {args.global_batch} "
+                        f"({time.perf_counter() - start:.0f} s)")
+    for col in ("preset", "stage", "allocation", "plan", "predicted ms", "measured ms", "error", "measured samples/s"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["preset"], f"{r['stage']}{'*' if r['chosen'] else ''}", r["allocation"],
+                      r["plan"].split(": ", 1)[1].rstrip(")"), f"{1000 * r['predicted_step_s']:.1f}",
+                      f"{1000 * r['measured_step_s']:.1f}", f"{100 * r['error']:+.1f}%",
+                      f"{r['measured_samples_per_s']:.1f}")
+    console.print(table)
+    worst = max(abs(r["error"]) for r in rows)
+    console.print(f"largest |error|: {100 * worst:.1f}% over {len(rows)} plans (* = the stage the planner chose)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

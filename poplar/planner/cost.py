@@ -1,0 +1,188 @@
+"""The cost model: how long a step of a given plan takes, predicted from a `Profile`.
+
+Compute. A device kind's profile gives, per stage, the time of a step with one
+micro-batch of ``m`` samples, ``t(m)`` (a spline through measured points), of which
+``per_step_s`` is spent once per step (the optimizer update). A micro-step of ``m``
+samples therefore costs ``g(m) = t(m) - per_step_s``, and a rank that takes ``b``
+samples in ``a`` near-equal micro-batches is busy ``sum g(m_j) + per_step_s``. The
+model reads ``g`` on whole micro-batch sizes ``1..max_micro_batch`` and makes it
+non-decreasing (a larger micro-batch never takes less time; a measured dip is noise).
+
+Communication. The profile times all-reduce, reduce-scatter and all-gather of the
+whole model; a bucket of ``n`` parameters takes its share ``n / numel``. The engine
+launches a unit's gradient collective as soon as backward has produced it, so it
+overlaps the backward of the units still to come; what is left exposed is the last
+bucket's collective (the root unit: embeddings and head finish last in backward).
+
+- ZeRO-0: one all-reduce per step; the root's is exposed.
+- ZeRO-1: one reduce-scatter per step (the root's exposed), then all-gathering the
+  updated parameters, which nothing overlaps.
+- ZeRO-2: a reduce-scatter on every micro-step (each one's root exposed), then the
+  parameter all-gather.
+- ZeRO-3: on every micro-step the root is gathered before anything can run and its
+  gradient reduce-scattered last (both exposed); the other units' gathers are prefetched
+  behind compute. Parameters stay sharded after the step.
+
+What the collectives' times cannot show is how ranks that finish at slightly different
+moments meet at every synchronisation (in ZeRO-3, unit by unit inside every
+micro-step). So the profiler also runs a plan balanced by its own measurements and
+records how much longer the step took than its slowest rank computed; where that
+figure exists it stands for the exposed communication (per step in ZeRO-0/1, per
+micro-step in ZeRO-2/3).
+
+A rank waits for the slowest at the step's synchronisation (and in ZeRO-2/3 at every
+micro-step, where every rank runs the same number), so the step takes the slowest
+rank's busy time plus the exposed communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from poplar.plan import Plan
+from poplar.profile.profile import Profile, StageProfile
+
+
+class KindCost:
+    """One device kind in one stage: the time of any (samples, accumulation) it can hold."""
+
+    def __init__(self, kind: str, sp: StageProfile):
+        self.kind = kind
+        self.max_micro_batch = sp.max_micro_batch
+        self.per_step_s = float(sp.per_step_s)
+        m = np.arange(1, self.max_micro_batch + 1, dtype=float)
+        if self.max_micro_batch > 0:
+            if not sp.points:
+                raise ValueError(f"{kind}: the profile has no measured points for a stage where micro-batch "
+                                 f"{self.max_micro_batch} fits; profile it again")
+            raw = np.array([sp.time(x) for x in m]) - self.per_step_s
+        else:
+            raw = np.zeros(0)
+        # g[m] for m = 0..M+1 (g[0] and g[M+1] are never weighted: helpers for vectorised sums)
+        g = np.zeros(self.max_micro_batch + 2)
+        g[1:self.max_micro_batch + 1] = np.maximum.accumulate(np.maximum(raw, 1e-9)) if raw.size else raw
+        g[-1] = g[-2]
+        self.g = g
+
+    @property
+    def best_micro_batch(self) -> int:
+        """The micro-batch size with the most samples per second of forward and backward."""
+        m = np.arange(1, self.max_micro_batch + 1)
+        return int(m[np.argmax(m / self.g[1:self.max_micro_batch + 1])]) if self.max_micro_batch else 0
+
+    def fits(self) -> bool:
+        return self.max_micro_batch > 0
+
+    def busy(self, samples, accum):
+        """Seconds of a step of ``samples`` in ``accum`` near-equal micro-batches (arrays allowed)."""
+        samples, accum = np.asarray(samples), np.asarray(accum)
+        q, r = np.divmod(samples, accum)
+        return r * self.g[np.minimum(q + 1, self.max_micro_batch + 1)] + (accum - r) * self.g[q] + self.per_step_s
+
+
+@dataclass
+class Prediction:
+    """Predicted figures of one plan."""
+
+    step_s: float
+    busy_s: list[float]               # per rank (in the plan's order)
+    comm_s: float                     # exposed communication per step
+    global_batch: int
+    seq_len: int
+
+    @property
+    def idle_s(self) -> list[float]:
+        return [self.step_s - b for b in self.busy_s]
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.global_batch / self.step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.samples_per_s * self.seq_len
+
+    def to_dict(self) -> dict:
+        return {"step_s": self.step_s, "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
+                "exposed_comm_s": self.comm_s, "busy_s": self.busy_s, "idle_s": self.idle_s}
+
+
+@dataclass
+class CostModel:
+    """Predicted step times of plans for one stage of a profiled cluster.
+
+    ``ranks``: the profile's ranks the plans are for (all of them by default; a subset
+    when devices that cannot hold the model are left out).
+    """
+
+    profile: Profile
+    stage: int
+    ranks: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.ranks:
+            self.ranks = list(range(self.profile.world_size))
+        kinds = [self.profile.ranks[r] for r in self.ranks]
+        missing = sorted({k for k in kinds if self.stage not in self.profile.devices[k].stages})
+        if missing:
+            raise ValueError(f"the profile has no stage {self.stage} for {', '.join(missing)}: profile that stage "
+                             "or leave it out (--stages)")
+        self.kinds: dict[str, KindCost] = {k: KindCost(k, self.profile.stage(k, self.stage)) for k in dict.fromkeys(kinds)}
+        self.rank_kinds = kinds
+
+    # -- communication ------------------------------------------------------------------
+    def _coll(self, which: str, numel: float) -> float:
+        comm = self.profile.comm
+        if comm is None:
+            return 0.0
+        return getattr(comm, f"{which}_s") * numel / comm.numel
+
+    def _collectives_s(self, accum: int) -> float:
+        """Exposed communication derived from the collectives' times (see the module's docstring)."""
+        model = self.profile.model
+        full = float(model.n_params)
+        last = float(model.unit_numels[0]) if model.unit_numels else full
+        if self.stage == 0:
+            return self._coll("all_reduce", last)
+        if self.stage == 1:
+            return self._coll("reduce_scatter", last) + self._coll("all_gather", full)
+        if self.stage == 2:
+            return accum * self._coll("reduce_scatter", last) + self._coll("all_gather", full)
+        return accum * (self._coll("all_gather", last) + self._coll("reduce_scatter", last))
+
+    def comm_s(self, accum: int, slack: float = 0.0) -> float:
+        """Exposed communication and synchronisation of one step.
+
+        ``accum``: micro-steps (ZeRO-2/3 synchronise on each); ``slack``: how much less
+        the second-slowest rank computes than the slowest. The collectives' own exposed
+        time is always paid; the drift between ranks measured on the profiler's balanced
+        plan is paid only as far as the slack (per synchronisation) does not absorb it.
+        """
+        base = self._collectives_s(accum)
+        comm = self.profile.comm
+        if comm is None or self.stage not in comm.sync_s:
+            return base
+        syncs = 1 if self.stage <= 1 else accum
+        measured = comm.sync_s[self.stage] / (1 if self.stage <= 1 else comm.sync_accum.get(self.stage, 1))
+        drift = max(0.0, measured - self._collectives_s(1))
+        return base + syncs * max(0.0, drift - slack / syncs)
+
+    # -- a whole plan -------------------------------------------------------------------
+    def predict(self, plan: Plan) -> Prediction:
+        if plan.world_size != len(self.ranks):
+            raise ValueError(f"the plan has {plan.world_size} ranks, the cost model {len(self.ranks)}")
+        if plan.zero_stage != self.stage:
+            raise ValueError(f"the plan is for stage {plan.zero_stage}, the cost model for stage {self.stage}")
+        busy = []
+        for i, kind in enumerate(self.rank_kinds):
+            kc = self.kinds[kind]
+            if plan.micro_batch_sizes[i] > kc.max_micro_batch:
+                raise ValueError(f"rank {self.ranks[i]} ({kind}): micro-batch {plan.micro_batch_sizes[i]} is over "
+                                 f"its stage-{self.stage} limit {kc.max_micro_batch}")
+            busy.append(float(kc.busy(plan.local_batch_sizes[i], plan.accum_steps[i])))
+        ordered = sorted(busy)
+        comm = self.comm_s(max(plan.accum_steps), ordered[-1] - ordered[-2] if len(busy) > 1 else 0.0)
+        return Prediction(step_s=max(busy) + comm, busy_s=busy, comm_s=comm, global_batch=plan.global_batch_size,
+                          seq_len=self.profile.model.seq_len)

@@ -1,0 +1,164 @@
+"""The planner: the best stage and allocation for a profiled cluster, beside the baselines.
+
+:func:`make_plan` plans every requested ZeRO stage with :func:`~poplar.planner.search.allocate`,
+computes the ``uniform`` and ``proportional`` baselines and the ``ideal`` bound on the
+same cost model, and picks the stage with the highest predicted throughput among those
+every device can run. A stage where some device cannot hold even one sample is left
+out, and said so; if that is every stage, those devices are left out of the plan (the
+job must then be launched without them), and said so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from poplar.plan import Plan
+from poplar.planner.cost import CostModel, Prediction
+from poplar.planner.search import Infeasible, allocate, ideal_samples_per_s, proportional, uniform
+from poplar.profile.profile import Profile
+
+ALLOCATIONS = {"poplar": allocate, "uniform": uniform, "proportional": proportional}
+
+
+class PlanningError(ValueError):
+    """No plan can be made; the message says what to change."""
+
+
+@dataclass
+class Allocation:
+    name: str
+    plan: Plan | None
+    predicted: Prediction | None
+    why_not: str = ""          # when plan is None
+
+
+@dataclass
+class StagePlan:
+    stage: int
+    ranks: list[int]                                   # profile ranks the plans are for
+    allocations: dict[str, Allocation] = field(default_factory=dict)
+    ideal_samples_per_s: float = 0.0
+    excluded: str = ""                                 # why this stage was left out
+
+    @property
+    def poplar(self) -> Allocation:
+        return self.allocations["poplar"]
+
+
+@dataclass
+class PlanResult:
+    """The chosen plan and everything the planner predicted on the way."""
+
+    plan: Plan
+    stage: int
+    predicted: Prediction
+    stages: dict[int, StagePlan]
+    ranks: list[int]                                   # profile rank of each plan entry
+    reason: str
+    excluded_ranks: list[int] = field(default_factory=list)
+    profile: Profile | None = None
+
+    def to_dict(self) -> dict:
+        """plan.json: the plan, what it is predicted to do, and how the alternatives compare."""
+        d = self.plan.to_dict()
+        d["predicted"] = self.predicted.to_dict()
+        d["meta"] = {
+            "reason": self.reason,
+            "ranks": self.ranks,
+            "excluded_ranks": self.excluded_ranks,
+            "device_kinds": [self.profile.ranks[r] for r in self.ranks] if self.profile else [],
+            "stages": {
+                s: ({"excluded": sp.excluded} if sp.excluded else {
+                    "ideal_samples_per_s": sp.ideal_samples_per_s,
+                    **{name: ({"plan": a.plan.to_dict(), "samples_per_s": a.predicted.samples_per_s,
+                               "step_s": a.predicted.step_s} if a.plan else {"infeasible": a.why_not})
+                       for name, a in sp.allocations.items()}})
+                for s, sp in self.stages.items()},
+        }
+        return d
+
+    def save(self, path) -> None:
+        import json
+        from pathlib import Path
+
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _rank_list(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int] | None = None) -> StagePlan:
+    """Poplar's allocation, both baselines and the ideal bound for one stage."""
+    ranks = ranks if ranks is not None else list(range(profile.world_size))
+    out = StagePlan(stage=stage, ranks=ranks)
+    if any(stage not in profile.devices[profile.ranks[r]].stages for r in ranks):
+        out.excluded = f"stage {stage} was not profiled"
+        return out
+    cost = CostModel(profile, stage, ranks)
+    unfit = [r for r in ranks if not cost.kinds[profile.ranks[r]].fits()]
+    if unfit:
+        kinds = sorted({profile.ranks[r] for r in unfit})
+        out.excluded = (f"{', '.join(kinds)} (rank {_rank_list(unfit)}) cannot hold the model and one sample "
+                        f"in stage {stage}")
+        return out
+    for name, fn in ALLOCATIONS.items():
+        try:
+            plan = fn(cost, global_batch)
+            out.allocations[name] = Allocation(name, plan, cost.predict(plan))
+        except Infeasible as e:
+            out.allocations[name] = Allocation(name, None, None, why_not=str(e))
+    if out.poplar.plan is None:
+        out.excluded = out.poplar.why_not
+    out.ideal_samples_per_s = ideal_samples_per_s(cost, global_batch)
+    return out
+
+
+def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanResult:
+    """Plan ``global_batch`` samples per step on the profiled cluster; see the module's docstring.
+
+    Raises :class:`PlanningError` when no stage can run (the message says what to change).
+    """
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise PlanningError(f"global batch {global_batch!r}: give a positive whole number of samples")
+    stages = sorted(set(stages))
+    if not stages or any(s not in (0, 1, 2, 3) for s in stages):
+        raise PlanningError(f"stages {stages}: choose among 0, 1, 2, 3")
+    world = profile.world_size
+    if global_batch < world:
+        raise PlanningError(
+            f"a global batch of {global_batch} cannot give each of the {world} ranks a sample: raise it to at "
+            f"least {world} (or, better, a few samples per rank), or launch fewer ranks")
+    every = list(range(world))
+    results = {s: plan_stage(profile, s, global_batch, every) for s in stages}
+    excluded_ranks: list[int] = []
+    if all(r.excluded for r in results.values()):
+        # can some devices never hold the model? then plan without them
+        never = [r for r in every
+                 if all(sp.max_micro_batch == 0 for s, sp in profile.devices[profile.ranks[r]].stages.items()
+                        if s in stages)]
+        if never and len(never) < world and global_batch >= world - len(never):
+            excluded_ranks = never
+            rest = [r for r in every if r not in never]
+            results = {s: plan_stage(profile, s, global_batch, rest) for s in stages}
+        if all(r.excluded for r in results.values()):
+            why = "; ".join(f"stage {s}: {r.excluded}" for s, r in results.items())
+            raise PlanningError(f"no stage can run this job: {why}. Use a smaller model or sequence, devices with "
+                                "more memory, or profile the higher ZeRO stages")
+    feasible = {s: r for s, r in results.items() if not r.excluded}
+    ranked = sorted(feasible, key=lambda s: -feasible[s].poplar.predicted.samples_per_s)
+    best = ranked[0]
+    pred = feasible[best].poplar.predicted
+    reason = f"stage {best}: {pred.samples_per_s:.1f} samples/s predicted (step {1000 * pred.step_s:.1f} ms)"
+    if len(ranked) > 1:
+        nxt = feasible[ranked[1]].poplar.predicted
+        reason += f", {100 * (pred.samples_per_s / nxt.samples_per_s - 1):.1f}% above stage {ranked[1]}, the next best"
+    left_out = [f"stage {s} left out: {r.excluded}" for s, r in results.items() if r.excluded]
+    if left_out:
+        reason += "; " + "; ".join(left_out)
+    if excluded_ranks:
+        kinds = sorted({profile.ranks[r] for r in excluded_ranks})
+        reason += (f". Rank {_rank_list(excluded_ranks)} ({', '.join(kinds)}) cannot hold the model in any stage "
+                   f"profiled: this plan is for the other {world - len(excluded_ranks)} ranks; launch without them")
+    return PlanResult(plan=feasible[best].poplar.plan, stage=best, predicted=pred, stages=results,
+                      ranks=feasible[best].ranks, reason=reason, excluded_ranks=excluded_ranks, profile=profile)

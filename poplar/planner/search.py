@@ -1,0 +1,225 @@
+"""Batch allocation: every rank's samples and accumulation steps for the least step time.
+
+For a stage and a global batch ``B``, each rank ``r`` takes ``b_r >= 1`` samples in
+``a_r`` near-equal micro-batches no larger than its memory limit, ``sum b_r = B``,
+and the step lasts ``max_r busy_r(b_r, a_r)`` plus the stage's exposed communication.
+
+The search works on time thresholds. For a threshold ``t`` every rank can take any
+number of samples from its floor (1, or ``a`` in ZeRO-2/3) up to ``cap_r(t)``, the most
+it finishes within ``t``: a rank's busy time never falls when it takes more samples,
+so what it can take under ``t`` is an interval. ``B`` is reachable within ``t`` exactly
+when the floors and caps bracket it, so the least feasible ``t`` is found by bisection
+over the finitely many busy times the ranks can have, and no allocation finishes
+sooner. Then every rank gets what it can take under the next lower threshold and the
+few samples left go to the ranks that reach ``t``: the fast devices get more, every
+rank is as close to the slowest as whole samples allow.
+
+Ranks of one kind share their tables, so planning 1,024 ranks of 6 kinds costs about
+as much as planning 6.
+
+- ZeRO-0/1 synchronise once per step: every rank has its own accumulation count, the
+  fewest its memory allows for its samples, unless more is predicted faster (one or
+  two more, or the count that brings its micro-batches to its most efficient size).
+- ZeRO-2/3 synchronise on every micro-step: one count for all ranks, the fewest that
+  lets the cluster's memory hold the batch, unless more is predicted faster (likewise).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from poplar.plan import Plan
+from poplar.planner.cost import CostModel, KindCost
+
+EXTRA_ACCUM = 2        # accumulation counts tried above the fewest memory allows
+
+
+class Infeasible(ValueError):
+    """No plan of this kind exists; the message says why and what to change."""
+
+
+def _target_sizes(kc: KindCost, n: int = 24) -> np.ndarray:
+    """Micro-batch sizes worth aiming at: spread over 1..max, and the most efficient one."""
+    m = kc.max_micro_batch
+    grid = np.concatenate([np.geomspace(1, m, n), np.linspace(1, m, n), [kc.best_micro_batch]])
+    return np.unique(np.clip(np.round(grid).astype(int), 1, m))
+
+
+def _free_accum_table(kc: KindCost, max_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """Busy time and accumulation count for ``b = 1..max_samples`` samples, choosing the count.
+
+    Counts tried: the fewest memory allows and a couple more, and those that cut the
+    samples into micro-batches of about each of a spread of sizes (a curve that bends
+    upwards at its largest sizes makes more, smaller micro-batches faster). Ties go to
+    the fewer micro-steps.
+    """
+    b = np.arange(1, max_samples + 1)
+    a_min = -(-b // kc.max_micro_batch)
+    best_t = kc.busy(b, a_min)
+    best_a = a_min.copy()
+    tries = [a_min + extra for extra in range(1, EXTRA_ACCUM + 1)] + [-(-b // m) for m in _target_sizes(kc)]
+    for a in tries:
+        ok = a <= b
+        t = np.where(ok, kc.busy(b, np.minimum(a, b)), np.inf)
+        better = (t < best_t * (1 - 1e-9)) | ((t <= best_t * (1 + 1e-9)) & (a < best_a))
+        best_t, best_a = np.where(better, t, best_t), np.where(better, a, best_a)
+    return best_t, best_a
+
+
+def _level(tables: dict[str, tuple[int, np.ndarray]], counts: dict[str, int], total: int) -> dict[str, tuple[int, int]]:
+    """Per kind ``(floor, top)`` samples such that floors <= total <= tops summed over ranks, at the least time.
+
+    ``tables[kind] = (first, times)``: ``times[i]`` is the busy time at ``first + i``
+    samples, non-decreasing.
+    """
+    candidates = np.unique(np.concatenate([t for _, t in tables.values()]))
+
+    def caps(threshold: float) -> dict[str, int]:
+        return {k: first + int(np.searchsorted(t, threshold, side="right")) - 1 for k, (first, t) in tables.items()}
+
+    def reach(c: dict[str, int]) -> int:
+        return sum(counts[k] * max(tables[k][0], v) for k, v in c.items())
+
+    lo, hi = 0, len(candidates) - 1            # reach(candidates[hi]) >= total is checked by the caller
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if reach(caps(candidates[mid])) >= total:
+            hi = mid
+        else:
+            lo = mid + 1
+    top = caps(candidates[lo])
+    below = caps(candidates[lo - 1]) if lo > 0 else {k: tables[k][0] for k in tables}
+    return {k: (max(tables[k][0], below[k]), max(tables[k][0], top[k])) for k in tables}
+
+
+def _spread(rank_kinds: list[str], level: dict[str, tuple[int, int]], total: int) -> list[int]:
+    """Floors for every rank, then the remainder one sample at a time over ranks with room, round-robin."""
+    samples = [level[k][0] for k in rank_kinds]
+    left = total - sum(samples)
+    while left > 0:
+        moved = False
+        for i, k in enumerate(rank_kinds):
+            if left and samples[i] < level[k][1]:
+                samples[i] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            raise AssertionError("the level search guarantees room for the whole batch")
+    return samples
+
+
+def allocate(cost: CostModel, global_batch: int) -> Plan:
+    """The plan with the least predicted step time for ``cost``'s stage and ranks."""
+    n = len(cost.ranks)
+    counts = {k: cost.rank_kinds.count(k) for k in cost.kinds}
+    too_small = [k for k, kc in cost.kinds.items() if not kc.fits()]
+    if too_small:
+        raise Infeasible(f"{', '.join(too_small)} cannot hold micro-batch 1 in stage {cost.stage}")
+    if global_batch < n:
+        raise Infeasible(f"a global batch of {global_batch} cannot give each of the {n} ranks a sample")
+    if cost.stage <= 1:
+        most = global_batch - (n - 1)
+        free = {k: _free_accum_table(kc, most) for k, kc in cost.kinds.items()}
+        # np.maximum.accumulate: a busy time that dips after a jump in accumulation counts as
+        # the higher one, so each rank's feasible samples under a threshold stay an interval
+        tables = {k: (1, np.maximum.accumulate(t)) for k, (t, _) in free.items()}
+        samples = _spread(cost.rank_kinds, _level(tables, counts, global_batch), global_batch)
+        accum = [int(free[k][1][b - 1]) for k, b in zip(cost.rank_kinds, samples)]
+        return Plan.from_local_batches(cost.stage, samples, accum)
+    capacity = sum(counts[k] * kc.max_micro_batch for k, kc in cost.kinds.items())
+    a_lo, a_hi = -(-global_batch // capacity), global_batch // n
+    if a_lo > a_hi:
+        raise Infeasible(f"stage {cost.stage} runs the same number of micro-steps on every rank; no count fits "
+                         f"{global_batch} samples on {n} ranks within memory (it needs at least {a_lo} micro-steps "
+                         f"for memory, and at most {a_hi} leave every rank a sample each)")
+    # counts that fill the devices' micro-batches to a spread of fractions of their limits,
+    # then the neighbours of the best of those
+    fill = np.geomspace(1.0, 1.0 / max(kc.max_micro_batch for kc in cost.kinds.values()), 32)
+    tries = {int(x) for x in np.ceil(global_batch / (fill * capacity))} | set(range(a_lo, a_lo + EXTRA_ACCUM + 1))
+    found: dict[int, tuple[float, Plan]] = {}
+
+    def attempt(a: int) -> None:
+        if a_lo <= a <= a_hi and a not in found:
+            tables = {k: (a, kc.busy(np.arange(a, a * kc.max_micro_batch + 1), a)) for k, kc in cost.kinds.items()}
+            samples = _spread(cost.rank_kinds, _level(tables, counts, global_batch), global_batch)
+            plan = Plan.from_local_batches(cost.stage, samples, a)
+            found[a] = (cost.predict(plan).step_s, plan)
+
+    for a in sorted(tries):
+        attempt(a)
+    best = min(found, key=lambda a: (found[a][0], a))
+    for a in range(best - 3, best + 4):
+        attempt(a)
+    best = min(found, key=lambda a: (round(found[a][0], 12), a))
+    return found[best][1]
+
+
+# ---------------------------------------------------------------------------- baselines
+def uniform(cost: CostModel, global_batch: int) -> Plan:
+    """DeepSpeed-style: the same micro-batch and accumulation everywhere, sized for the smallest device.
+
+    Every rank takes ``B / N`` samples (one more on the first ``B mod N`` ranks, where
+    ``N`` does not divide ``B``) in the fewest micro-steps the smallest device's memory allows.
+    """
+    n = len(cost.ranks)
+    if global_batch < n:
+        raise Infeasible(f"a global batch of {global_batch} cannot give each of the {n} ranks a sample")
+    smallest = min(kc.max_micro_batch for kc in cost.kinds.values())
+    if smallest < 1:
+        raise Infeasible(f"a device cannot hold micro-batch 1 in stage {cost.stage}")
+    q, r = divmod(global_batch, n)
+    samples = [q + 1] * r + [q] * (n - r)
+    accum = -(-max(samples) // smallest)
+    if accum > q:
+        raise Infeasible(f"{global_batch} samples over {n} ranks need {accum} micro-steps of at most {smallest}, "
+                         "more than the ranks with fewer samples can run")
+    return Plan.from_local_batches(cost.stage, samples, accum)
+
+
+def peak_throughput(kc: KindCost) -> float:
+    """A device's peak samples/s over one micro-batch of each profiled size (its 'speed')."""
+    m = np.arange(1, kc.max_micro_batch + 1)
+    return float(np.max(m / kc.busy(m, 1)))
+
+
+def proportional(cost: CostModel, global_batch: int) -> Plan:
+    """Whale-style: samples in proportion to each device's peak speed, memory met by accumulation only.
+
+    The split ignores the shape of each device's curve and its memory limit; a rank
+    whose share does not fit in one micro-batch accumulates (in ZeRO-2/3 every rank then
+    runs the most micro-steps any rank needs).
+    """
+    n = len(cost.ranks)
+    if global_batch < n:
+        raise Infeasible(f"a global batch of {global_batch} cannot give each of the {n} ranks a sample")
+    if any(not kc.fits() for kc in cost.kinds.values()):
+        raise Infeasible(f"a device cannot hold micro-batch 1 in stage {cost.stage}")
+    speed = np.array([peak_throughput(cost.kinds[k]) for k in cost.rank_kinds])
+    share = 1 + (global_batch - n) * speed / speed.sum()            # at least one sample each
+    samples = np.floor(share).astype(int)
+    for i in np.argsort(-(share - samples), kind="stable")[: global_batch - samples.sum()]:
+        samples[i] += 1                                                 # largest remainders
+    limits = [cost.kinds[k].max_micro_batch for k in cost.rank_kinds]
+    accum = [-(-int(b) // m) for b, m in zip(samples, limits)]
+    if cost.stage >= 2:
+        a = max(accum)
+        while samples.min() < a:      # a rank must have a sample for every micro-step: move the surplus
+            i, j = int(np.argmin(samples)), int(np.argmax(samples))
+            samples[i] += 1
+            samples[j] -= 1
+            a = max(-(-int(b) // m) for b, m in zip(samples, limits))
+        accum = [a] * n
+    return Plan.from_local_batches(cost.stage, [int(b) for b in samples], accum)
+
+
+def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
+    """The bound: every device at its own best throughput, nobody waiting, no communication.
+
+    A device's best: the most samples/s it reaches alone at any local batch up to the
+    global batch, in any accumulation count the planner would consider.
+    """
+    per_kind = {}
+    for k, kc in cost.kinds.items():
+        t, _ = _free_accum_table(kc, global_batch)
+        per_kind[k] = float(np.max(np.arange(1, global_batch + 1) / t))
+    return sum(per_kind[k] for k in cost.rank_kinds)
