@@ -123,5 +123,48 @@ def profile(
         console.print(f"wrote {plot_profile(prof, plot)}")
 
 
+@app.command()
+def plan(
+    profile: Path = typer.Option(..., help="a profile written by `poplar profile`"),
+    global_batch: int = typer.Option(..., help="samples per optimizer step, over all ranks"),
+    stages: str = typer.Option("0,1,2,3", help="ZeRO stages to consider, comma-separated"),
+    out: Path = typer.Option(Path("plan.json"), help="where to write the chosen plan (JSON)"),
+    all_stages: bool = typer.Option(False, "--all-stages", help="print every stage's per-rank table, "
+                                                                  "not only the chosen one's"),
+) -> None:
+    """Choose the ZeRO stage and every rank's micro-batch and accumulation for the most throughput."""
+    from rich.console import Console
+
+    from poplar.planner import PlanningError, make_plan
+    from poplar.planner.report import comparison_table, stage_table
+    from poplar.profile.profile import Profile
+
+    console = Console()
+    try:
+        stage_list = sorted({int(s) for s in stages.split(",") if s.strip()})
+    except ValueError:
+        stage_list = []
+    try:
+        if not stage_list or any(s not in (0, 1, 2, 3) for s in stage_list):
+            raise ValueError(f"--stages {stages!r}: give stages from 0, 1, 2, 3, e.g. 0,1,2,3")
+        if not profile.exists():
+            raise ValueError(f"--profile {profile}: no such file; write one with `poplar profile`")
+        try:
+            prof = Profile.load(profile)
+        except Exception as e:   # pydantic or JSON: say which file, keep the first lines
+            raise ValueError(f"--profile {profile}: not a Poplar profile: {str(e).splitlines()[0]}") from None
+        result = make_plan(prof, global_batch, stage_list)
+    except (ValueError, PlanningError) as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    for s, sp in result.stages.items():
+        if not sp.excluded and (all_stages or s == result.stage):
+            console.print(stage_table(result, sp))
+    console.print(comparison_table(result))
+    console.print(f"[bold]chosen:[/] {result.reason}")
+    result.save(out)
+    console.print(f"wrote {out} ({result.plan})")
+
+
 if __name__ == "__main__":
     app()

@@ -57,7 +57,7 @@ class KindCost:
             if not sp.points:
                 raise ValueError(f"{kind}: the profile has no measured points for a stage where micro-batch "
                                  f"{self.max_micro_batch} fits; profile it again")
-            raw = np.array([sp.time(x) for x in m]) - self.per_step_s
+            raw = np.asarray(sp.time(m)) - self.per_step_s
         else:
             raw = np.zeros(0)
         # g[m] for m = 0..M+1 (g[0] and g[M+1] are never weighted: helpers for vectorised sums)
@@ -71,6 +71,12 @@ class KindCost:
         """The micro-batch size with the most samples per second of forward and backward."""
         m = np.arange(1, self.max_micro_batch + 1)
         return int(m[np.argmax(m / self.g[1:self.max_micro_batch + 1])]) if self.max_micro_batch else 0
+
+    @property
+    def cheapest_sample_s(self) -> float:
+        """The least forward+backward time per sample at any micro-batch size."""
+        m = np.arange(1, self.max_micro_batch + 1)
+        return float(np.min(self.g[1:self.max_micro_batch + 1] / m))
 
     def fits(self) -> bool:
         return self.max_micro_batch > 0
@@ -131,6 +137,7 @@ class CostModel:
                              "or leave it out (--stages)")
         self.kinds: dict[str, KindCost] = {k: KindCost(k, self.profile.stage(k, self.stage)) for k in dict.fromkeys(kinds)}
         self.rank_kinds = kinds
+        self._rank_index = {k: np.array([i for i, x in enumerate(kinds) if x == k]) for k in self.kinds}
 
     # -- communication ------------------------------------------------------------------
     def _coll(self, which: str, numel: float) -> float:
@@ -175,14 +182,18 @@ class CostModel:
             raise ValueError(f"the plan has {plan.world_size} ranks, the cost model {len(self.ranks)}")
         if plan.zero_stage != self.stage:
             raise ValueError(f"the plan is for stage {plan.zero_stage}, the cost model for stage {self.stage}")
-        busy = []
-        for i, kind in enumerate(self.rank_kinds):
+        samples, accum = np.array(plan.local_batch_sizes), np.array(plan.accum_steps)
+        busy_arr = np.zeros(len(self.ranks))
+        for kind, idx in self._rank_index.items():
             kc = self.kinds[kind]
-            if plan.micro_batch_sizes[i] > kc.max_micro_batch:
+            over = [i for i in idx if plan.micro_batch_sizes[i] > kc.max_micro_batch]
+            if over:
+                i = over[0]
                 raise ValueError(f"rank {self.ranks[i]} ({kind}): micro-batch {plan.micro_batch_sizes[i]} is over "
                                  f"its stage-{self.stage} limit {kc.max_micro_batch}")
-            busy.append(float(kc.busy(plan.local_batch_sizes[i], plan.accum_steps[i])))
-        ordered = sorted(busy)
-        comm = self.comm_s(max(plan.accum_steps), ordered[-1] - ordered[-2] if len(busy) > 1 else 0.0)
+            busy_arr[idx] = kc.busy(samples[idx], accum[idx])
+        busy = busy_arr.tolist()
+        top2 = np.sort(busy_arr)[-2:]
+        comm = self.comm_s(int(accum.max()), float(top2[-1] - top2[0]) if len(busy) > 1 else 0.0)
         return Prediction(step_s=max(busy) + comm, busy_s=busy, comm_s=comm, global_batch=plan.global_batch_size,
                           seq_len=self.profile.model.seq_len)

@@ -38,22 +38,21 @@ class Infeasible(ValueError):
     """No plan of this kind exists; the message says why and what to change."""
 
 
-def _target_sizes(kc: KindCost, n: int = 24) -> np.ndarray:
+def _target_sizes(kc: KindCost, n: int = 12) -> np.ndarray:
     """Micro-batch sizes worth aiming at: spread over 1..max, and the most efficient one."""
     m = kc.max_micro_batch
     grid = np.concatenate([np.geomspace(1, m, n), np.linspace(1, m, n), [kc.best_micro_batch]])
     return np.unique(np.clip(np.round(grid).astype(int), 1, m))
 
 
-def _free_accum_table(kc: KindCost, max_samples: int) -> tuple[np.ndarray, np.ndarray]:
-    """Busy time and accumulation count for ``b = 1..max_samples`` samples, choosing the count.
+def _free_accum_table(kc: KindCost, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Busy time and accumulation count for each number of samples in ``b``, choosing the count.
 
     Counts tried: the fewest memory allows and a couple more, and those that cut the
     samples into micro-batches of about each of a spread of sizes (a curve that bends
     upwards at its largest sizes makes more, smaller micro-batches faster). Ties go to
     the fewer micro-steps.
     """
-    b = np.arange(1, max_samples + 1)
     a_min = -(-b // kc.max_micro_batch)
     best_t = kc.busy(b, a_min)
     best_a = a_min.copy()
@@ -118,8 +117,14 @@ def allocate(cost: CostModel, global_batch: int) -> Plan:
     if global_batch < n:
         raise Infeasible(f"a global batch of {global_batch} cannot give each of the {n} ranks a sample")
     if cost.stage <= 1:
-        most = global_batch - (n - 1)
-        free = {k: _free_accum_table(kc, most) for k, kc in cost.kinds.items()}
+        # Tables need not go beyond what a rank could take within the time of an even split
+        # (a feasible plan): its busy time is at least its per-step part plus its samples at
+        # its cheapest per-sample cost.
+        even = -(-global_batch // n)
+        bound = max(float(kc.busy(even, -(-even // kc.max_micro_batch))) for kc in cost.kinds.values())
+        most = {k: int(min(global_batch - (n - 1), max(even, (bound - kc.per_step_s) / kc.cheapest_sample_s + 1)))
+                for k, kc in cost.kinds.items()}
+        free = {k: _free_accum_table(kc, np.arange(1, most[k] + 1)) for k, kc in cost.kinds.items()}
         # np.maximum.accumulate: a busy time that dips after a jump in accumulation counts as
         # the higher one, so each rank's feasible samples under a threshold stay an interval
         tables = {k: (1, np.maximum.accumulate(t)) for k, (t, _) in free.items()}
@@ -194,7 +199,8 @@ def proportional(cost: CostModel, global_batch: int) -> Plan:
         raise Infeasible(f"a global batch of {global_batch} cannot give each of the {n} ranks a sample")
     if any(not kc.fits() for kc in cost.kinds.values()):
         raise Infeasible(f"a device cannot hold micro-batch 1 in stage {cost.stage}")
-    speed = np.array([peak_throughput(cost.kinds[k]) for k in cost.rank_kinds])
+    peak = {k: peak_throughput(kc) for k, kc in cost.kinds.items()}
+    speed = np.array([peak[k] for k in cost.rank_kinds])
     share = 1 + (global_batch - n) * speed / speed.sum()            # at least one sample each
     samples = np.floor(share).astype(int)
     for i in np.argsort(-(share - samples), kind="stable")[: global_batch - samples.sum()]:
@@ -216,10 +222,13 @@ def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
     """The bound: every device at its own best throughput, nobody waiting, no communication.
 
     A device's best: the most samples/s it reaches alone at any local batch up to the
-    global batch, in any accumulation count the planner would consider.
+    global batch (every size up to 4,096, then 512 sizes spread up to the batch), in any
+    accumulation count the planner would consider.
     """
+    b = np.unique(np.concatenate([np.arange(1, min(global_batch, 4096) + 1),
+                                  np.round(np.geomspace(1, global_batch, 512)).astype(int)]))
     per_kind = {}
     for k, kc in cost.kinds.items():
-        t, _ = _free_accum_table(kc, global_batch)
-        per_kind[k] = float(np.max(np.arange(1, global_batch + 1) / t))
+        t, _ = _free_accum_table(kc, b)
+        per_kind[k] = float(np.max(b / t))
     return sum(per_kind[k] for k in cost.rank_kinds)

@@ -29,18 +29,20 @@ class StageProfile(BaseModel):
                               "(the optimizer update); 0 if not measured")
     note: str = ""
 
-    def time(self, micro_batch: float) -> float:
-        """Seconds of a step with one micro-batch of this size (spline through the points)."""
+    def time(self, micro_batch):
+        """Seconds of a step with one micro-batch of this size (spline through the points); arrays allowed."""
         if not self.points:
             raise ValueError(f"no measured points{': ' + self.note if self.note else ''}")
         m = np.array([p[0] for p in self.points], dtype=float)
         t = np.array([p[1] for p in self.points], dtype=float)
+        x = np.asarray(micro_batch, dtype=float)
         if len(m) == 1:
-            return float(t[0] * micro_batch / m[0])
-        if len(m) == 2:
-            return float(np.interp(micro_batch, m, t, left=None, right=None) if m[0] <= micro_batch <= m[1]
-                         else t[0] + (t[1] - t[0]) * (micro_batch - m[0]) / (m[1] - m[0]))
-        return float(CubicSpline(m, t, bc_type="natural")(micro_batch))
+            out = t[0] * x / m[0]
+        elif len(m) == 2:
+            out = t[0] + (t[1] - t[0]) * (x - m[0]) / (m[1] - m[0])
+        else:
+            out = CubicSpline(m, t, bc_type="natural")(x)
+        return float(out) if np.ndim(out) == 0 else out
 
     def throughput(self, micro_batch: float) -> float:
         """Samples per second at this micro-batch size."""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import poplar
 from poplar.launch import spawn
 from poplar.profile import Profile
 from poplar.profile.profiler import cache_key, point_sizes, profile_cluster
@@ -38,6 +39,12 @@ def test_half_speed_device_profiles_at_twice_the_time(cache_dir):
     ratios = [h[1] / f[1] for f, h in zip(fast.points, half.points)]
     # 25%: the host's two vCPUs can differ in speed for a whole run (see tests/emulate)
     assert statistics.median(ratios) == pytest.approx(2.0, rel=0.25), ratios
+    # what the planner needs besides the points: the update's share of a step, how the ranks
+    # synchronise on a balanced plan, and the units (gradient buckets)
+    for sp in (fast, half):
+        assert 0 < sp.per_step_s < min(t for _, t in sp.points)
+    assert prof.comm.sync_s[0] >= 0 and prof.comm.sync_accum[0] >= 1
+    assert sum(prof.model.unit_numels) == prof.model.n_params
 
 
 def test_second_run_reads_the_cache_and_a_changed_device_does_not(cache_dir):
@@ -80,6 +87,14 @@ def test_cli_profiles_a_preset_and_rejects_a_bad_cluster_file(tmp_path):
     assert prof.ranks == ["big-mem", "small-mem"]
     assert prof.stage("big-mem", 0).max_micro_batch > prof.stage("small-mem", 0).max_micro_batch
     assert "wrote" in run.stdout
+    # the profile is what `poplar plan` reads
+    run = subprocess.run([sys.executable, "-m", "poplar.cli.main", "plan", "--profile", str(tmp_path / "p.json"),
+                          "--global-batch", "50", "--out", str(tmp_path / "plan.json")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    plan = poplar.Plan.load(tmp_path / "plan.json")
+    assert plan.zero_stage == 0 and plan.global_batch_size == 50
+    assert plan.local_batch_sizes[0] >= plan.local_batch_sizes[1]   # same speed, the big card has the memory
     bad = tmp_path / "bad.yaml"
     bad.write_text("devices:\n  - kind: x\n    speed: 0\n    memory_gb: 1\n")
     run = subprocess.run([sys.executable, "-m", "poplar.cli.main", "profile", "--cluster", str(bad)], cwd=ROOT,

@@ -1,0 +1,29 @@
+"""Profiles given as exact points, so that the best plan is known."""
+
+from __future__ import annotations
+
+from poplar.profile.profile import CommProfile, DeviceProfile, ModelInfo, Profile, StageProfile
+
+
+def affine_stage(alpha: float, beta: float, max_mbs: int, per_step: float = 0.0) -> StageProfile:
+    """A step of one micro-batch of ``m`` takes ``per_step + alpha + beta * m`` (points on a line, so the
+    natural spline through them is that line)."""
+    sizes = sorted({1, max(1, max_mbs // 2), max_mbs}) if max_mbs > 0 else []
+    return StageProfile(max_micro_batch=max_mbs, state_bytes=0, per_step_s=per_step,
+                        points=[(m, per_step + alpha + beta * m) for m in sizes])
+
+
+def make_profile(kinds: dict[str, tuple[int, float, float, int]], stages=(0, 1, 2, 3), per_step: float = 0.0,
+                 comm: CommProfile | None = None, seq_len: int = 16, max_by_stage=None) -> Profile:
+    """``kinds[name] = (count, alpha, beta, max_micro_batch)``; ranks in the dict's order.
+
+    ``max_by_stage[name][stage]`` overrides a kind's limit in one stage.
+    """
+    devices, ranks = {}, []
+    for name, (count, alpha, beta, max_mbs) in kinds.items():
+        limits = {s: (max_by_stage or {}).get(name, {}).get(s, max_mbs) for s in stages}
+        devices[name] = DeviceProfile(kind=name, memory_gb=1.0, stages={
+            s: affine_stage(alpha, beta, limits[s], per_step) for s in stages})
+        ranks += [name] * count
+    return Profile(model=ModelInfo(name="synthetic", n_params=1000, seq_len=seq_len, unit_numels=[400, 300, 300]),
+                   ranks=ranks, devices=devices, comm=comm)

@@ -1,0 +1,62 @@
+"""The cost model's arithmetic, on profiles whose answers are known."""
+
+import pytest
+
+from poplar.plan import Plan
+from poplar.planner import CostModel
+from poplar.profile.profile import CommProfile
+from tests.planner.profiles import make_profile
+
+KINDS = {"fast": (1, 0.010, 0.001, 8), "slow": (2, 0.020, 0.004, 4)}
+
+
+def test_busy_time_of_near_equal_micro_batches_and_the_optimizer_once():
+    cost = CostModel(make_profile(KINDS, per_step=0.005), 0)
+    # fast: 11 samples in 2 micro-batches (6 + 5): 2 * 0.010 + 11 * 0.001, plus the update once
+    # slow: 7 samples in 2 micro-batches (4 + 3): 2 * 0.020 + 7 * 0.004, plus the update once
+    plan = Plan.from_local_batches(0, [11, 7, 7], [2, 2, 2])
+    pred = cost.predict(plan)
+    assert pred.busy_s == pytest.approx([0.031 + 0.005, 0.068 + 0.005, 0.068 + 0.005])
+    assert pred.step_s == pytest.approx(0.073)          # no collectives profiled: nothing exposed
+    assert pred.idle_s == pytest.approx([0.037, 0.0, 0.0])
+    assert pred.samples_per_s == pytest.approx(25 / 0.073)
+    assert pred.tokens_per_s == pytest.approx(16 * 25 / 0.073)
+
+
+def test_a_measured_dip_does_not_make_a_larger_micro_batch_cheaper():
+    prof = make_profile({"a": (1, 0.01, 0.001, 8)})
+    prof.devices["a"].stages[0].points = [(1, 0.011), (4, 0.020), (6, 0.016), (8, 0.022)]
+    g = CostModel(prof, 0).kinds["a"].g
+    assert all(g[i + 1] >= g[i] for i in range(1, 8))
+
+
+def test_plans_over_the_memory_limit_or_for_another_stage_are_refused():
+    cost = CostModel(make_profile(KINDS), 1)
+    with pytest.raises(ValueError, match="micro-batch 5 is over its stage-1 limit 4"):
+        cost.predict(Plan(1, [1, 5, 1], 1))
+    with pytest.raises(ValueError, match="plan is for stage 0"):
+        cost.predict(Plan(0, [1, 1, 1], 1))
+
+
+COMM = CommProfile(numel=1000, all_reduce_s=0.010, reduce_scatter_s=0.006, all_gather_s=0.004)
+
+
+@pytest.mark.parametrize("stage, accum, expected", [
+    (0, 3, 0.4 * 0.010),                          # the root's all-reduce (400 of 1,000 parameters)
+    (1, 3, 0.4 * 0.006 + 0.004),                  # its reduce-scatter, then the full parameter all-gather
+    (2, 3, 3 * 0.4 * 0.006 + 0.004),              # a reduce-scatter per micro-step, then the all-gather
+    (3, 3, 3 * 0.4 * (0.004 + 0.006)),            # gather and reduce-scatter the root per micro-step
+])
+def test_exposed_communication_per_stage(stage, accum, expected):
+    cost = CostModel(make_profile(KINDS, comm=COMM), stage)
+    assert cost.comm_s(accum) == pytest.approx(expected)
+
+
+def test_measured_synchronisation_is_absorbed_by_slack():
+    comm = COMM.model_copy(update={"sync_s": {3: 0.030}, "sync_accum": {3: 2}})
+    cost = CostModel(make_profile(KINDS, comm=comm), 3)
+    per_sync_collectives = 0.4 * (0.004 + 0.006)
+    drift = 0.015 - per_sync_collectives            # measured per micro-step, beyond the collectives
+    assert cost.comm_s(4) == pytest.approx(4 * 0.015)                       # balanced ranks: all of it
+    assert cost.comm_s(4, slack=4 * drift) == pytest.approx(4 * per_sync_collectives)   # fully absorbed
+    assert cost.comm_s(4, slack=2 * drift) == pytest.approx(4 * per_sync_collectives + 2 * drift)

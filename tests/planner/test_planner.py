@@ -1,0 +1,99 @@
+"""Choosing the stage, leaving out what cannot run, saying why; `poplar plan` on the command line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from poplar.plan import Plan
+from poplar.planner import PlanningError, make_plan
+from poplar.profile.profile import CommProfile
+from tests.planner.profiles import make_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+KINDS = {"big": (1, 0.008, 0.0015, 64), "small": (2, 0.025, 0.005, 16)}
+
+
+def test_chooses_the_stage_with_the_most_predicted_throughput_and_says_why():
+    # stage 0 gets the most memory headroom in this profile... but its all-reduce is slow
+    comm = CommProfile(numel=1000, all_reduce_s=0.5, reduce_scatter_s=0.001, all_gather_s=0.001)
+    prof = make_profile(KINDS, comm=comm, max_by_stage={"small": {0: 8, 1: 16, 2: 16, 3: 16}})
+    result = make_plan(prof, 120)
+    best = max((s for s, sp in result.stages.items()), key=lambda s: result.stages[s].poplar.predicted.samples_per_s)
+    assert result.stage == best != 0
+    assert result.plan.zero_stage == best and result.plan.global_batch_size == 120
+    assert f"stage {best}:" in result.reason and "above stage" in result.reason
+    assert result.predicted.step_s == result.stages[best].poplar.predicted.step_s
+
+
+def test_plan_json_holds_the_plan_and_what_it_predicts(tmp_path):
+    result = make_plan(make_profile(KINDS), 100)
+    result.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == result.plan      # the engine can read it back
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["predicted"]["samples_per_s"] == pytest.approx(result.predicted.samples_per_s)
+    assert set(data["meta"]["stages"]["0"]) == {"ideal_samples_per_s", "poplar", "uniform", "proportional"}
+    assert data["meta"]["device_kinds"] == ["big", "small", "small"]
+
+
+def test_ideal_bound_is_above_every_allocation():
+    result = make_plan(make_profile(KINDS, per_step=0.01), 200)
+    for sp in result.stages.values():
+        for alloc in sp.allocations.values():
+            assert alloc.predicted.samples_per_s <= sp.ideal_samples_per_s * (1 + 1e-9)
+
+
+def test_a_global_batch_smaller_than_the_cluster_says_what_to_do():
+    with pytest.raises(PlanningError, match="cannot give each of the 3 ranks a sample: raise it to at least 3"):
+        make_plan(make_profile(KINDS), 2)
+    with pytest.raises(PlanningError, match="positive whole number"):
+        make_plan(make_profile(KINDS), 0)
+
+
+def test_a_stage_a_device_cannot_hold_is_left_out_and_said_so():
+    prof = make_profile(KINDS, max_by_stage={"small": {0: 0, 1: 0}})
+    result = make_plan(prof, 64)
+    assert result.stage in (2, 3)
+    assert "stage 0 left out: small (rank 1, 2) cannot hold the model" in result.reason
+    assert result.stages[1].excluded and not result.stages[2].excluded
+
+
+def test_a_device_that_fits_no_stage_is_left_out_of_the_plan():
+    prof = make_profile(KINDS, max_by_stage={"small": {0: 0, 1: 0, 2: 0, 3: 0}})
+    result = make_plan(prof, 64)
+    assert result.excluded_ranks == [1, 2] and result.ranks == [0]
+    assert result.plan.world_size == 1 and result.plan.global_batch_size == 64
+    assert "launch without them" in result.reason
+
+
+def test_no_stage_and_no_device_can_run():
+    prof = make_profile({"x": (2, 0.01, 0.001, 0)})
+    with pytest.raises(PlanningError, match="no stage can run this job"):
+        make_plan(prof, 8)
+
+
+def test_cli_writes_a_plan_and_rejects_bad_input(tmp_path):
+    profile = tmp_path / "profile.json"
+    make_profile(KINDS, per_step=0.004).save(profile)
+    env = {**os.environ, "COLUMNS": "200"}
+    cmd = [sys.executable, "-m", "poplar.cli.main", "plan", "--profile", str(profile)]
+    run = subprocess.run(cmd + ["--global-batch", "101", "--out", str(tmp_path / "plan.json")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    plan = Plan.load(tmp_path / "plan.json")
+    assert plan.global_batch_size == 101
+    for word in ("poplar", "uniform", "proportional", "ideal", "samples/s", "tokens/s", "busy ms", "idle ms",
+                 "chosen:"):
+        assert word in run.stdout, word
+    bad = subprocess.run(cmd + ["--global-batch", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "raise it to at least 3" in bad.stdout
+    missing = subprocess.run([sys.executable, "-m", "poplar.cli.main", "plan", "--profile", str(tmp_path / "no.json"),
+                              "--global-batch", "8"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "poplar profile" in missing.stdout
+    stages = subprocess.run(cmd + ["--global-batch", "8", "--stages", "0,5"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert stages.returncode == 2 and "--stages" in stages.stdout
