@@ -216,7 +216,7 @@ def _calibrate_sync(rank: int, world_size: int, stage: int, model_name: str, spe
     engine = poplar.initialize(build_model(model_name), optimizer, plan, device=device)
     batch = random_token_batch(model_name, plan.local_batch_size(rank))
     walls, busy = [], []
-    for i in range(1 + repeats):
+    for i in range(1 + 2 * repeats):
         engine.train_batch(batch, causal_lm_loss)
         if i:
             walls.append(device.step_wall_s)
