@@ -45,6 +45,7 @@ class EmulatedDevice(Device):
         self.step_wall_s = 0.0         # the whole step, as the clock on the wall saw it
         self.update_cpu_s = 0.0        # the part of compute_cpu_s spent in the optimizer update
         self.peak_bytes = 0            # model states + saved activations, at their highest
+        self.peak_state_bytes = 0      # model states alone at the start of a micro-step, at their highest
         self._active = False
 
     # -- speed --------------------------------------------------------------------------
@@ -119,6 +120,7 @@ class EmulatedDevice(Device):
         """
         seen: set[int] = set(state_storages)
         used = [state_bytes]
+        self.peak_state_bytes = max(self.peak_state_bytes, state_bytes)
         self._check(state_bytes, 0)
 
         def pack(t: torch.Tensor):

@@ -1,8 +1,9 @@
 """Measuring every device kind in every ZeRO stage, on an (emulated) cluster.
 
 Per stage, each rank
-1. builds the engine for that stage and takes one step at micro-batch 1, so the model
-   states it holds (optimizer states included) are all there;
+1. builds the engine for that stage and takes two steps of two micro-batches of 1, so
+   the model states it holds at their most (optimizer states, and the gradients
+   accumulated between micro-steps) are all there;
 2. finds the largest micro-batch that fits its memory: it grows the micro-batch, then
    bisects, running forward and backward on a local copy of the model under its
    device's memory accounting (the activations do not depend on the stage; the model
@@ -40,6 +41,7 @@ from poplar.models import MODEL_PRESETS, build_model, causal_lm_loss, random_tok
 from poplar.profile.profile import CommProfile, DeviceProfile, ModelInfo, Profile, StageProfile
 
 _OPTIMIZER_LR = 1e-4
+HEADROOM = 0.01      # of a device's memory, left free by the largest micro-batch the profiler reports
 
 
 def default_cache_dir() -> Path:
@@ -138,7 +140,9 @@ def profile_rank(rank: int, world_size: int, model_name: str, cluster: dict, sta
 
     for stage in stages:
         note(stage, "memory")
-        engine = poplar.initialize(build_model(model_name), optimizer, poplar.Plan(stage, [1] * world_size, 1),
+        # two micro-steps of one sample: the states held between micro-steps (accumulated
+        # gradients) count too, as they will in any plan that accumulates
+        engine = poplar.initialize(build_model(model_name), optimizer, poplar.Plan(stage, [1] * world_size, 2),
                                    device=device)
         state_before = engine.model_state_bytes()
         fits_one = largest_micro_batch(device, model_name, state_before, limit=1) == 1
@@ -150,10 +154,16 @@ def profile_rank(rank: int, world_size: int, model_name: str, cluster: dict, sta
                                     "note": "not timed: a device of this cluster does not fit micro-batch 1"}
             note(stage, "done")
             continue
-        engine.train_batch(random_token_batch(model_name, 1), causal_lm_loss)   # optimizer states now exist
-        state = engine.model_state_bytes()
+        engine.train_batch(random_token_batch(model_name, 2), causal_lm_loss)   # optimizer states now exist
+        device.peak_state_bytes = 0
+        engine.train_batch(random_token_batch(model_name, 2), causal_lm_loss)   # ... and so do gradients
+        state = max(engine.model_state_bytes(), device.peak_state_bytes)
         engine.close()
-        limit = largest_micro_batch(device, model_name, state, limit=max_micro_batch)
+        # 1% of the capacity kept free: what a step allocates beyond the probe's forward and
+        # backward grows a little with the micro-steps (measured: ~20 KB each for `tiny`),
+        # as a real allocator's fragmentation does
+        headroom = int(HEADROOM * device.capacity)
+        limit = largest_micro_batch(device, model_name, state + headroom, limit=max_micro_batch)
         sizes = torch.zeros(world_size, n_points, dtype=torch.int64)
         sizes[rank] = torch.tensor(point_sizes(limit, n_points))
         dist.all_reduce(sizes)
