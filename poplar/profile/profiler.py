@@ -159,9 +159,9 @@ def profile_rank(rank: int, world_size: int, model_name: str, cluster: dict, sta
         engine.train_batch(random_token_batch(model_name, 2), causal_lm_loss)   # ... and so do gradients
         state = max(engine.model_state_bytes(), device.peak_state_bytes)
         engine.close()
-        # 1% of the capacity kept free: what a step allocates beyond the probe's forward and
-        # backward grows a little with the micro-steps (measured: ~20 KB each for `tiny`),
-        # as a real allocator's fragmentation does
+        # 1% of the capacity kept free: the whole local batch sits on the device during a
+        # step (the engine moves it there at once), so with accumulation the inputs take
+        # more than in the probe's single micro-batch (520 bytes a sample for `tiny`)
         headroom = int(HEADROOM * device.capacity)
         limit = largest_micro_batch(device, model_name, state + headroom, limit=max_micro_batch)
         sizes = torch.zeros(world_size, n_points, dtype=torch.int64)

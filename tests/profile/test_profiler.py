@@ -64,7 +64,8 @@ def test_max_micro_batch_grows_with_memory_and_one_more_runs_out(tmp_path):
     big, small = prof.stage("big", 0).max_micro_batch, prof.stage("small", 0).max_micro_batch
     assert big > small > 0
     # the limit is real: the engine trains at it, accumulating too, and past it the device runs
-    # out. The limit keeps 1% of the memory free (0.16 MiB here; a sample takes 0.6 MiB), so one
+    # out. The limit keeps 1% of the memory free for the local batch's inputs, which stay on the
+    # device for the whole step (0.16 MiB here; a sample's activations take 0.6 MiB), so one
     # sample more may still squeeze into that headroom; two never do.
     assert spawn(train_at, 1, SMALL, small, 0, 2, timeout_s=60) == [None]
     error = spawn(train_at, 1, SMALL, small + 2, timeout_s=60)[0]
