@@ -209,11 +209,16 @@ def proportional(cost: CostModel, global_batch: int) -> Plan:
     accum = [-(-int(b) // m) for b, m in zip(samples, limits)]
     if cost.stage >= 2:
         a = max(accum)
-        while samples.min() < a:      # a rank must have a sample for every micro-step: move the surplus
+        for _ in range(global_batch):     # a rank needs a sample for every micro-step: move the surplus
+            if samples.min() >= a:
+                break
             i, j = int(np.argmin(samples)), int(np.argmax(samples))
             samples[i] += 1
             samples[j] -= 1
             a = max(-(-int(b) // m) for b, m in zip(samples, limits))
+        if samples.min() < a:
+            raise Infeasible(f"no proportional split of {global_batch} samples gives every rank the {a} "
+                             f"micro-steps stage {cost.stage} needs")
         accum = [a] * n
     return Plan.from_local_batches(cost.stage, [int(b) for b in samples], accum)
 

@@ -169,6 +169,16 @@ def test_a_curve_bending_upwards_takes_more_smaller_micro_batches():
     assert cost.predict(plan).step_s < cost.predict(Plan(0, [16], [2])).step_s
 
 
+def test_baselines_that_cannot_split_the_batch_say_so():
+    # devices that hold one sample each: 5 samples need 3 micro-steps on one rank, and ZeRO-2
+    # wants as many on the other, which has only 2 samples; no split works, and none hangs
+    cost = CostModel(make_profile({"a": (2, 0.01, 0.001, 1)}), 2)
+    for fn in (proportional, uniform, allocate):
+        with pytest.raises(ValueError, match="micro-steps"):
+            fn(cost, 5)
+    assert allocate(cost, 6).accum_steps == (3, 3)
+
+
 def test_odd_global_batch_is_met_exactly():
     cost = CostModel(make_profile({"x": (3, 0.01, 0.002, 8)}), 2)
     plan = allocate(cost, 101)
