@@ -1,10 +1,10 @@
 """The heterogeneity-aware ZeRO engine: every rank its own micro-batch, exact updates.
 
-Every rank ``i`` runs ``accum_steps[i]`` micro-batches of ``micro_batch_sizes[i]``
-samples (or of near-equal sizes adding up to ``local_batch_sizes[i]``). A micro-batch's mean loss is weighted by ``its size / global batch`` before
-its backward pass, and gradients are *summed* over ranks, so the update equals that of
-one device computing the mean loss over the whole global batch, however unevenly the
-batch was spread.
+Every rank ``i`` runs ``accum_steps[i]`` micro-batches of at most ``micro_batch_sizes[i]``
+samples, near-equal and adding up to ``local_batch_sizes[i]``. A micro-batch's mean
+loss is weighted by ``its size / global batch`` before its backward pass, and gradients
+are *summed* over ranks, so the update equals that of one device computing the mean
+loss over the whole global batch, however unevenly the batch was spread.
 
 One mechanism serves all four ZeRO stages (see :mod:`poplar.engine.flat_param`):
 - gradients are collected per unit by post-accumulate-grad hooks; once every parameter
@@ -76,7 +76,6 @@ class Engine:
         plan.check_world_size(self.world_size)
         self.plan, self.config = plan, config
         self.rank_device = device or Device()
-        self.micro_batch_size = plan.micro_batch_sizes[self.rank]
         self.accum_steps = plan.accum_steps[self.rank]
         self.compute_dtype = _DTYPES[config.mixed_precision]
 
