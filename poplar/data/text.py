@@ -1,0 +1,143 @@
+"""Real text, tokenised and packed into fixed-length sequences, served as global batches.
+
+Sources (``load_text``):
+
+- ``"embedded"``: the Python Language Reference's topics that ship with every Python
+  installation (``pydoc_data.topics``, about 465,000 characters of English prose and
+  grammar). No network, no download: the default.
+- a path (a ``.txt`` file, or a directory of them): read through Hugging Face
+  ``datasets``' ``text`` builder.
+- ``"wikitext"``: ``wikitext-2-raw-v1`` from the Hugging Face hub, where a hub is
+  reachable (a clear error where it is not).
+
+Tokenisation: a byte-level BPE tokenizer trained here with Hugging Face ``tokenizers``
+on the text itself (cached on disk, keyed by the text and the vocabulary size), so
+nothing needs a hub. The token stream (documents joined by an end-of-text token) is cut
+into sequences of ``seq_len + 1`` tokens: inputs are the first ``seq_len``, targets the
+last ``seq_len``.
+
+Batches: :class:`GlobalBatches` orders the sequences by a seeded permutation per epoch,
+so global batch ``k`` is a pure function of ``(seed, k)``: resuming at step ``k`` gives
+exactly the batches an uninterrupted run would have seen, and every rank cuts its own
+slice (``plan.sample_range(rank)``) from the same global batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+EOT = "<|endoftext|>"
+MASK = "<|mask|>"      # for masked-LM training
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("POPLAR_DATA_CACHE", Path.home() / ".cache" / "poplar" / "data"))
+
+
+def embedded_text() -> list[str]:
+    """The Python Language Reference topics: real text that every Python installation has."""
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+def load_text(source: str = "embedded") -> list[str]:
+    """Documents (strings) from ``source``; see the module's docstring."""
+    if source == "embedded":
+        return embedded_text()
+    if source == "wikitext":
+        try:
+            from datasets import load_dataset
+
+            ds = load_dataset("wikitext", "wikitext-2-raw-v1", split="train")
+        except Exception as e:   # offline, hub unreachable, rate-limited...
+            raise RuntimeError(f"wikitext could not be loaded from the Hugging Face hub ({type(e).__name__}: "
+                               f"{str(e)[:200]}); use --data embedded or a local text file") from None
+        return [t for t in ds["text"] if t.strip()]
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"--data {source!r}: no such file or directory; give 'embedded', 'wikitext', "
+                                "a .txt file or a directory of .txt files")
+    files = sorted(str(p) for p in path.rglob("*.txt")) if path.is_dir() else [str(path)]
+    if not files:
+        raise ValueError(f"--data {source!r}: the directory holds no .txt file")
+    from datasets import load_dataset
+
+    ds = load_dataset("text", data_files=files, split="train", sample_by="paragraph")
+    docs = [t for t in ds["text"] if t.strip()]
+    if not docs:
+        raise ValueError(f"--data {source!r}: the text is empty")
+    return docs
+
+
+def train_tokenizer(docs: list[str], vocab_size: int = 2048):
+    """A byte-level BPE tokenizer trained on ``docs`` (cached on disk by content and size)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    digest = hashlib.sha256()
+    for d in docs:
+        digest.update(d.encode())
+    path = _cache_dir() / f"tokenizer-{digest.hexdigest()[:16]}-{vocab_size}.json"
+    if path.exists():
+        return Tokenizer.from_file(str(path))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT, MASK], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(docs, trainer=trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tok.save(str(tmp))
+    tmp.replace(path)
+    return tok
+
+
+def pack(docs: list[str], tokenizer, seq_len: int) -> torch.Tensor:
+    """Token ids of ``docs`` joined by end-of-text, cut into ``[n, seq_len + 1]`` (the tail dropped)."""
+    eot = tokenizer.token_to_id(EOT)
+    ids: list[int] = []
+    for enc in tokenizer.encode_batch(docs):
+        ids.extend(enc.ids)
+        ids.append(eot)
+    n = len(ids) // (seq_len + 1)
+    if n == 0:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one sequence of {seq_len + 1}: "
+                         "use more text or a shorter sequence")
+    return torch.tensor(ids[: n * (seq_len + 1)], dtype=torch.long).view(n, seq_len + 1)
+
+
+class GlobalBatches:
+    """Global batch ``k`` of ``global_batch`` sequences, the same on every rank and in every run.
+
+    Epoch ``e`` visits the sequences in the order of ``torch.randperm`` seeded by
+    ``(seed, e)``; batch ``k`` takes the next ``global_batch`` of that order (the last
+    partial batch of an epoch is dropped, so every batch is whole).
+    """
+
+    def __init__(self, sequences: torch.Tensor, global_batch: int, seed: int = 0):
+        if global_batch > len(sequences):
+            raise ValueError(f"global batch {global_batch} is larger than the {len(sequences)} sequences of the "
+                             "data: use more text, shorter sequences or a smaller batch")
+        self.sequences, self.global_batch, self.seed = sequences, global_batch, seed
+        self.per_epoch = len(sequences) // global_batch
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.sequences), generator=g)
+
+    def batch(self, step: int) -> torch.Tensor:
+        """The ``[global_batch, seq_len + 1]`` token ids of step ``step`` (0-based)."""
+        epoch, k = divmod(step, self.per_epoch)
+        idx = self._order(epoch)[k * self.global_batch:(k + 1) * self.global_batch]
+        return self.sequences[idx]
+
+    def local(self, step: int, plan, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``(inputs, targets)`` of step ``step``, by the plan's slice."""
+        lo, hi = plan.sample_range(rank)
+        tokens = self.batch(step)[lo:hi]
+        return tokens[:, :-1], tokens[:, 1:]

@@ -1,0 +1,92 @@
+"""Hugging Face transformers models built from a configuration: no download needed.
+
+Llama (causal LM) and BERT (masked LM) presets from tiny (a CPU test) upward. Their
+decoder and encoder layers live in ``nn.ModuleList``s, so the engine makes each layer a
+unit (one bucket, one ZeRO-3 gather) without being told.
+
+Losses take ``(inputs, targets)`` of packed text (:mod:`poplar.data.text`):
+
+- causal LM: the mean next-token cross-entropy over the micro-batch;
+- masked LM: a fixed number of positions per sequence (15%, chosen by a generator
+  seeded from the tokens themselves, so every rank and every run masks the same ones) is
+  replaced by the mask token, and the loss is the mean cross-entropy over those
+  positions. With the same count in every sequence, the mean over a micro-batch's masked
+  positions is the mean of per-sequence means, which the engine's per-sample weighting
+  turns into exactly the global batch's mean.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# name: (family, config). vocab_size is set from the tokenizer when the model is built.
+HF_PRESETS: dict[str, tuple[str, dict]] = {
+    "llama-tiny": ("llama", dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=256)),
+    "llama-small": ("llama", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                                  num_key_value_heads=4, max_position_embeddings=512)),
+    "llama-125m": ("llama", dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                                 num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048)),
+    "llama-350m": ("llama", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
+                                 num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048)),
+    "bert-tiny": ("bert", dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                               max_position_embeddings=256)),
+    "bert-small": ("bert", dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                                max_position_embeddings=512)),
+    "bert-base": ("bert", dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                               num_attention_heads=12, max_position_embeddings=512)),
+}
+MASK_FRACTION = 0.15
+
+
+def build_hf_model(name: str, vocab_size: int, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A freshly initialised model of preset ``name`` (any field of its config can be overridden)."""
+    if name not in HF_PRESETS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(HF_PRESETS)}")
+    family, cfg = HF_PRESETS[name]
+    cfg = {**cfg, **overrides, "vocab_size": vocab_size}
+    torch.manual_seed(seed)
+    if family == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(**cfg, tie_word_embeddings=False))
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(**cfg))
+
+
+def family(name: str) -> str:
+    return HF_PRESETS[name][0]
+
+
+def causal_lm_loss(model, batch) -> torch.Tensor:
+    inputs, targets = batch
+    logits = model(input_ids=inputs).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def masked_positions(tokens: torch.Tensor, fraction: float = MASK_FRACTION) -> torch.Tensor:
+    """The same number of positions in every sequence, chosen by a generator seeded from its tokens."""
+    n, length = tokens.shape
+    k = max(1, int(round(fraction * length)))
+    out = torch.empty(n, k, dtype=torch.long)
+    for i in range(n):
+        g = torch.Generator().manual_seed(int(tokens[i].sum()) * 31 + int(tokens[i, 0]))
+        out[i] = torch.randperm(length, generator=g)[:k]
+    return out
+
+
+def masked_lm_loss_fn(mask_token_id: int):
+    """The masked-LM loss for ``(inputs, targets)`` of packed text (``targets`` is unused)."""
+
+    def loss(model, batch) -> torch.Tensor:
+        inputs, _ = batch
+        pos = masked_positions(inputs).to(inputs.device)
+        corrupted = inputs.clone()
+        corrupted.scatter_(1, pos, mask_token_id)
+        logits = model(input_ids=corrupted).logits
+        picked = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
+        return F.cross_entropy(picked.reshape(-1, logits.size(-1)).float(), inputs.gather(1, pos).reshape(-1))
+
+    return loss
