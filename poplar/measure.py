@@ -16,32 +16,33 @@ import torch.distributed as dist
 
 import poplar
 from poplar.emulate import EmulatedDevice, parse_cluster
-from poplar.models import build_model, causal_lm_loss, random_token_batch
+from poplar.workload import Workload, as_workload
 
 
-def _measure_rank(rank: int, world_size: int, model_name: str, cluster: dict, plans: list[dict], steps: int,
+def _measure_rank(rank: int, world_size: int, workload: dict, cluster: dict, plans: list[dict], steps: int,
                   warmup: int, rounds: int) -> list[dict]:
+    wl = as_workload(workload)
     spec = parse_cluster(cluster)
     device = EmulatedDevice(spec.device(rank), rank, spec.host_slowdown())
     optimizer = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
     engines, batches = [], []
     for p in plans:
         plan = poplar.Plan.from_dict(p)
-        engines.append(poplar.initialize(build_model(model_name), optimizer, plan, device=device))
-        batches.append(random_token_batch(model_name, plan.local_batch_size(rank), seed=rank))
+        engines.append(poplar.initialize(wl.build(), optimizer, plan, device=device))
+        batches.append(wl.random_batch(plan.local_batch_size(rank), seed=rank))
     walls: list[list[float]] = [[] for _ in plans]
     busy: list[list[float]] = [[] for _ in plans]
     for i, engine in enumerate(engines):          # warm-up, every plan
         for _ in range(warmup):
-            engine.train_batch(batches[i], causal_lm_loss)
+            engine.train_batch(batches[i], wl.loss)
     per_round = max(1, steps // rounds)
     for _ in range(rounds):
         for i, engine in enumerate(engines):
             dist.barrier()
-            engine.train_batch(batches[i], causal_lm_loss)   # the first step after a switch realigns the ranks
+            engine.train_batch(batches[i], wl.loss)   # the first step after a switch realigns the ranks
             for _ in range(per_round):
                 start = time.perf_counter()
-                engine.train_batch(batches[i], causal_lm_loss)
+                engine.train_batch(batches[i], wl.loss)
                 walls[i].append(time.perf_counter() - start)
                 busy[i].append(device.compute_s)
     for engine in engines:
@@ -50,7 +51,7 @@ def _measure_rank(rank: int, world_size: int, model_name: str, cluster: dict, pl
             for w, b in zip(walls, busy)]
 
 
-def measure_plans(model_name: str, cluster: dict, plans: list[poplar.Plan], steps: int = 12, warmup: int = 2,
+def measure_plans(workload: str | Workload, cluster: dict, plans: list[poplar.Plan], steps: int = 12, warmup: int = 2,
                   rounds: int = 3, timeout_s: float = 900) -> list[dict]:
     """Train each plan on the emulated ``cluster`` and measure it.
 
@@ -60,7 +61,7 @@ def measure_plans(model_name: str, cluster: dict, plans: list[poplar.Plan], step
     from poplar.launch import spawn
 
     spec = parse_cluster(cluster)
-    ranks = spawn(_measure_rank, spec.world_size, model_name, cluster, [p.to_dict() for p in plans], steps, warmup,
+    ranks = spawn(_measure_rank, spec.world_size, as_workload(workload).model_dump(), cluster, [p.to_dict() for p in plans], steps, warmup,
                   rounds, timeout_s=timeout_s)
     out = []
     for i, plan in enumerate(plans):

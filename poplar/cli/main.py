@@ -29,7 +29,9 @@ def demo(steps: int = typer.Option(10, min=1, help="optimizer steps per ZeRO sta
 
 @app.command()
 def profile(
-    model: str = typer.Option("tiny", help="model preset: tiny, small, base"),
+    model: str = typer.Option("tiny", help="model preset: tiny, small, base (built-in), or llama-tiny, "
+                                           "llama-small, llama-125m, llama-350m, bert-tiny, bert-small, bert-base"),
+    seq_len: int | None = typer.Option(None, help="tokens per sample (Hugging Face presets; default 128)"),
     cluster: str = typer.Option(..., help="cluster YAML file, or a preset: memory-differs, compute-differs, "
                                            "both-differ, uneven-quantity"),
     out: Path = typer.Option(Path("profile.json"), help="where to write the profile (JSON)"),
@@ -51,7 +53,6 @@ def profile(
     from rich.table import Table
 
     from poplar.emulate import load_cluster
-    from poplar.models import MODEL_PRESETS
     from poplar.profile.plot import plot_profile
     from poplar.profile.profiler import profile_cluster
 
@@ -61,8 +62,13 @@ def profile(
         stage_list = sorted({int(s) for s in stages.split(",") if s.strip()})
         if not stage_list or any(s not in (0, 1, 2, 3) for s in stage_list):
             raise ValueError(f"--stages {stages!r}: give stages from 0, 1, 2, 3, e.g. 0,1,2,3")
-        if model not in MODEL_PRESETS:
-            raise ValueError(f"--model {model!r}: choose one of {', '.join(MODEL_PRESETS)}")
+        from pydantic import ValidationError
+
+        from poplar.workload import Workload
+        try:
+            workload = Workload(model=model, seq_len=seq_len)
+        except ValidationError as e:
+            raise ValueError(f"--model/--seq-len: {e.errors()[0]['msg']}") from None
     except (ValueError, FileNotFoundError) as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
@@ -83,7 +89,7 @@ def profile(
 
             init_distributed()
             spec.check_world_size(int(os.environ["WORLD_SIZE"]))
-            prof, summary = profile_cluster(model, spec.model_dump(), stage_list, n_points=points, repeats=repeats,
+            prof, summary = profile_cluster(workload, spec.model_dump(), stage_list, n_points=points, repeats=repeats,
                                             use_cache=not no_cache, progress=ToBar(), distributed=True,
                                             max_micro_batch=max_micro_batch)
             shutdown()
@@ -96,7 +102,7 @@ def profile(
                 while not queue.empty():
                     ToBar().put(queue.get())
 
-            prof, summary = profile_cluster(model, spec.model_dump(), stage_list, n_points=points, repeats=repeats,
+            prof, summary = profile_cluster(workload, spec.model_dump(), stage_list, n_points=points, repeats=repeats,
                                             use_cache=not no_cache, progress=queue, on_poll=on_poll,
                                             max_micro_batch=max_micro_batch)
     prof.save(out)

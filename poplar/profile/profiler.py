@@ -37,7 +37,7 @@ from poplar.emulate import EmulatedDevice, parse_cluster
 from poplar.engine import collectives as C
 from poplar.engine.engine import EngineConfig
 from poplar.engine.units import build_units
-from poplar.models import MODEL_PRESETS, build_model, causal_lm_loss, random_token_batch
+from poplar.workload import Workload, as_workload
 from poplar.profile.profile import CommProfile, DeviceProfile, ModelInfo, Profile, StageProfile
 
 _OPTIMIZER_LR = 1e-4
@@ -48,26 +48,23 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("POPLAR_CACHE_DIR", Path.home() / ".cache" / "poplar" / "profiles"))
 
 
-def cache_key(model_name: str, kind: dict, stage: int, world_size: int, slowdown: float, dtype: str = "fp32",
-              max_micro_batch: int = 256) -> str:
+def cache_key(workload: str | Workload, kind: dict, stage: int, world_size: int, slowdown: float,
+              dtype: str = "fp32", max_micro_batch: int = 256) -> str:
     """Everything that changes a device's stage profile: model, its shapes, device, stage, world, dtype."""
-    model = build_model(model_name)
-    shapes = [list(p.shape) for p in model.parameters()]
-    key = {"model": model_name, "config": MODEL_PRESETS[model_name], "shapes": shapes, "device": kind,
-           "stage": stage, "world_size": world_size, "slowdown": round(slowdown, 6), "dtype": dtype,
-           "max_micro_batch": max_micro_batch,
+    key = {"workload": as_workload(workload).cache_dict(), "device": kind, "stage": stage, "world_size": world_size,
+           "slowdown": round(slowdown, 6), "dtype": dtype, "max_micro_batch": max_micro_batch,
            "poplar": poplar.__version__}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
 # ---------------------------------------------------------------------------- in each rank
-def _probe_fits(device: EmulatedDevice, model, model_name: str, micro_batch: int, state_bytes: int) -> bool:
+def _probe_fits(device: EmulatedDevice, model, wl: Workload, micro_batch: int, state_bytes: int) -> bool:
     """One forward+backward of ``micro_batch`` samples on the local model: does it fit?"""
-    batch = random_token_batch(model_name, micro_batch, seed=micro_batch)
+    batch = wl.random_batch(micro_batch, seed=micro_batch)
     own = {p.untyped_storage()._cdata for p in model.parameters()}
     try:
         with device.micro_step(state_bytes, own):
-            causal_lm_loss(model, batch).backward()
+            wl.loss(model, batch).backward()
         return True
     except torch.OutOfMemoryError:
         return False
@@ -76,23 +73,24 @@ def _probe_fits(device: EmulatedDevice, model, model_name: str, micro_batch: int
         gc.collect()
 
 
-def largest_micro_batch(device: EmulatedDevice, model_name: str, state_bytes: int, limit: int = 4096) -> int:
+def largest_micro_batch(device: EmulatedDevice, workload: str | Workload, state_bytes: int, limit: int = 4096) -> int:
     """Grow the micro-batch until the device runs out of memory, then bisect. 0: not even 1 fits."""
-    model = build_model(model_name)
-    if not _probe_fits(device, model, model_name, 1, state_bytes):
+    wl = as_workload(workload)
+    model = wl.build()
+    if not _probe_fits(device, model, wl, 1, state_bytes):
         return 0
     good, bad = 1, None
     while bad is None:
         nxt = good * 2
         if nxt > limit:
             return good
-        if _probe_fits(device, model, model_name, nxt, state_bytes):
+        if _probe_fits(device, model, wl, nxt, state_bytes):
             good = nxt
         else:
             bad = nxt
     while bad - good > 1:
         mid = (good + bad) // 2
-        if _probe_fits(device, model, model_name, mid, state_bytes):
+        if _probe_fits(device, model, wl, mid, state_bytes):
             good = mid
         else:
             bad = mid
@@ -126,9 +124,10 @@ def _time_collectives(numel: int, repeats: int = 3) -> CommProfile:
                        all_gather_s=timed(lambda: C.all_gather(full, shard)))
 
 
-def profile_rank(rank: int, world_size: int, model_name: str, cluster: dict, stages: list[int], n_points: int = 5,
+def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cluster: dict, stages: list[int], n_points: int = 5,
                  warmup: int = 1, repeats: int = 6, progress=None, max_micro_batch: int = 256) -> dict:
     """What each rank of the cluster runs. Returns its per-stage figures and the collectives' times."""
+    wl = as_workload(workload)
     spec = parse_cluster(cluster)
     spec.check_world_size(world_size)
     device = EmulatedDevice(spec.device(rank), rank, spec.host_slowdown())
@@ -142,10 +141,10 @@ def profile_rank(rank: int, world_size: int, model_name: str, cluster: dict, sta
         note(stage, "memory")
         # two micro-steps of one sample: the states held between micro-steps (accumulated
         # gradients) count too, as they will in any plan that accumulates
-        engine = poplar.initialize(build_model(model_name), optimizer, poplar.Plan(stage, [1] * world_size, 2),
+        engine = poplar.initialize(wl.build(), optimizer, poplar.Plan(stage, [1] * world_size, 2),
                                    device=device)
         state_before = engine.model_state_bytes()
-        fits_one = largest_micro_batch(device, model_name, state_before, limit=1) == 1
+        fits_one = largest_micro_batch(device, wl, state_before, limit=1) == 1
         ok = torch.tensor([1 if fits_one else 0])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if not ok.item():
@@ -154,33 +153,33 @@ def profile_rank(rank: int, world_size: int, model_name: str, cluster: dict, sta
                                     "note": "not timed: a device of this cluster does not fit micro-batch 1"}
             note(stage, "done")
             continue
-        engine.train_batch(random_token_batch(model_name, 2), causal_lm_loss)   # optimizer states now exist
+        engine.train_batch(wl.random_batch(2), wl.loss)   # optimizer states now exist
         device.peak_state_bytes = 0
-        engine.train_batch(random_token_batch(model_name, 2), causal_lm_loss)   # ... and so do gradients
+        engine.train_batch(wl.random_batch(2), wl.loss)   # ... and so do gradients
         state = max(engine.model_state_bytes(), device.peak_state_bytes)
         engine.close()
         # 1% of the capacity kept free: the whole local batch sits on the device during a
         # step (the engine moves it there at once), so with accumulation the inputs take
         # more than in the probe's single micro-batch (520 bytes a sample for `tiny`)
         headroom = int(HEADROOM * device.capacity)
-        limit = largest_micro_batch(device, model_name, state + headroom, limit=max_micro_batch)
+        limit = largest_micro_batch(device, wl, state + headroom, limit=max_micro_batch)
         sizes = torch.zeros(world_size, n_points, dtype=torch.int64)
         sizes[rank] = torch.tensor(point_sizes(limit, n_points))
         dist.all_reduce(sizes)
         # every size's engine at once, timed in interleaved rounds (one step of each size per
         # round), so a drift of the host's speed falls on every size alike
         plans = [poplar.Plan(stage, [int(s) for s in sizes[:, i]], 1) for i in range(n_points)]
-        engines = [poplar.initialize(build_model(model_name), optimizer, plan, device=device) for plan in plans]
-        batches = [random_token_batch(model_name, plan.micro_batch_sizes[rank]) for plan in plans]
+        engines = [poplar.initialize(wl.build(), optimizer, plan, device=device) for plan in plans]
+        batches = [wl.random_batch(plan.micro_batch_sizes[rank]) for plan in plans]
         times: list[list[float]] = [[] for _ in plans]
         per_step = []
         for r in range(warmup + repeats):
             note(stage, f"round {r + 1}/{warmup + repeats}")
             for i, engine in enumerate(engines):
-                engine.train_batch(batches[i], causal_lm_loss)     # back to this size: settle first
+                engine.train_batch(batches[i], wl.loss)     # back to this size: settle first
                 if r < warmup:
                     continue
-                engine.train_batch(batches[i], causal_lm_loss)
+                engine.train_batch(batches[i], wl.loss)
                 if r >= warmup:
                     times[i].append(device.compute_s)
                     per_step.append(device.per_step_s)
@@ -190,15 +189,15 @@ def profile_rank(rank: int, world_size: int, model_name: str, cluster: dict, sta
         out["stages"][stage] = {"max": limit, "state_bytes": state, "points": points, "note": "",
                                 "per_step": statistics.median(per_step)}
         note(stage, "balanced plan")
-        out.setdefault("sync", {})[stage] = _calibrate_sync(rank, world_size, stage, model_name, spec, device,
+        out.setdefault("sync", {})[stage] = _calibrate_sync(rank, world_size, stage, wl, spec, device,
                                                             optimizer, out["kind"], out["stages"][stage], repeats)
         note(stage, "done")
-    n_params = sum(p.numel() for p in build_model(model_name).parameters())
+    n_params = sum(p.numel() for p in wl.build().parameters())
     out["comm"] = _time_collectives(n_params).model_dump()
     return out
 
 
-def _calibrate_sync(rank: int, world_size: int, stage: int, model_name: str, spec, device, optimizer, kind: str,
+def _calibrate_sync(rank: int, world_size: int, stage: int, wl: Workload, spec, device, optimizer, kind: str,
                     mine: dict, repeats: int) -> tuple[float, int]:
     """Time a step beyond the slowest rank's compute, on a plan balanced by what was just measured.
 
@@ -219,15 +218,15 @@ def _calibrate_sync(rank: int, world_size: int, stage: int, model_name: str, spe
             max_micro_batch=min(m["max"] for m in same), state_bytes=0,
             points=_merge_points([m["points"] for m in same]),
             per_step_s=statistics.median(m["per_step"] for m in same))})
-    interim = Profile(model=ModelInfo(name=model_name, n_params=1, seq_len=1), ranks=[x[0] for x in seen],
+    interim = Profile(model=ModelInfo(name=wl.model, n_params=1, seq_len=1), ranks=[x[0] for x in seen],
                       devices=devices)
     cost = CostModel(interim, stage)
     plan = allocate(cost, sum(kc.max_micro_batch * cost.rank_kinds.count(k) for k, kc in cost.kinds.items()))
-    engine = poplar.initialize(build_model(model_name), optimizer, plan, device=device)
-    batch = random_token_batch(model_name, plan.local_batch_size(rank))
+    engine = poplar.initialize(wl.build(), optimizer, plan, device=device)
+    batch = wl.random_batch(plan.local_batch_size(rank))
     walls, busy = [], []
     for i in range(1 + 2 * repeats):
-        engine.train_batch(batch, causal_lm_loss)
+        engine.train_batch(batch, wl.loss)
         if i:
             walls.append(device.step_wall_s)
             busy.append(device.compute_s)
@@ -250,11 +249,11 @@ def _merge_points(point_lists: list[list[tuple[int, float]]]) -> list[tuple[int,
     return [(m, statistics.median(ts)) for m, ts in sorted(by_size.items())]
 
 
-def profile_cluster(model_name: str, cluster: dict, stages=(0, 1, 2, 3), n_points: int = 5, warmup: int = 1,
+def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3), n_points: int = 5, warmup: int = 1,
                     repeats: int = 6, cache_dir: Path | None = None, use_cache: bool = True, progress=None,
                     on_poll=None, max_micro_batch: int = 256, timeout_s: float = 900,
                     distributed: bool = False) -> tuple[Profile, dict]:
-    """Profile ``model_name`` on the emulated ``cluster``, launching its ranks locally.
+    """Profile ``workload`` (a model name, or a :class:`Workload`) on the emulated ``cluster``, launching its ranks.
 
     The largest micro-batch searched is ``max_micro_batch`` (a plan never needs more
     than its global batch). Returns the :class:`Profile` and a summary of the cache
@@ -266,12 +265,13 @@ def profile_cluster(model_name: str, cluster: dict, stages=(0, 1, 2, 3), n_point
     """
     from poplar.launch import spawn
 
+    wl = as_workload(workload)
     spec = parse_cluster(cluster)
     world = spec.world_size
     slowdown = spec.host_slowdown()
     cache_dir = Path(cache_dir or default_cache_dir())
     kinds = {d.kind: d for d in spec.devices}
-    keys = {(k, s): cache_key(model_name, d.model_dump(), s, world, slowdown, max_micro_batch=max_micro_batch)
+    keys = {(k, s): cache_key(wl, d.model_dump(), s, world, slowdown, max_micro_batch=max_micro_batch)
             for k, d in kinds.items() for s in stages}
     cached = {}
     if use_cache:
@@ -280,7 +280,7 @@ def profile_cluster(model_name: str, cluster: dict, stages=(0, 1, 2, 3), n_point
             if path.exists():
                 cached[ks] = StageProfile.model_validate_json(path.read_text())
     # the collectives and the ranks' synchronisation depend on the whole cluster
-    comm_path = cache_dir / f"comm-{cache_key(model_name, spec.model_dump(), -1, world, slowdown)}.json"
+    comm_path = cache_dir / f"comm-{cache_key(wl, spec.model_dump(), -1, world, slowdown)}.json"
     comm = CommProfile.model_validate_json(comm_path.read_text()) if use_cache and comm_path.exists() else None
     todo = [s for s in stages if any((k, s) not in cached for k in kinds) or comm is None or s not in comm.sync_s]
     rank = dist.get_rank() if distributed else 0
@@ -293,12 +293,12 @@ def profile_cluster(model_name: str, cluster: dict, stages=(0, 1, 2, 3), n_point
     measured: dict = {}
     if todo or missing_comm:
         if distributed:
-            mine = profile_rank(rank, world, model_name, cluster, todo, n_points, warmup, repeats, progress,
+            mine = profile_rank(rank, world, wl.model_dump(), cluster, todo, n_points, warmup, repeats, progress,
                                 max_micro_batch)
             ranks = [None] * world
             dist.all_gather_object(ranks, mine)
         else:
-            ranks = spawn(profile_rank, world, model_name, cluster, todo, n_points, warmup, repeats, progress,
+            ranks = spawn(profile_rank, world, wl.model_dump(), cluster, todo, n_points, warmup, repeats, progress,
                           max_micro_batch, timeout_s=timeout_s, on_poll=on_poll)
         old = comm
         comm = CommProfile(**ranks[0]["comm"])
@@ -323,11 +323,10 @@ def profile_cluster(model_name: str, cluster: dict, stages=(0, 1, 2, 3), n_point
     for k, d in kinds.items():
         stage_profiles = {s: measured.get((k, s)) or cached[(k, s)] for s in stages}
         devices[k] = DeviceProfile(kind=k, memory_gb=d.memory_gb, speed=d.speed, stages=stage_profiles)
-    model = build_model(model_name)
+    model = wl.build()
     n_params = sum(p.numel() for p in model.parameters())
     units = [sum(p.numel() for p in u.params) for u in build_units(model, None, EngineConfig().unit_numel)]
-    profile = Profile(model=ModelInfo(name=model_name, n_params=n_params, unit_numels=units,
-                                      seq_len=MODEL_PRESETS[model_name]["max_seq_len"]),
+    profile = Profile(model=ModelInfo(name=wl.model, n_params=n_params, unit_numels=units, seq_len=wl.seq_len),
                       ranks=[d.kind for d in spec.rank_devices()], devices=devices, comm=comm)
     summary = {"measured": sorted(measured), "from_cache": sorted(ks for ks in cached if ks not in measured)}
     return profile, summary

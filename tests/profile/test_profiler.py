@@ -97,7 +97,8 @@ def test_cli_profiles_a_preset_and_rejects_a_bad_cluster_file(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     plan = poplar.Plan.load(tmp_path / "plan.json")
     assert plan.zero_stage == 0 and plan.global_batch_size == 50
-    assert plan.local_batch_sizes[0] >= plan.local_batch_sizes[1]   # same speed, the big card has the memory
+    limits = [prof.stage(kind, 0).max_micro_batch for kind in prof.ranks]
+    assert all(m <= limit for m, limit in zip(plan.micro_batch_sizes, limits))
     bad = tmp_path / "bad.yaml"
     bad.write_text("devices:\n  - kind: x\n    speed: 0\n    memory_gb: 1\n")
     run = subprocess.run([sys.executable, "-m", "poplar.cli.main", "profile", "--cluster", str(bad)], cwd=ROOT,

@@ -1,0 +1,89 @@
+"""A workload: which model, at which sequence length and vocabulary, with which loss.
+
+The profiler, the measurements and training all need the same three things of a model:
+build it, feed it a batch of the right shape, and compute its loss. A :class:`Workload`
+names them in a small, picklable value (so it crosses into spawned ranks), and
+:meth:`Workload.cache_dict` says everything that changes a profile.
+
+Models: the built-in ``TinyCausalLM`` presets (``tiny``, ``small``, ``base``) and the
+Hugging Face presets of :mod:`poplar.models.hf` (``llama-tiny`` ... ``bert-base``).
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from poplar.models import MODEL_PRESETS, build_model
+from poplar.models import causal_lm_loss as tiny_loss
+from poplar.models.hf import HF_PRESETS, build_hf_model, causal_lm_loss, family, masked_lm_loss_fn
+
+HF_DEFAULT_SEQ_LEN = 128
+HF_DEFAULT_VOCAB = 2048
+MASK_ID = 1     # the tokenizer's second special token (poplar.data.text.MASK)
+
+
+class Workload(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field("tiny", description="model preset: " + ", ".join([*MODEL_PRESETS, *HF_PRESETS]))
+    seq_len: int | None = Field(None, gt=0, description="tokens per sample (default: the preset's)")
+    vocab_size: int | None = Field(None, gt=2, description="vocabulary (default: the preset's, or the tokenizer's)")
+
+    def model_post_init(self, _context) -> None:
+        if self.model not in MODEL_PRESETS and self.model not in HF_PRESETS:
+            raise ValueError(f"model {self.model!r}: choose one of {', '.join([*MODEL_PRESETS, *HF_PRESETS])}")
+        if self.model in MODEL_PRESETS:
+            preset = MODEL_PRESETS[self.model]
+            for field, default in (("seq_len", preset["max_seq_len"]), ("vocab_size", preset["vocab_size"])):
+                value = getattr(self, field)
+                if value is not None and value != default:
+                    raise ValueError(f"{field} = {value}: the built-in {self.model!r} model has {default}; "
+                                     "use a Hugging Face preset for other shapes")
+                object.__setattr__(self, field, default)
+        else:
+            object.__setattr__(self, "seq_len", self.seq_len or HF_DEFAULT_SEQ_LEN)
+            object.__setattr__(self, "vocab_size", self.vocab_size or HF_DEFAULT_VOCAB)
+            limit = HF_PRESETS[self.model][1]["max_position_embeddings"]
+            if self.seq_len > limit:
+                raise ValueError(f"seq_len = {self.seq_len}: {self.model} has {limit} positions")
+
+    @property
+    def family(self) -> str:
+        return "tiny" if self.model in MODEL_PRESETS else family(self.model)
+
+    def build(self, seed: int = 0) -> torch.nn.Module:
+        if self.model in MODEL_PRESETS:
+            return build_model(self.model, seed=seed)
+        overrides = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0} if self.family == "bert" else {}
+        return build_hf_model(self.model, self.vocab_size, seed=seed, **overrides)
+
+    @property
+    def loss(self):
+        if self.family == "tiny":
+            return tiny_loss
+        return causal_lm_loss if self.family == "llama" else masked_lm_loss_fn(MASK_ID)
+
+    def random_batch(self, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random ``(inputs, targets)`` of ``n`` samples: enough to time and size a step."""
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randint(2, self.vocab_size, (n, self.seq_len + 1), generator=g)
+        return x[:, :-1], x[:, 1:]
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.build().parameters())
+
+    def cache_dict(self) -> dict:
+        """Everything about the workload that changes a device's profile."""
+        config = MODEL_PRESETS.get(self.model) or HF_PRESETS[self.model][1]
+        shapes = [list(p.shape) for p in self.build().parameters()]
+        return {"model": self.model, "config": config, "seq_len": self.seq_len, "vocab_size": self.vocab_size,
+                "shapes": shapes}
+
+
+def as_workload(x: str | Workload | dict) -> Workload:
+    if isinstance(x, Workload):
+        return x
+    if isinstance(x, dict):
+        return Workload(**x)
+    return Workload(model=x)
