@@ -172,5 +172,46 @@ def plan(
     console.print(f"wrote {out} ({result.plan})")
 
 
+@app.command()
+def train(
+    config: Path | None = typer.Option(None, help="a YAML file of training fields (see poplar/train/config.py)"),
+    model: str | None = typer.Option(None, help="model preset, e.g. llama-tiny, bert-tiny, llama-125m"),
+    cluster: str | None = typer.Option(None, help="emulated cluster: a preset or a YAML file"),
+    global_batch: int | None = typer.Option(None, help="samples per optimizer step"),
+    steps: int | None = typer.Option(None, help="optimizer steps"),
+    plan: str | None = typer.Option(None, help="train with this plan.json (no profiling or planning)"),
+    baseline: str | None = typer.Option(None, help="poplar (default), uniform or proportional"),
+    out: str | None = typer.Option(None, help="run directory: log, plan, checkpoints"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in --out"),
+    set_: list[str] = typer.Option([], "--set", help="any other field: --set lr=3e-4 (repeatable)"),
+) -> None:
+    """Profile (or reuse the cache), plan, and train on an emulated heterogeneous cluster."""
+    from rich.console import Console
+
+    from poplar.train.config import load_config
+    from poplar.train.run import run_training
+
+    console = Console()
+    overrides = {"model": model, "cluster": cluster, "global_batch": global_batch, "steps": steps, "plan": plan,
+                 "baseline": baseline, "out": out, "resume": resume or None}
+    try:
+        for item in set_:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"--set {item!r}: write field=value")
+            import yaml
+
+            overrides[key.strip()] = yaml.safe_load(value)
+        cfg = load_config(config, overrides)
+        result = run_training(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    losses = result["losses"]
+    if losses:
+        console.print(f"trained steps {result['start'] + 1}-{cfg.steps} with {result['plan']}: "
+                      f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; log {cfg.out}/log.jsonl")
+
+
 if __name__ == "__main__":
     app()

@@ -385,6 +385,60 @@ class Engine:
             out[key] = full[id(t)] if id(t) in full else t.detach().clone()
         return out
 
+    def sharded_state_dict(self) -> dict:
+        """This rank's share of the training state, for ``torch.distributed.checkpoint``.
+
+        fp32 masters and optimizer states under keys that name the rank where the stage
+        shards them (``rank1.unit0.master``), so every rank writes its own shard; what
+        every rank holds alike (stage-0 states, buffers, hyper-parameters, the step count)
+        under plain keys, written once. Tensors are the engine's own: loading into this
+        dict restores them in place (see :meth:`load_sharded_state_dict`).
+        """
+        tag = f"rank{self.rank}." if self.zero_stage >= 1 else ""
+        out: dict = {f"{tag}unit{u.index}.master": u.master.data for u in self.units}
+        opt = self.optimizer.state_dict()
+        for idx, state in opt["state"].items():
+            for name, value in state.items():
+                out[f"{tag}optim.{idx}.{name}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+        out["optim.param_groups"] = opt["param_groups"]
+        for name, buf in self.model.named_buffers():
+            out[f"buffer.{name}"] = buf
+        out["global_steps"] = torch.tensor(self.global_steps)
+        return out
+
+    def prepare_sharded_load(self) -> dict:
+        """A state dict shaped like a saved one, for ``dcp.load`` to fill before :meth:`load_sharded_state_dict`.
+
+        A fresh optimizer has no state yet: one step with zero gradients creates it (every
+        value is overwritten by the load, the parameters included).
+        """
+        if not self.optimizer.state:
+            for u in self.units:
+                u.master.grad = torch.zeros_like(u.master)
+            self.optimizer.step()
+            for u in self.units:
+                u.master.grad = None
+        return self.sharded_state_dict()
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Restore from a dict that ``dcp.load`` filled (from :meth:`prepare_sharded_load`). Same world and stage."""
+        tag = f"rank{self.rank}." if self.zero_stage >= 1 else ""
+        for u in self.units:
+            u.master.data.copy_(state[f"{tag}unit{u.index}.master"])
+        opt = self.optimizer.state_dict()
+        for idx, st in opt["state"].items():
+            for name in list(st):
+                st[name] = state[f"{tag}optim.{idx}.{name}"]
+        opt["param_groups"] = state["optim.param_groups"]
+        self.optimizer.load_state_dict(opt)
+        for name, buf in self.model.named_buffers():
+            buf.copy_(state[f"buffer.{name}"])
+        self.global_steps = int(state["global_steps"])
+        works = [w for w in (u.refresh_params_after_step() for u in self.units) if w is not None]
+        for w in works:
+            w.wait()
+
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load full parameters (e.g. from :meth:`full_state_dict`) on every rank."""
         own = self.model.state_dict(keep_vars=True)

@@ -1,0 +1,78 @@
+"""The training configuration: a typed YAML file, with command-line overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class TrainConfig(BaseModel):
+    """Everything `poplar train` needs; every field has a default that runs on a laptop."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("llama-tiny", description="model preset (poplar.workload)")
+    seq_len: int = Field(64, gt=1, description="tokens per sample")
+    vocab_size: int = Field(1024, ge=260, description="tokenizer vocabulary trained on the data")
+    data: str = Field("embedded", description="'embedded', 'wikitext', or a .txt file / directory")
+    global_batch: int = Field(32, gt=0, description="samples per optimizer step, over all ranks")
+    steps: int = Field(20, gt=0, description="optimizer steps in all (a resumed run continues to this)")
+    stop_at: int | None = Field(None, gt=0, description="stop (with a checkpoint) after this step, e.g. to fit a "
+                                "job's time limit; --resume continues to `steps`")
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up")
+    clip_grad_norm: float | None = Field(1.0, gt=0)
+    mixed_precision: Literal["none", "bf16"] = "none"
+    seed: int = 0
+    cluster: str | None = Field("both-differ", description="emulated cluster: a preset or a YAML file; "
+                                "null: the real devices of a torchrun launch")
+    stages: list[int] = Field(default_factory=lambda: [0, 1, 2, 3], description="ZeRO stages the planner may use")
+    plan: str | None = Field(None, description="a plan.json to train with (no profiling or planning)")
+    baseline: Literal["poplar", "uniform", "proportional"] = Field("poplar", description="allocation to train with")
+    out: str = Field("runs/poplar", description="directory for the log, plan, checkpoints and report")
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only at the end)")
+    resume: bool = Field(False, description="continue from the newest checkpoint in `out`")
+    log_every: int = Field(1, gt=0)
+    profile_cache: bool = True
+
+    @field_validator("stages")
+    @classmethod
+    def _stages(cls, v: list[int]) -> list[int]:
+        if not v or any(s not in (0, 1, 2, 3) for s in v):
+            raise ValueError("choose stages from 0, 1, 2, 3")
+        return sorted(set(v))
+
+
+def _errors(e: ValidationError, source: str) -> str:
+    parts = []
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        parts.append(f"{where}: {msg}")
+    return f"{source}: " + "; ".join(parts)
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> TrainConfig:
+    """The file's values (if any), then ``overrides`` (``None`` values are left out). Errors name the field."""
+    data: dict = {}
+    source = "config"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.exists():
+            raise ValueError(f"--config {path}: no such file")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of fields, got {type(data).__name__}")
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return TrainConfig(**data)
+    except ValidationError as e:
+        raise ValueError(_errors(e, source)) from None

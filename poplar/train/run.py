@@ -1,0 +1,179 @@
+"""`poplar train`: profile (or reuse the cache), plan, and train with the plan.
+
+The launcher prepares the data once (the tokenizer is cached, so the ranks read it
+back), obtains a plan (``--plan``, or profile + plan on the emulated cluster, the
+chosen stage's Poplar allocation or a baseline), writes it to the run's directory and
+launches one process per device. Each rank trains on its slice of every global batch
+(:class:`poplar.data.text.GlobalBatches`), and rank 0 writes one JSON line per step:
+loss, step time, samples/s, tokens/s, achieved TFLOP/s, and every rank's busy and idle
+time. Checkpoints (``torch.distributed.checkpoint``) are sharded and atomic; ``resume``
+continues from the newest one exactly where an uninterrupted run would be.
+
+Model FLOPs per token, as counted here: ``6 * N + 12 * L * d * s`` for a training step
+(forward and backward), with ``N`` the parameters outside the input embedding, ``L``
+layers, ``d`` the hidden size and ``s`` the sequence length (the attention scores).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import poplar
+from poplar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from poplar.train.config import TrainConfig
+from poplar.workload import Workload
+
+
+def flops_per_token(model: torch.nn.Module, wl: Workload) -> float:
+    n = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else getattr(model, "embed", None)
+    if embed is not None:
+        n -= embed.weight.numel()
+    cfg = getattr(model, "config", None)
+    layers = getattr(cfg, "num_hidden_layers", None) or len(getattr(model, "blocks", [])) or 1
+    hidden = getattr(cfg, "hidden_size", None) or getattr(getattr(model, "embed", None), "embedding_dim", 0)
+    return 6.0 * n + 12.0 * layers * hidden * wl.seq_len
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth over the run (a function of the step: resumable)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def prepare_data(cfg: TrainConfig):
+    from poplar.data.text import GlobalBatches, load_text, pack, train_tokenizer
+
+    docs = load_text(cfg.data)
+    tok = train_tokenizer(docs, cfg.vocab_size)
+    seqs = pack(docs, tok, cfg.seq_len)
+    return tok, GlobalBatches(seqs, cfg.global_batch, seed=cfg.seed)
+
+
+def _train_rank(rank: int, world_size: int, cfg_dict: dict, plan_dict: dict, wl_dict: dict,
+                return_state: bool = False) -> dict:
+    from poplar.emulate import EmulatedDevice, load_cluster
+    from poplar.engine.device import Device
+
+    cfg, plan, wl = TrainConfig(**cfg_dict), poplar.Plan.from_dict(plan_dict), Workload(**wl_dict)
+    if cfg.cluster:
+        spec = load_cluster(cfg.cluster)
+        device = EmulatedDevice(spec.device(rank), rank, spec.host_slowdown())
+    else:
+        device = Device()
+    _, batches = prepare_data(cfg)
+    model = wl.build(seed=cfg.seed)
+    fpt = flops_per_token(model, wl)
+    optimizer = lambda params: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # noqa: E731
+    engine = poplar.initialize(model, optimizer, plan, device=device, clip_grad_norm=cfg.clip_grad_norm,
+                               mixed_precision=None if cfg.mixed_precision == "none" else cfg.mixed_precision)
+    out_dir = Path(cfg.out)
+    ckpt_root = out_dir / "checkpoints"
+    expect = {"world_size": world_size, "zero_stage": plan.zero_stage, "workload": wl.model_dump(),
+              "plan": plan.to_dict()}
+    start = 0
+    if cfg.resume:
+        path = latest_checkpoint(ckpt_root)
+        if path is not None:
+            start = load_checkpoint(engine, path, expect)["step"]
+    log = open(out_dir / "log.jsonl", "a") if rank == 0 else None
+    tokens = plan.global_batch_size * wl.seq_len
+    losses = []
+    last = min(cfg.steps, cfg.stop_at or cfg.steps)
+    try:
+        for step in range(start, last):
+            for group in engine.optimizer.param_groups:
+                group["lr"] = learning_rate(cfg, step)
+            dist.barrier()
+            begin = time.perf_counter()
+            loss = engine.train_batch(batches.local(step, plan, rank), wl.loss)
+            wall = time.perf_counter() - begin
+            figures = torch.tensor([wall, device.compute_s], dtype=torch.float64)
+            every = [torch.zeros_like(figures) for _ in range(world_size)]
+            dist.all_gather(every, figures)
+            step_s = max(float(f[0]) for f in every)
+            busy = [float(f[1]) for f in every]
+            losses.append(loss)
+            if log is not None and (step % cfg.log_every == 0 or step == cfg.steps - 1):
+                record = {"step": step, "loss": loss, "lr": learning_rate(cfg, step), "step_s": step_s,
+                          "samples_per_s": plan.global_batch_size / step_s, "tokens_per_s": tokens / step_s,
+                          "tflops": fpt * tokens / step_s / 1e12, "busy_s": busy,
+                          "idle_s": [max(0.0, step_s - b) for b in busy], "grad_norm": engine.last_grad_norm}
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                print(f"step {step + 1}/{cfg.steps}  loss {loss:.4f}  {record['samples_per_s']:.1f} samples/s  "
+                      f"{record['tokens_per_s']:,.0f} tokens/s  idle {max(record['idle_s']) * 1000:.0f} ms",
+                      flush=True)
+            done = step + 1
+            if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == last:
+                save_checkpoint(engine, ckpt_root, done, expect)
+    finally:
+        if log is not None:
+            log.close()
+    state = engine.full_state_dict() if return_state else None
+    engine.close()
+    return {"losses": losses, "start": start, "state": state if rank == 0 else None}
+
+
+def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, console=None):
+    """The plan to train with, and the planner's result (None with --plan)."""
+    if cfg.plan:
+        plan = poplar.Plan.load(cfg.plan)
+        plan.check_world_size(world_size)
+        return plan, None
+    previous = Path(cfg.out) / "plan.json"
+    if cfg.resume and previous.exists():       # the run's own plan: its checkpoints are sharded by it
+        plan = poplar.Plan.load(previous)
+        plan.check_world_size(world_size)
+        return plan, None
+    if not cfg.cluster:
+        raise ValueError("without a cluster file, give --plan (profiling real devices needs a cluster description "
+                         "for now)")
+    from poplar.emulate import load_cluster
+    from poplar.planner import make_plan
+    from poplar.profile.profiler import profile_cluster
+
+    spec = load_cluster(cfg.cluster)
+    profile, _ = profile_cluster(wl, spec.model_dump(), stages=tuple(cfg.stages), use_cache=cfg.profile_cache,
+                                 max_micro_batch=min(256, cfg.global_batch))
+    result = make_plan(profile, cfg.global_batch, cfg.stages)
+    if cfg.baseline == "poplar":
+        return result.plan, result
+    alloc = result.stages[result.stage].allocations[cfg.baseline]
+    if alloc.plan is None:
+        raise ValueError(f"the {cfg.baseline} baseline cannot run stage {result.stage}: {alloc.why_not}")
+    return alloc.plan, result
+
+
+def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float = 3600) -> dict:
+    """Launch the ranks and train; returns rank 0's losses (and full parameters if asked)."""
+    from poplar.emulate import load_cluster
+    from poplar.launch import spawn
+
+    out_dir = Path(cfg.out)
+    if out_dir.exists() and (out_dir / "log.jsonl").exists() and not cfg.resume:
+        raise ValueError(f"{out_dir} already holds a run: pass --resume to continue it, or choose another --out "
+                         "(nothing is overwritten)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok, _ = prepare_data(cfg)
+    wl = Workload(model=cfg.model, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size())
+    world = load_cluster(cfg.cluster).world_size if cfg.cluster else None
+    if world is None:
+        raise ValueError("poplar train launches its own ranks on an emulated cluster: give --cluster")
+    plan, result = get_plan(cfg, wl, world)
+    if result is not None:
+        result.save(out_dir / "plan.json")
+    elif not (out_dir / "plan.json").exists() or poplar.Plan.load(out_dir / "plan.json") != plan:
+        plan.save(out_dir / "plan.json")
+    (out_dir / "config.yaml").write_text(__import__("yaml").safe_dump(cfg.model_dump(), sort_keys=False))
+    ranks = spawn(_train_rank, world, cfg.model_dump(), plan.to_dict(), wl.model_dump(), return_state,
+                  timeout_s=timeout_s)
+    return {"plan": plan, "planning": result, **ranks[0]}

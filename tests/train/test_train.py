@@ -1,0 +1,82 @@
+"""`poplar train`: a tiny Llama on real text over 3 emulated ranks; exact resume; config errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import poplar
+from poplar.launch import RankFailed
+from poplar.train.config import load_config
+from poplar.train.run import run_training
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = str(ROOT / "examples" / "cluster-3.yaml")      # 1 fast card, 2 slow ones with less memory
+
+
+@pytest.fixture(autouse=True)
+def caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("POPLAR_DATA_CACHE", str(tmp_path / "data-cache"))
+    monkeypatch.setenv("POPLAR_CACHE_DIR", str(tmp_path / "profile-cache"))
+
+
+def config(tmp_path, name, plan: poplar.Plan, **kw):
+    plan.save(tmp_path / f"{name}-plan.json")
+    fields = dict(model="llama-tiny", seq_len=32, vocab_size=512, global_batch=plan.global_batch_size, steps=8,
+                  lr=3e-3, cluster=CLUSTER, plan=str(tmp_path / f"{name}-plan.json"), out=str(tmp_path / name))
+    return load_config(None, {**fields, **kw})
+
+
+def test_tiny_llama_on_three_uneven_ranks_learns(tmp_path):
+    plan = poplar.Plan.from_local_batches(1, [10, 4, 3], [2, 1, 1])      # 17 samples, near-equal micro-batches
+    result = run_training(config(tmp_path, "run", plan))
+    losses = result["losses"]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, losses
+    records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(8))
+    for r in records:
+        assert len(r["busy_s"]) == len(r["idle_s"]) == 3
+        assert r["samples_per_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 32)
+        assert r["tflops"] > 0
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step-00000008"
+
+
+def test_resume_continues_exactly_and_refuses_another_plan(tmp_path):
+    plan = poplar.Plan.from_local_batches(3, [7, 5, 4], 2)                # ZeRO-3: every state sharded
+    whole = run_training(config(tmp_path, "whole", plan, steps=4), return_state=True)
+    run_training(config(tmp_path, "split", plan, steps=4, stop_at=2))   # as if the job ended there
+    resumed = run_training(config(tmp_path, "split", plan, steps=4, resume=True), return_state=True)
+    assert resumed["start"] == 2 and len(resumed["losses"]) == 2
+    assert resumed["losses"] == pytest.approx(whole["losses"][2:], abs=1e-6)
+    for key, value in whole["state"].items():
+        torch.testing.assert_close(resumed["state"][key], value, atol=1e-6, rtol=0)
+    other = poplar.Plan.from_local_batches(3, [8, 4, 4], 2)
+    with pytest.raises(RankFailed, match="resume with the same plan"):
+        run_training(config(tmp_path, "split", other, steps=6, resume=True))
+
+
+def test_config_errors_name_the_field_and_nothing_is_overwritten(tmp_path):
+    with pytest.raises(ValueError, match="lr: Input should be greater than 0"):
+        load_config(None, {"lr": 0})
+    with pytest.raises(ValueError, match="colour: unknown field"):
+        load_config(None, {"colour": "red"})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages: [0, 7]\n")
+    with pytest.raises(ValueError, match="stages: Value error, choose stages from 0, 1, 2, 3"):
+        load_config(bad)
+    good = tmp_path / "good.yaml"
+    good.write_text("model: bert-tiny\nsteps: 3\n")
+    assert load_config(good, {"steps": 5}).steps == 5 and load_config(good).model == "bert-tiny"
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "log.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="already holds a run"):
+        run_training(load_config(None, {"out": str(tmp_path / "old")}))
+    env = {**os.environ, "COLUMNS": "200"}
+    run = subprocess.run([sys.executable, "-m", "poplar.cli.main", "train", "--set", "warmup_steps=-1",
+                          "--out", str(tmp_path / "cli")], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and "warmup_steps" in run.stdout, run.stdout + run.stderr
