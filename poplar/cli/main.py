@@ -16,11 +16,27 @@ def main() -> None:
 
 
 @app.command()
-def demo(steps: int = typer.Option(10, min=1, help="optimizer steps per ZeRO stage")) -> None:
-    """Heterogeneous training on 3 local CPU ranks, every stage checked against one device."""
+def demo(
+    steps: int = typer.Option(12, min=2, help="training steps per allocation"),
+    cluster: str = typer.Option("both-differ", help="emulated cluster: a preset or a YAML file"),
+    out: Path = typer.Option(Path("runs/demo"), help="where the runs, the table and the plots go"),
+) -> None:
+    """The main job: profile, plan and train a small Llama on real text with Poplar's plan and both baselines."""
     from poplar.demo import run_demo
 
-    rows = run_demo(steps)
+    try:
+        run_demo(steps=steps, cluster=cluster, out=out)
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def verify(steps: int = typer.Option(10, min=1, help="optimizer steps per ZeRO stage")) -> None:
+    """Heterogeneous training on 3 local CPU ranks, every stage checked against one device."""
+    from poplar.verify import run_verify
+
+    rows = run_verify(steps)
     worst = max(r["max_param_error"] for r in rows)
     if worst > 1e-4:
         typer.echo(f"parameters differ from single-device training by {worst:.2e}", err=True)
@@ -211,6 +227,56 @@ def train(
     if losses:
         console.print(f"trained steps {result['start'] + 1}-{cfg.steps} with {result['plan']}: "
                       f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; log {cfg.out}/log.jsonl")
+
+
+@app.command()
+def bench(
+    cluster: str = typer.Option("all", help="a preset, a YAML file, several comma-separated, or 'all' (every preset)"),
+    model: str = typer.Option("llama-tiny", help="model preset"),
+    seq_len: int | None = typer.Option(64, help="tokens per sample (Hugging Face presets)"),
+    global_batch: int = typer.Option(96, min=1, help="samples per optimizer step"),
+    steps: int = typer.Option(12, min=3, help="measured steps per allocation"),
+    json_out: Path | None = typer.Option(None, "--json", help="also write the figures here"),
+    no_cache: bool = typer.Option(False, "--no-cache", help="profile again"),
+) -> None:
+    """Measure Poplar's plan against the uniform and proportional allocations, and the ideal bound."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from poplar.bench import bench_cluster, clusters
+    from poplar.workload import Workload
+
+    console = Console()
+    try:
+        workload = Workload(model=model, seq_len=seq_len if model not in ("tiny", "small", "base") else None)
+        results = []
+        for c in clusters(cluster):
+            console.print(f"[bold]{c}[/]: profiling (cached after the first run), planning, measuring")
+            results.append(bench_cluster(c, workload, global_batch, steps, use_cache=not no_cache))
+    except (ValueError, FileNotFoundError) as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    table = Table(title=f"{model}, global batch {global_batch}: measured, {steps} steps per allocation")
+    for col in ("cluster", "stage", "allocation", "samples/s", "tokens/s", "vs uniform", "vs proportional",
+                "of ideal"):
+        table.add_column(col, justify="right")
+    for r in results:
+        rows = r["allocations"]
+        for name, a in rows.items():
+            table.add_row(r["cluster"], str(r["zero_stage"]), name, f"{a['samples_per_s']:.1f}",
+                          f"{a['tokens_per_s']:,.0f}",
+                          f"{a['samples_per_s'] / rows['uniform']['samples_per_s']:.2f}x" if "uniform" in rows else "-",
+                          f"{a['samples_per_s'] / rows['proportional']['samples_per_s']:.2f}x"
+                          if "proportional" in rows else "-",
+                          f"{100 * a['samples_per_s'] / r['ideal_samples_per_s']:.0f}%")
+        table.add_row(r["cluster"], str(r["zero_stage"]), "ideal", f"{r['ideal_samples_per_s']:.1f}",
+                      f"{r['ideal_tokens_per_s']:,.0f}", "-", "-", "100%")
+    console.print(table)
+    if json_out:
+        json_out.write_text(json.dumps(results, indent=2) + "\n")
+        console.print(f"wrote {json_out}")
 
 
 if __name__ == "__main__":

@@ -176,4 +176,8 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     (out_dir / "config.yaml").write_text(__import__("yaml").safe_dump(cfg.model_dump(), sort_keys=False))
     ranks = spawn(_train_rank, world, cfg.model_dump(), plan.to_dict(), wl.model_dump(), return_state,
                   timeout_s=timeout_s)
-    return {"plan": plan, "planning": result, **ranks[0]}
+    from poplar.train.report import plot_runs, read_log, summarize
+
+    records = read_log(out_dir / "log.jsonl")
+    report = plot_runs({cfg.baseline: records}, out_dir / "report.png", title=f"{cfg.model}, {plan}")
+    return {"plan": plan, "planning": result, "summary": summarize(records), "report": report, **ranks[0]}
