@@ -234,6 +234,7 @@ def bench(
     cluster: str = typer.Option("all", help="a preset, a YAML file, several comma-separated, or 'all' (every preset)"),
     model: str = typer.Option("llama-tiny", help="model preset"),
     seq_len: int | None = typer.Option(64, help="tokens per sample (Hugging Face presets)"),
+    vocab_size: int | None = typer.Option(1024, help="vocabulary (Hugging Face presets; as `poplar train`)"),
     global_batch: int = typer.Option(96, min=1, help="samples per optimizer step"),
     steps: int = typer.Option(12, min=3, help="measured steps per allocation"),
     json_out: Path | None = typer.Option(None, "--json", help="also write the figures here"),
@@ -250,7 +251,9 @@ def bench(
 
     console = Console()
     try:
-        workload = Workload(model=model, seq_len=seq_len if model not in ("tiny", "small", "base") else None)
+        builtin = model in ("tiny", "small", "base")
+        workload = Workload(model=model, seq_len=None if builtin else seq_len,
+                            vocab_size=None if builtin else vocab_size)
         results = []
         for c in clusters(cluster):
             console.print(f"[bold]{c}[/]: profiling (cached after the first run), planning, measuring")

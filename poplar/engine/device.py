@@ -9,7 +9,9 @@ own speed and within its own memory. The engine calls:
   that already counts;
 - ``boundary()``: right before a collective is launched;
 - ``waiting()``: a context around each wait for a collective;
-- ``update()``: a context around the optimizer update (once per step).
+- ``update()``: a context around the optimizer update (once per step);
+- ``span()``: a context around one whole micro-step (its collectives' launches and
+  waits included).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class Device:
         return 0.0
 
     def update(self):
+        return contextlib.nullcontext()
+
+    def span(self):
         return contextlib.nullcontext()
 
     @contextlib.contextmanager

@@ -288,16 +288,17 @@ class Engine:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         micro_batches = split_batch(local_batch, self.plan.micro_batches(self.rank), self.device)
         for i, micro_batch in enumerate(micro_batches):
-            self._begin_micro_step(sync=self.zero_stage >= 2 or i == len(micro_batches) - 1)
-            with self._memory_accounting():
-                loss = loss_fn(self.model, micro_batch)
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-                    raise ValueError("loss_fn must return the mean loss of the micro-batch as a scalar tensor "
-                                     f"that requires grad; got {type(loss).__name__}"
-                                     f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
-                weight = batch_size(micro_batch) / global_batch
-                (loss.reshape(()) * weight).backward()
-            self._end_micro_step()
+            with self.rank_device.span():
+                self._begin_micro_step(sync=self.zero_stage >= 2 or i == len(micro_batches) - 1)
+                with self._memory_accounting():
+                    loss = loss_fn(self.model, micro_batch)
+                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+                        raise ValueError("loss_fn must return the mean loss of the micro-batch as a scalar tensor "
+                                         f"that requires grad; got {type(loss).__name__}"
+                                         f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+                    weight = batch_size(micro_batch) / global_batch
+                    (loss.reshape(()) * weight).backward()
+                self._end_micro_step()
             loss_sum += loss.detach().float().reshape(()) * weight
         self.rank_device.boundary()
         loss_work = C.all_reduce(loss_sum, async_op=True)

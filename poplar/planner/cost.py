@@ -2,8 +2,8 @@
 
 Compute. A device kind's profile gives, per stage, the time of a step with one
 micro-batch of ``m`` samples, ``t(m)`` (a spline through measured points), of which
-``per_step_s`` is spent once per step (the optimizer update). A micro-step of ``m``
-samples therefore costs ``g(m) = t(m) - per_step_s``, and a rank that takes ``b``
+``per_step_s`` is spent once per step (synchronisation, the optimizer update). A
+micro-step of ``m`` samples therefore costs ``g(m) = t(m) - per_step_s``, and a rank that takes ``b``
 samples in ``a`` near-equal micro-batches is busy ``sum g(m_j) + per_step_s``. The
 model reads ``g`` on whole micro-batch sizes ``1..max_micro_batch`` and makes it
 non-decreasing (a larger micro-batch never takes less time; a measured dip is noise).

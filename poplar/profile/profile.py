@@ -3,8 +3,9 @@
 Per device kind and stage: the largest micro-batch that fits, and measured points
 ``(micro_batch, seconds)`` of one training step with one micro-batch (forward, backward
 and the stage's own per-step work; waits for other ranks excluded), and how much of
-each point is spent once per step (``per_step_s``: the optimizer update), so a step of
-``a`` micro-batches takes ``a * (time(m) - per_step_s) + per_step_s``. A cubic spline
+each point is spent once per step (``per_step_s``: synchronisation and the optimizer
+update), so a step of ``a`` micro-batches takes ``a * (time(m) - per_step_s) +
+per_step_s``. A cubic spline
 through the points gives the time at any micro-batch size. Per cluster: the time of the
 collectives the stages use, at the model's size.
 """
@@ -26,7 +27,8 @@ class StageProfile(BaseModel):
     state_bytes: int = Field(ge=0, description="model-state bytes held in this stage")
     points: list[tuple[int, float]] = Field(default_factory=list, description="(micro_batch, seconds) measured")
     per_step_s: float = Field(0.0, ge=0, description="the part of every point spent once per optimizer step "
-                              "(the optimizer update); 0 if not measured")
+                              "(synchronisation, the optimizer update), not again per micro-step; 0 if not "
+                              "measured")
     note: str = ""
 
     def time(self, micro_batch):

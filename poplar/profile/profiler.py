@@ -11,9 +11,11 @@ Per stage, each rank
    never strands the other ranks, since this probe has no collectives;
 3. trains at ``n_points`` micro-batch sizes up to that limit, every rank at its own
    sizes, one step of each size per round (so drifts of the host fall on all sizes
-   alike), and records its compute time per step (the step's wall time minus its waits
-   for collectives) and the part of it in the optimizer update; after warm-up rounds,
-   the median over ``repeats`` rounds.
+   alike). Each step has two micro-batches: the first one's compute is what every
+   further micro-step costs; the rest of the step's compute (the step's wall time minus
+   its waits for collectives) is what a step costs once (synchronisation, the update).
+   A point is their sum: a step of one micro-batch. After warm-up rounds, the median
+   over ``repeats`` rounds.
 Then the collectives are timed at the model's size. Identical devices share one
 profile; profiles are cached on disk, keyed by what changes them.
 """
@@ -167,10 +169,12 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
         sizes[rank] = torch.tensor(point_sizes(limit, n_points))
         dist.all_reduce(sizes)
         # every size's engine at once, timed in interleaved rounds (one step of each size per
-        # round), so a drift of the host's speed falls on every size alike
-        plans = [poplar.Plan(stage, [int(s) for s in sizes[:, i]], 1) for i in range(n_points)]
+        # round), so a drift of the host's speed falls on every size alike. Each step has two
+        # micro-batches: the first one's time is what every further micro-step costs, and the
+        # rest of the step (the synchronisation, the update) is what a step costs once.
+        plans = [poplar.Plan(stage, [int(s) for s in sizes[:, i]], 2) for i in range(n_points)]
         engines = [poplar.initialize(wl.build(), optimizer, plan, device=device) for plan in plans]
-        batches = [wl.random_batch(plan.micro_batch_sizes[rank]) for plan in plans]
+        batches = [wl.random_batch(plan.local_batch_size(rank)) for plan in plans]
         times: list[list[float]] = [[] for _ in plans]
         per_step = []
         for r in range(warmup + repeats):
@@ -180,9 +184,10 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
                 if r < warmup:
                     continue
                 engine.train_batch(batches[i], wl.loss)
-                if r >= warmup:
-                    times[i].append(device.compute_s)
-                    per_step.append(device.per_step_s)
+                micro = device.share_s(device.micro_cpu_s[0])
+                once = max(0.0, device.compute_s - 2 * micro)
+                times[i].append(micro + once)              # a step of one micro-batch
+                per_step.append(once)
         for engine in engines:
             engine.close()
         points = [(plan.micro_batch_sizes[rank], statistics.median(t)) for plan, t in zip(plans, times)]
