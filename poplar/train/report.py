@@ -51,7 +51,7 @@ def plot_runs(runs: dict[str, list[dict]], path: str | Path, title: str = "") ->
         xs = [i + j * width for i in range(len(s["busy_s"]))]
         ax_busy.bar(xs, [1000 * b for b in s["busy_s"]], width, label=f"{name} busy")
         ax_busy.bar(xs, [1000 * i for i in s["idle_s"]], width, bottom=[1000 * b for b in s["busy_s"]],
-                    color="lightgrey", edgecolor="grey", hatch="//", label=f"{name} idle" if j == 0 else None)
+                    color="lightgrey", edgecolor="grey", hatch="//", label="idle" if j == 0 else None)
     ax_busy.set(xlabel="rank", ylabel="ms per step (median)", title="busy and idle per rank")
     ax_busy.set_xticks([i + 0.4 - width / 2 for i in range(len(summarize(runs[names[0]])["busy_s"]))],
                        [str(i) for i in range(len(summarize(runs[names[0]])["busy_s"]))])
