@@ -1,0 +1,37 @@
+"""The README's main job and the benchmark, as a user runs them (real processes, real text)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from poplar.train.report import read_log
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_then_bench_on_an_emulated_cluster(tmp_path):
+    env = {**os.environ, "COLUMNS": "200", "POPLAR_CACHE_DIR": str(tmp_path / "profiles"),
+           "POPLAR_DATA_CACHE": str(tmp_path / "data")}
+    out = tmp_path / "demo"
+    run = subprocess.run([sys.executable, "-m", "poplar.cli.main", "demo", "--steps", "3", "--out", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for word in ("poplar", "uniform", "proportional", "ideal", "samples/s", "tokens/s", "comparison.png"):
+        assert word in run.stdout, word
+    assert (out / "comparison.png").stat().st_size > 20_000
+    logs = {name: read_log(out / name / "log.jsonl") for name in ("poplar", "uniform", "proportional")}
+    # however the batch is spread, the update is the same: so are the losses
+    for name in ("uniform", "proportional"):
+        for a, b in zip(logs["poplar"], logs[name]):
+            assert abs(a["loss"] - b["loss"]) < 1e-4, (name, a["loss"], b["loss"])
+    # the benchmark reuses the demo's profile (same workload) and measures all three
+    bench = subprocess.run([sys.executable, "-m", "poplar.cli.main", "bench", "--cluster", "both-differ",
+                            "--steps", "3", "--json", str(tmp_path / "bench.json")], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "bench.json").read_text())
+    assert set(result["allocations"]) == {"poplar", "uniform", "proportional"}
+    assert all(a["samples_per_s"] > 0 for a in result["allocations"].values())
+    assert result["ideal_samples_per_s"] > 0 and result["poplar_of_ideal"] > 0
