@@ -199,6 +199,7 @@ def train(
     baseline: str | None = typer.Option(None, help="poplar (default), uniform or proportional"),
     out: str | None = typer.Option(None, help="run directory: log, plan, checkpoints"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in --out"),
+    nproc: int | None = typer.Option(None, min=1, help="without --cluster: this many plain CPU ranks (with --plan)"),
     set_: list[str] = typer.Option([], "--set", help="any other field: --set lr=3e-4 (repeatable)"),
 ) -> None:
     """Profile (or reuse the cache), plan, and train on an emulated heterogeneous cluster."""
@@ -219,12 +220,12 @@ def train(
 
             overrides[key.strip()] = yaml.safe_load(value)
         cfg = load_config(config, overrides)
-        result = run_training(cfg)
+        result = run_training(cfg, nproc=nproc)
     except (ValueError, FileNotFoundError) as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
     losses = result["losses"]
-    if losses:
+    if losses and "summary" in result:      # rank 0 (or the launcher)
         console.print(f"trained steps {result['start'] + 1}-{cfg.steps} with {result['plan']}: "
                       f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; log {cfg.out}/log.jsonl")
 

@@ -29,7 +29,7 @@ class TrainConfig(BaseModel):
     mixed_precision: Literal["none", "bf16"] = "none"
     seed: int = 0
     cluster: str | None = Field("both-differ", description="emulated cluster: a preset or a YAML file; "
-                                "null: the real devices of a torchrun launch")
+                                "none: plain ranks (torchrun's, or --nproc), which need --plan")
     stages: list[int] = Field(default_factory=lambda: [0, 1, 2, 3], description="ZeRO stages the planner may use")
     plan: str | None = Field(None, description="a plan.json to train with (no profiling or planning)")
     baseline: Literal["poplar", "uniform", "proportional"] = Field("poplar", description="allocation to train with")
@@ -38,6 +38,11 @@ class TrainConfig(BaseModel):
     resume: bool = Field(False, description="continue from the newest checkpoint in `out`")
     log_every: int = Field(1, gt=0)
     profile_cache: bool = True
+
+    @field_validator("cluster", mode="before")
+    @classmethod
+    def _no_cluster(cls, v):
+        return None if isinstance(v, str) and v.strip().lower() in ("", "none", "null") else v
 
     @field_validator("stages")
     @classmethod

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -123,8 +124,8 @@ def _train_rank(rank: int, world_size: int, cfg_dict: dict, plan_dict: dict, wl_
     return {"losses": losses, "start": start, "state": state if rank == 0 else None}
 
 
-def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, console=None):
-    """The plan to train with, and the planner's result (None with --plan)."""
+def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, distributed: bool = False):
+    """The plan to train with, and the planner's result (None with --plan or when resuming)."""
     if cfg.plan:
         plan = poplar.Plan.load(cfg.plan)
         plan.check_world_size(world_size)
@@ -135,15 +136,16 @@ def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, console=None):
         plan.check_world_size(world_size)
         return plan, None
     if not cfg.cluster:
-        raise ValueError("without a cluster file, give --plan (profiling real devices needs a cluster description "
-                         "for now)")
+        raise ValueError("without a cluster file, give --plan: the profiler measures emulated devices described "
+                         "by a cluster file (real CUDA devices are not profiled yet)")
     from poplar.emulate import load_cluster
     from poplar.planner import make_plan
     from poplar.profile.profiler import profile_cluster
 
     spec = load_cluster(cfg.cluster)
+    spec.check_world_size(world_size)
     profile, _ = profile_cluster(wl, spec.model_dump(), stages=tuple(cfg.stages), use_cache=cfg.profile_cache,
-                                 max_micro_batch=min(256, cfg.global_batch))
+                                 max_micro_batch=min(256, cfg.global_batch), distributed=distributed)
     result = make_plan(profile, cfg.global_batch, cfg.stages)
     if cfg.baseline == "poplar":
         return result.plan, result
@@ -153,31 +155,82 @@ def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, console=None):
     return alloc.plan, result
 
 
-def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float = 3600) -> dict:
-    """Launch the ranks and train; returns rank 0's losses (and full parameters if asked)."""
-    from poplar.emulate import load_cluster
-    from poplar.launch import spawn
-
+def _check_out(cfg: TrainConfig) -> Path:
     out_dir = Path(cfg.out)
     if out_dir.exists() and (out_dir / "log.jsonl").exists() and not cfg.resume:
         raise ValueError(f"{out_dir} already holds a run: pass --resume to continue it, or choose another --out "
                          "(nothing is overwritten)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok, _ = prepare_data(cfg)
-    wl = Workload(model=cfg.model, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size())
-    world = load_cluster(cfg.cluster).world_size if cfg.cluster else None
-    if world is None:
-        raise ValueError("poplar train launches its own ranks on an emulated cluster: give --cluster")
-    plan, result = get_plan(cfg, wl, world)
+    return out_dir
+
+
+def _write_run_files(cfg: TrainConfig, out_dir: Path, plan, result) -> None:
+    import yaml
+
     if result is not None:
         result.save(out_dir / "plan.json")
     elif not (out_dir / "plan.json").exists() or poplar.Plan.load(out_dir / "plan.json") != plan:
         plan.save(out_dir / "plan.json")
-    (out_dir / "config.yaml").write_text(__import__("yaml").safe_dump(cfg.model_dump(), sort_keys=False))
-    ranks = spawn(_train_rank, world, cfg.model_dump(), plan.to_dict(), wl.model_dump(), return_state,
-                  timeout_s=timeout_s)
+    (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+
+
+def _finish(cfg: TrainConfig, out_dir: Path, plan, result, mine: dict) -> dict:
     from poplar.train.report import plot_runs, read_log, summarize
 
     records = read_log(out_dir / "log.jsonl")
     report = plot_runs({cfg.baseline: records}, out_dir / "report.png", title=f"{cfg.model}, {plan}")
-    return {"plan": plan, "planning": result, "summary": summarize(records), "report": report, **ranks[0]}
+    return {"plan": plan, "planning": result, "summary": summarize(records), "report": report, **mine}
+
+
+def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float = 3600,
+                 nproc: int | None = None) -> dict:
+    """Train; returns rank 0's losses (and full parameters if asked).
+
+    Under ``torchrun`` this process is one rank (every rank calls this). Otherwise it
+    launches the ranks itself: one per device of ``cfg.cluster``, or ``nproc`` plain
+    CPU ranks with ``cfg.plan``.
+    """
+    if "WORLD_SIZE" in os.environ:
+        return _run_under_torchrun(cfg, return_state)
+    from poplar.emulate import load_cluster
+    from poplar.launch import spawn
+
+    out_dir = _check_out(cfg)
+    if cfg.cluster:
+        world = load_cluster(cfg.cluster).world_size
+        if nproc is not None and nproc != world:
+            raise ValueError(f"--nproc {nproc}, but the cluster file describes {world} devices: give one of them")
+    elif nproc:
+        world = nproc
+    else:
+        raise ValueError("give --cluster (an emulated cluster), or --nproc with --plan, or launch under torchrun")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok, _ = prepare_data(cfg)
+    wl = Workload(model=cfg.model, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size())
+    plan, result = get_plan(cfg, wl, world)
+    _write_run_files(cfg, out_dir, plan, result)
+    ranks = spawn(_train_rank, world, cfg.model_dump(), plan.to_dict(), wl.model_dump(), return_state,
+                  timeout_s=timeout_s)
+    return _finish(cfg, out_dir, plan, result, ranks[0])
+
+
+def _run_under_torchrun(cfg: TrainConfig, return_state: bool) -> dict:
+    from poplar.engine.dist import init_distributed, shutdown
+
+    out_dir = _check_out(cfg)        # every rank sees the same directory: all refuse alike
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        if rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            prepare_data(cfg)                   # trains and caches the tokenizer once
+        dist.barrier()
+        tok, _ = prepare_data(cfg)
+        wl = Workload(model=cfg.model, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size())
+        plan, result = get_plan(cfg, wl, world, distributed=True)
+        if rank == 0:
+            _write_run_files(cfg, out_dir, plan, result)
+        dist.barrier()
+        mine = _train_rank(rank, world, cfg.model_dump(), plan.to_dict(), wl.model_dump(), return_state)
+        return _finish(cfg, out_dir, plan, result, mine) if rank == 0 else {"plan": plan, **mine}
+    finally:
+        shutdown()
