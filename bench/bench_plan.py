@@ -18,36 +18,24 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from poplar.emulate import load_cluster, presets
-from poplar.measure import measure_plans
-from poplar.planner import make_plan
-from poplar.profile.profiler import profile_cluster
+from poplar.bench import plan_and_measure
+from poplar.emulate import presets
+from poplar.workload import as_workload
 
 
 def bench_preset(name: str, model: str, global_batch: int, steps: int, rounds: int, use_cache: bool,
                  all_stages: bool) -> list[dict]:
-    cluster = load_cluster(name).model_dump()
-    profile, _ = profile_cluster(model, cluster, use_cache=use_cache)
-    result = make_plan(profile, global_batch)
-    rows = []
-    for stage, sp in result.stages.items():
-        if sp.excluded or (stage != result.stage and not all_stages):
-            continue
-        for alloc in sp.allocations.values():
-            if alloc.plan is None or (alloc.name != "poplar" and stage != result.stage):
-                continue
-            rows.append({"preset": name, "stage": stage, "allocation": alloc.name, "chosen": stage == result.stage,
-                         "plan": str(alloc.plan), "plan_obj": alloc.plan,
-                         "predicted_step_s": alloc.predicted.step_s,
-                         "predicted_samples_per_s": alloc.predicted.samples_per_s,
-                         "ideal_samples_per_s": sp.ideal_samples_per_s})
-    measured = measure_plans(model, cluster, [r["plan_obj"] for r in rows], steps=steps, rounds=rounds)
-    for r, m in zip(rows, measured):
-        r.pop("plan_obj")
-        r["measured_step_s"] = m["step_s"]
-        r["measured_samples_per_s"] = m["samples_per_s"]
-        r["error"] = r["predicted_step_s"] / m["step_s"] - 1
-    return rows
+    def pick(result):   # every allocation of the chosen stage, and Poplar's plan of the others
+        return [(s, n) for s, sp in result.stages.items() if not sp.excluded
+                for n in sp.allocations if s == result.stage or (all_stages and n == "poplar")]
+
+    result, measured = plan_and_measure(name, as_workload(model), global_batch, pick, steps, rounds, use_cache)
+    return [{"preset": name, "stage": stage, "allocation": alloc.name, "chosen": stage == result.stage,
+             "plan": str(alloc.plan), "predicted_step_s": alloc.predicted.step_s,
+             "predicted_samples_per_s": alloc.predicted.samples_per_s,
+             "ideal_samples_per_s": result.stages[stage].ideal_samples_per_s,
+             "measured_step_s": m["step_s"], "measured_samples_per_s": m["samples_per_s"],
+             "error": alloc.predicted.step_s / m["step_s"] - 1} for stage, alloc, m in measured]
 
 
 def main() -> None:

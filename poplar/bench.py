@@ -18,22 +18,34 @@ from poplar.workload import Workload
 ALLOCATIONS = ("poplar", "uniform", "proportional")
 
 
-def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: int = 12, rounds: int = 3,
-                  use_cache: bool = True) -> dict:
+def plan_and_measure(cluster: str, workload: Workload, global_batch: int, pick, steps: int = 12, rounds: int = 3,
+                     use_cache: bool = True):
+    """Profile (or read the cache), plan, and measure the ``(stage, allocation)`` pairs ``pick(result)`` names.
+
+    All of them in one launch of the cluster, in alternating rounds. Returns the
+    planning result and ``(stage, allocation, measured)`` per pair that has a plan.
+    """
     spec = load_cluster(cluster)
     profile, _ = profile_cluster(workload, spec.model_dump(), use_cache=use_cache,
                                  max_micro_batch=min(256, global_batch))
     result = make_plan(profile, global_batch)
+    pairs = [(s, result.stages[s].allocations[n]) for s, n in pick(result)
+             if result.stages[s].allocations[n].plan is not None]
+    measured = measure_plans(workload, spec.model_dump(), [a.plan for _, a in pairs], steps=steps, rounds=rounds)
+    return result, [(s, a, m) for (s, a), m in zip(pairs, measured)]
+
+
+def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: int = 12, rounds: int = 3,
+                  use_cache: bool = True) -> dict:
+    result, measured = plan_and_measure(cluster, workload, global_batch,
+                                        lambda r: [(r.stage, n) for n in ALLOCATIONS], steps, rounds, use_cache)
     stage = result.stages[result.stage]
-    names = [n for n in ALLOCATIONS if stage.allocations[n].plan is not None]
-    measured = measure_plans(workload, spec.model_dump(), [stage.allocations[n].plan for n in names], steps=steps,
-                             rounds=rounds)
     rows = {}
-    for name, m in zip(names, measured):
-        alloc = stage.allocations[name]
-        rows[name] = {"plan": alloc.plan.to_dict(), "predicted_samples_per_s": alloc.predicted.samples_per_s,
-                      "samples_per_s": m["samples_per_s"], "tokens_per_s": m["samples_per_s"] * workload.seq_len,
-                      "step_s": m["step_s"], "busy_s": m["busy_s"]}
+    for _, alloc, m in measured:
+        rows[alloc.name] = {"plan": alloc.plan.to_dict(), "predicted_samples_per_s": alloc.predicted.samples_per_s,
+                            "samples_per_s": m["samples_per_s"],
+                            "tokens_per_s": m["samples_per_s"] * workload.seq_len,
+                            "step_s": m["step_s"], "busy_s": m["busy_s"]}
     ideal = stage.ideal_samples_per_s
     out = {"cluster": cluster, "model": workload.model, "seq_len": workload.seq_len, "global_batch": global_batch,
            "zero_stage": result.stage, "reason": result.reason, "ideal_samples_per_s": ideal,

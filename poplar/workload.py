@@ -11,6 +11,9 @@ Hugging Face presets of :mod:`poplar.models.hf` (``llama-tiny`` ... ``bert-base`
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -70,15 +73,23 @@ class Workload(BaseModel):
         x = torch.randint(2, self.vocab_size, (n, self.seq_len + 1), generator=g)
         return x[:, :-1], x[:, 1:]
 
+    def param_shapes(self) -> list[list[int]]:
+        return _param_shapes(self.model, self.vocab_size)
+
     def n_params(self) -> int:
-        return sum(p.numel() for p in self.build().parameters())
+        return sum(math.prod(shape) for shape in self.param_shapes())
 
     def cache_dict(self) -> dict:
         """Everything about the workload that changes a device's profile."""
         config = MODEL_PRESETS.get(self.model) or HF_PRESETS[self.model][1]
-        shapes = [list(p.shape) for p in self.build().parameters()]
         return {"model": self.model, "config": config, "seq_len": self.seq_len, "vocab_size": self.vocab_size,
-                "shapes": shapes}
+                "shapes": self.param_shapes()}
+
+
+@functools.lru_cache(maxsize=16)
+def _param_shapes(model: str, vocab_size: int) -> list[list[int]]:
+    """Built once per process (a large model takes a while to build); shapes do not depend on seq_len."""
+    return [list(p.shape) for p in Workload(model=model, vocab_size=vocab_size).build().parameters()]
 
 
 def as_workload(x: str | Workload | dict) -> Workload:

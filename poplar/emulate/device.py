@@ -43,8 +43,7 @@ class EmulatedDevice(Device):
         self.compute_wall_s = 0.0      # the emulated device's compute time (after stretching)
         self.wait_s = 0.0              # time blocked in collectives
         self.step_wall_s = 0.0         # the whole step, as the clock on the wall saw it
-        self.update_cpu_s = 0.0        # the part of compute_cpu_s spent in the optimizer update
-        self.micro_cpu_s: list[float] = []   # the part spent in each micro-step, in order
+        self.micro_cpu_s: list[float] = []   # the part of compute_cpu_s in each micro-step, in order
         self.peak_bytes = 0            # model states + saved activations, at their highest
         self.peak_state_bytes = 0      # model states alone at the start of a micro-step, at their highest
         self._active = False
@@ -55,7 +54,7 @@ class EmulatedDevice(Device):
     @contextlib.contextmanager
     def step(self):
         """One optimizer step: everything inside runs at the device's speed."""
-        self.compute_cpu_s = self.compute_wall_s = self.wait_s = self.update_cpu_s = 0.0
+        self.compute_cpu_s = self.compute_wall_s = self.wait_s = 0.0
         self.micro_cpu_s = []
         self._wait_cpu = 0.0
         self._start_wall, self._start_cpu = time.perf_counter(), time.thread_time()
@@ -93,18 +92,13 @@ class EmulatedDevice(Device):
             self.wait_s += time.perf_counter() - wall
             self._wait_cpu += time.thread_time() - cpu
 
-    @property
-    def per_step_s(self) -> float:
-        """The last step's compute in its optimizer update."""
-        return self.share_s(self.update_cpu_s)
-
     def share_s(self, cpu_s: float) -> float:
         """The device time of ``cpu_s`` of this step's CPU work (its share of the stretched compute)."""
         return self.compute_s * cpu_s / self.compute_cpu_s if self.compute_cpu_s > 0 else 0.0
 
     @contextlib.contextmanager
-    def _cpu_of(self, record):
-        """Hand ``record`` the CPU time of what runs inside (waits excluded)."""
+    def span(self):
+        """One whole micro-step: its CPU time (waits excluded) is kept in ``micro_cpu_s``."""
         if not self._active:
             yield
             return
@@ -112,15 +106,7 @@ class EmulatedDevice(Device):
         try:
             yield
         finally:
-            record(time.thread_time() - start_cpu - (self._wait_cpu - start_wait))
-
-    def update(self):
-        """The optimizer update: its CPU time is kept apart."""
-        return self._cpu_of(lambda cpu: setattr(self, "update_cpu_s", self.update_cpu_s + cpu))
-
-    def span(self):
-        """One whole micro-step: its CPU time is kept apart."""
-        return self._cpu_of(self.micro_cpu_s.append)
+            self.micro_cpu_s.append(time.thread_time() - start_cpu - (self._wait_cpu - start_wait))
 
     # -- memory -------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -9,7 +9,6 @@ own speed and within its own memory. The engine calls:
   that already counts;
 - ``boundary()``: right before a collective is launched;
 - ``waiting()``: a context around each wait for a collective;
-- ``update()``: a context around the optimizer update (once per step);
 - ``span()``: a context around one whole micro-step (its collectives' launches and
   waits included).
 """
@@ -34,14 +33,6 @@ class Device:
     @property
     def compute_s(self) -> float:
         return self.step_wall_s - self.wait_s
-
-    @property
-    def per_step_s(self) -> float:
-        """The part of ``compute_s`` spent in the optimizer update; 0: not measured."""
-        return 0.0
-
-    def update(self):
-        return contextlib.nullcontext()
 
     def span(self):
         return contextlib.nullcontext()

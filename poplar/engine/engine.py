@@ -302,8 +302,7 @@ class Engine:
             loss_sum += loss.detach().float().reshape(()) * weight
         self.rank_device.boundary()
         loss_work = C.all_reduce(loss_sum, async_op=True)
-        with self.rank_device.update():
-            self._step()
+        self._step()
         with self.rank_device.waiting():
             loss_work.wait()
         return float(loss_sum)

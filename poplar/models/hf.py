@@ -7,8 +7,8 @@ unit (one bucket, one ZeRO-3 gather) without being told.
 Losses take ``(inputs, targets)`` of packed text (:mod:`poplar.data.text`):
 
 - causal LM: the mean next-token cross-entropy over the micro-batch;
-- masked LM: a fixed number of positions per sequence (15%, chosen by a generator
-  seeded from the tokens themselves, so every rank and every run masks the same ones) is
+- masked LM: a fixed number of positions per sequence (15%, chosen from a hash of the
+  tokens themselves, so every rank and every run masks the same ones) is
   replaced by the mask token, and the loss is the mean cross-entropy over those
   positions. With the same count in every sequence, the mean over a micro-batch's masked
   positions is the mean of per-sequence means, which the engine's per-sample weighting
@@ -67,14 +67,18 @@ def causal_lm_loss(model, batch) -> torch.Tensor:
 
 
 def masked_positions(tokens: torch.Tensor, fraction: float = MASK_FRACTION) -> torch.Tensor:
-    """The same number of positions in every sequence, chosen by a generator seeded from its tokens."""
+    """The same number of positions in every sequence, chosen from a hash of its tokens (no Python loop).
+
+    The choice depends only on the sequence itself, so every rank and every split of a
+    batch into micro-batches masks the same positions.
+    """
     n, length = tokens.shape
     k = max(1, int(round(fraction * length)))
-    out = torch.empty(n, k, dtype=torch.long)
-    for i in range(n):
-        g = torch.Generator().manual_seed(int(tokens[i].sum()) * 31 + int(tokens[i, 0]))
-        out[i] = torch.randperm(length, generator=g)[:k]
-    return out
+    seed = tokens.sum(1, dtype=torch.int64) * 31 + tokens[:, 0].long()
+    pos = torch.arange(1, length + 1, device=tokens.device, dtype=torch.int64)
+    scores = seed[:, None] * 6364136223846793005 + pos[None, :] * 1442695040888963407   # wraps: fine for a hash
+    scores = scores ^ (scores >> 29)
+    return torch.argsort(scores, dim=1, stable=True)[:, :k]
 
 
 def masked_lm_loss_fn(mask_token_id: int):
@@ -82,7 +86,7 @@ def masked_lm_loss_fn(mask_token_id: int):
 
     def loss(model, batch) -> torch.Tensor:
         inputs, _ = batch
-        pos = masked_positions(inputs).to(inputs.device)
+        pos = masked_positions(inputs)
         corrupted = inputs.clone()
         corrupted.scatter_(1, pos, mask_token_id)
         logits = model(input_ids=corrupted).logits

@@ -65,18 +65,10 @@ class KindCost:
         g[1:self.max_micro_batch + 1] = np.maximum.accumulate(np.maximum(raw, 1e-9)) if raw.size else raw
         g[-1] = g[-2]
         self.g = g
-
-    @property
-    def best_micro_batch(self) -> int:
-        """The micro-batch size with the most samples per second of forward and backward."""
-        m = np.arange(1, self.max_micro_batch + 1)
-        return int(m[np.argmax(m / self.g[1:self.max_micro_batch + 1])]) if self.max_micro_batch else 0
-
-    @property
-    def cheapest_sample_s(self) -> float:
-        """The least forward+backward time per sample at any micro-batch size."""
-        m = np.arange(1, self.max_micro_batch + 1)
-        return float(np.min(self.g[1:self.max_micro_batch + 1] / m))
+        per_sample = g[1:self.max_micro_batch + 1] / m if raw.size else np.array([np.inf])
+        # the micro-batch with the most samples per second of forward and backward, and its cost a sample
+        self.best_micro_batch = int(np.argmin(per_sample)) + 1 if raw.size else 0
+        self.cheapest_sample_s = float(np.min(per_sample))
 
     def fits(self) -> bool:
         return self.max_micro_batch > 0

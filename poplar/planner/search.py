@@ -45,6 +45,17 @@ class Infeasible(ValueError):
     """No plan of this kind exists; the message says why and what to change."""
 
 
+def _require_feasible(cost: CostModel, global_batch: int) -> int:
+    """Every rank needs a sample and a device that holds one: the number of ranks, or Infeasible."""
+    n = len(cost.ranks)
+    too_small = [k for k, kc in cost.kinds.items() if not kc.fits()]
+    if too_small:
+        raise Infeasible(f"{', '.join(too_small)} cannot hold micro-batch 1 in stage {cost.stage}")
+    if global_batch < n:
+        raise Infeasible(f"a global batch of {global_batch} cannot give each of the {n} ranks a sample")
+    return n
+
+
 def _target_sizes(kc: KindCost, n: int = 12) -> np.ndarray:
     """Micro-batch sizes worth aiming at: spread over 1..max, and the most efficient one."""
     m = kc.max_micro_batch
@@ -56,9 +67,9 @@ def _free_accum_table(kc: KindCost, b: np.ndarray) -> tuple[np.ndarray, np.ndarr
     """Busy time and accumulation count for each number of samples in ``b``, choosing the count.
 
     Counts tried: the fewest memory allows and a couple more, and those that cut the
-    samples into micro-batches of about each of a spread of sizes (a curve that bends
-    upwards at its largest sizes makes more, smaller micro-batches faster). Ties go to
-    the fewer micro-steps.
+    samples into micro-batches of about each of a spread of sizes. A count above the
+    fewest is taken only where it is predicted ``MORE_STEPS_GAIN`` faster; ties go to the
+    fewer micro-steps.
     """
     a_min = -(-b // kc.max_micro_batch)
     best_t = kc.busy(b, a_min)
@@ -118,13 +129,8 @@ def _spread(rank_kinds: list[str], level: dict[str, tuple[int, int]], total: int
 
 def allocate(cost: CostModel, global_batch: int) -> Plan:
     """The plan with the least predicted step time for ``cost``'s stage and ranks."""
-    n = len(cost.ranks)
+    n = _require_feasible(cost, global_batch)
     counts = {k: cost.rank_kinds.count(k) for k in cost.kinds}
-    too_small = [k for k, kc in cost.kinds.items() if not kc.fits()]
-    if too_small:
-        raise Infeasible(f"{', '.join(too_small)} cannot hold micro-batch 1 in stage {cost.stage}")
-    if global_batch < n:
-        raise Infeasible(f"a global batch of {global_batch} cannot give each of the {n} ranks a sample")
     if cost.stage <= 1:
         # Tables need not go beyond what a rank could take within the time of an even split
         # (a feasible plan): its busy time is at least its per-step part plus its samples at
@@ -159,13 +165,14 @@ def allocate(cost: CostModel, global_batch: int) -> Plan:
             plan = Plan.from_local_batches(cost.stage, samples, a)
             found[a] = (cost.predict(plan).step_s, plan)
 
+    def best() -> int:             # the fastest; among equals, the fewest micro-steps
+        return min(found, key=lambda a: (round(found[a][0], 12), a))
+
     for a in sorted(tries):
         attempt(a)
-    best = min(found, key=lambda a: (found[a][0], a))
-    for a in range(best - 3, best + 4):
+    for a in range(best() - 3, best() + 4):
         attempt(a)
-    best = min(found, key=lambda a: (round(found[a][0], 12), a))
-    return found[best][1]
+    return found[best()][1]
 
 
 # ---------------------------------------------------------------------------- baselines
@@ -175,12 +182,8 @@ def uniform(cost: CostModel, global_batch: int) -> Plan:
     Every rank takes ``B / N`` samples (one more on the first ``B mod N`` ranks, where
     ``N`` does not divide ``B``) in the fewest micro-steps the smallest device's memory allows.
     """
-    n = len(cost.ranks)
-    if global_batch < n:
-        raise Infeasible(f"a global batch of {global_batch} cannot give each of the {n} ranks a sample")
+    n = _require_feasible(cost, global_batch)
     smallest = min(kc.max_micro_batch for kc in cost.kinds.values())
-    if smallest < 1:
-        raise Infeasible(f"a device cannot hold micro-batch 1 in stage {cost.stage}")
     q, r = divmod(global_batch, n)
     samples = [q + 1] * r + [q] * (n - r)
     accum = -(-max(samples) // smallest)
@@ -203,11 +206,7 @@ def proportional(cost: CostModel, global_batch: int) -> Plan:
     whose share does not fit in one micro-batch accumulates (in ZeRO-2/3 every rank then
     runs the most micro-steps any rank needs).
     """
-    n = len(cost.ranks)
-    if global_batch < n:
-        raise Infeasible(f"a global batch of {global_batch} cannot give each of the {n} ranks a sample")
-    if any(not kc.fits() for kc in cost.kinds.values()):
-        raise Infeasible(f"a device cannot hold micro-batch 1 in stage {cost.stage}")
+    n = _require_feasible(cost, global_batch)
     peak = {k: peak_throughput(kc) for k, kc in cost.kinds.items()}
     speed = np.array([peak[k] for k in cost.rank_kinds])
     share = 1 + (global_batch - n) * speed / speed.sum()            # at least one sample each

@@ -197,8 +197,7 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
         out.setdefault("sync", {})[stage] = _calibrate_sync(rank, world_size, stage, wl, spec, device,
                                                             optimizer, out["kind"], out["stages"][stage], repeats)
         note(stage, "done")
-    n_params = sum(p.numel() for p in wl.build().parameters())
-    out["comm"] = _time_collectives(n_params).model_dump()
+    out["comm"] = _time_collectives(wl.n_params()).model_dump()
     return out
 
 
@@ -216,13 +215,8 @@ def _calibrate_sync(rank: int, world_size: int, stage: int, wl: Workload, spec, 
 
     seen = [None] * world_size
     dist.all_gather_object(seen, (kind, mine))
-    devices = {}
-    for k in dict.fromkeys(x[0] for x in seen):
-        same = [m for kk, m in seen if kk == k]
-        devices[k] = DeviceProfile(kind=k, memory_gb=1.0, stages={stage: StageProfile(
-            max_micro_batch=min(m["max"] for m in same), state_bytes=0,
-            points=_merge_points([m["points"] for m in same]),
-            per_step_s=statistics.median(m["per_step"] for m in same))})
+    devices = {k: DeviceProfile(kind=k, memory_gb=1.0, stages={stage: _merge_stage([m for kk, m in seen if kk == k])})
+               for k in dict.fromkeys(x[0] for x in seen)}
     interim = Profile(model=ModelInfo(name=wl.model, n_params=1, seq_len=1), ranks=[x[0] for x in seen],
                       devices=devices)
     cost = CostModel(interim, stage)
@@ -245,6 +239,15 @@ def _calibrate_sync(rank: int, world_size: int, stage: int, wl: Workload, spec, 
 
 
 # ---------------------------------------------------------------------------- the whole cluster
+def _merge_stage(entries: list[dict]) -> StageProfile:
+    """One kind's stage profile from its ranks' figures: the smallest limit, median times."""
+    return StageProfile(max_micro_batch=min(m["max"] for m in entries),
+                        state_bytes=max(m["state_bytes"] for m in entries),
+                        points=_merge_points([m["points"] for m in entries]),
+                        per_step_s=statistics.median(m.get("per_step", 0.0) for m in entries),
+                        note=entries[0]["note"])
+
+
 def _merge_points(point_lists: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
     """Identical devices share one profile: the median time at each micro-batch size."""
     by_size: dict[int, list[float]] = {}
@@ -313,12 +316,7 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
             comm.sync_s[int(s)], comm.sync_accum[int(s)] = excess, accum
         for s in todo:
             for k in kinds:
-                mine = [r["stages"][s] for r in ranks if r["kind"] == k]
-                measured[(k, s)] = StageProfile(max_micro_batch=min(m["max"] for m in mine),
-                                                state_bytes=max(m["state_bytes"] for m in mine),
-                                                points=_merge_points([m["points"] for m in mine]),
-                                                per_step_s=statistics.median(m.get("per_step", 0.0) for m in mine),
-                                                note=mine[0]["note"])
+                measured[(k, s)] = _merge_stage([r["stages"][s] for r in ranks if r["kind"] == k])
         if rank == 0:
             cache_dir.mkdir(parents=True, exist_ok=True)
             for ks, sp in measured.items():

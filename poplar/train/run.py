@@ -90,20 +90,22 @@ def _train_rank(rank: int, world_size: int, cfg_dict: dict, plan_dict: dict, wl_
     losses = []
     last = min(cfg.steps, cfg.stop_at or cfg.steps)
     try:
+        dist.barrier()                       # the ranks start the clock together
+        previous = time.perf_counter()
         for step in range(start, last):
             for group in engine.optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, step)
-            dist.barrier()
-            begin = time.perf_counter()
             loss = engine.train_batch(batches.local(step, plan, rank), wl.loss)
-            wall = time.perf_counter() - begin
-            figures = torch.tensor([wall, device.compute_s], dtype=torch.float64)
-            every = [torch.zeros_like(figures) for _ in range(world_size)]
-            dist.all_gather(every, figures)
-            step_s = max(float(f[0]) for f in every)
-            busy = [float(f[1]) for f in every]
+            period = time.perf_counter() - previous     # waits for the other ranks included
             losses.append(loss)
-            if log is not None and (step % cfg.log_every == 0 or step == cfg.steps - 1):
+            logging = step % cfg.log_every == 0 or step == last - 1
+            if logging:                              # every rank: the figures are gathered
+                figures = torch.tensor([period, device.compute_s], dtype=torch.float64)
+                every = [torch.zeros_like(figures) for _ in range(world_size)]
+                dist.all_gather(every, figures)
+                step_s = max(float(f[0]) for f in every)
+                busy = [float(f[1]) for f in every]
+            if logging and log is not None:
                 record = {"step": step, "loss": loss, "lr": learning_rate(cfg, step), "step_s": step_s,
                           "samples_per_s": plan.global_batch_size / step_s, "tokens_per_s": tokens / step_s,
                           "tflops": fpt * tokens / step_s / 1e12, "busy_s": busy,
@@ -116,6 +118,7 @@ def _train_rank(rank: int, world_size: int, cfg_dict: dict, plan_dict: dict, wl_
             done = step + 1
             if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == last:
                 save_checkpoint(engine, ckpt_root, done, expect)
+            previous = time.perf_counter()           # logging and checkpoints are not the step's time
     finally:
         if log is not None:
             log.close()
