@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 PRESETS_DIR = Path(__file__).parent / "presets"
+MIN_SLOWDOWN = 1.2   # see ClusterSpec.host_slowdown
 
 
 class DeviceGroup(BaseModel):
@@ -72,13 +73,14 @@ class ClusterSpec(BaseModel):
     def host_slowdown(self, cores: int | None = None, busy: float = 0.6) -> float:
         """How much slower than declared every device must run for the cluster to fit this host.
 
-        Emulating devices whose speeds add up to more than the host's cores would make
-        them compete for cores, and a device cannot be sped up by sleeping less. So the
-        whole cluster is slowed down by one common factor until its demand is ``busy`` of
-        the host's cores; every ratio between devices stays as declared.
+        A device cannot be sped up by sleeping less. So the whole cluster is slowed down
+        by one common factor: at least ``MIN_SLOWDOWN`` (a host that runs up to that much
+        slower than when it calibrated still keeps up), and more until the devices' demand
+        is ``busy`` of the host's cores (devices whose speeds add up to more than the
+        host's cores would compete for them). Every ratio between devices stays as declared.
         """
         cores = cores or os.cpu_count() or 1
-        return max(1.0, sum(d.speed * d.count for d in self.devices) / (cores * busy))
+        return max(MIN_SLOWDOWN, sum(d.speed * d.count for d in self.devices) / (cores * busy))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(), sort_keys=False)

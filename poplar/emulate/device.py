@@ -1,15 +1,20 @@
 """One emulated GPU: real compute on the CPU, stretched to the device's speed, capped memory.
 
-Speed. A rank's compute is measured as the CPU time of its own thread
-(``time.thread_time``; one torch thread per rank), which does not grow when other
-ranks compete for the host's cores. Before every collective, and at the end of a step,
-the rank sleeps until the wall time it spent computing (waits for collectives excluded)
-equals that CPU time divided by ``speed``. So a device of speed 0.5 takes twice the
-host's time for the same work, and the ranks of a cluster wait for each other at
-collectives as they would on the real devices, whatever else the host is doing. A
-device can only be slowed down, so a cluster whose speeds add up to more than the host
-can run is slowed as a whole by one common factor (``ClusterSpec.host_slowdown``),
-which keeps every ratio between devices as declared.
+Speed. Every piece of work the engine names (``span(key)`` around a micro-step,
+``step(key)`` for the rest of an optimizer step) takes the device ``cost / speed``,
+where ``cost`` is the host's CPU time for that work measured alone and kept in the
+host's calibration table (:mod:`poplar.emulate.calibration`). So the device runs at its
+declared speed whatever the host is doing: other ranks sharing its cores, a host that
+drifts slower over minutes. Work without a key costs its CPU time in this thread
+(``time.thread_time``, which does not count the time other ranks hold the core).
+
+Before every collective, and at the end of a step, the rank sleeps until the wall time
+it spent computing (waits for collectives excluded) equals the device time of its work
+so far. So a device of speed 0.5 takes twice the host's time for the same work, and the
+ranks of a cluster wait for each other at collectives as they would on the real
+devices. A device can only be slowed down, so every cluster runs slower than declared
+by one common factor (``ClusterSpec.host_slowdown``, at least 1.2: a host up to 20%
+slower than when calibrated still keeps up), which keeps every ratio between devices.
 
 Memory. The model-state bytes the engine holds plus the bytes autograd saves for the
 backward pass (counted by ``saved_tensors_hooks`` as they are saved) must fit the
@@ -24,6 +29,7 @@ import time
 
 import torch
 
+from poplar.emulate.calibration import Calibration, calibration
 from poplar.emulate.cluster import DeviceGroup
 from poplar.engine.device import Device
 
@@ -31,82 +37,163 @@ from poplar.engine.device import Device
 class EmulatedDevice(Device):
     tracks_memory = True
 
-    def __init__(self, spec: DeviceGroup, rank: int = 0, slowdown: float = 1.0):
-        """``slowdown``: a factor common to the whole cluster (``ClusterSpec.host_slowdown``)."""
+    def __init__(self, spec: DeviceGroup, rank: int = 0, slowdown: float = 1.0,
+                 table: Calibration | None | bool = True):
+        """``slowdown``: a factor common to the whole cluster (``ClusterSpec.host_slowdown``).
+
+        ``table``: the calibration table (True: this host's default; False: none, every
+        piece of work then costs its CPU time as measured).
+        """
         if slowdown < 1.0:
             raise ValueError(f"slowdown must be at least 1.0, got {slowdown}")
         self.spec, self.rank = spec, rank
         self.speed = spec.speed / slowdown
         self.capacity = spec.memory_bytes
+        self.table = calibration() if table is True else (table or None)
         # figures of the last step, for tests and reports
         self.compute_cpu_s = 0.0       # the host's CPU time of this rank's compute
         self.compute_wall_s = 0.0      # the emulated device's compute time (after stretching)
+        self.target_s = 0.0            # what the device's work should take (compute_wall_s is more if the host lagged)
         self.wait_s = 0.0              # time blocked in collectives
         self.step_wall_s = 0.0         # the whole step, as the clock on the wall saw it
-        self.micro_cpu_s: list[float] = []   # the part of compute_cpu_s in each micro-step, in order
+        self.micro_s: list[float] = []       # the device time of each micro-step (span), in order
+        self.micro_cpu_s: list[float] = []   # ... and its CPU time
         self.peak_bytes = 0            # model states + saved activations, at their highest
         self.peak_state_bytes = 0      # model states alone at the start of a micro-step, at their highest
         self._active = False
+        self._span_key: str | None = None
+        self._rest_key: str | None = None
 
     # -- speed --------------------------------------------------------------------------
     # Accounts run over the whole step, so that a sleep that overshot (the host was busy)
     # is paid back by shorter sleeps later in the step.
     @contextlib.contextmanager
-    def step(self):
-        """One optimizer step: everything inside runs at the device's speed."""
-        self.compute_cpu_s = self.compute_wall_s = self.wait_s = 0.0
-        self.micro_cpu_s = []
+    def step(self, key: str | None = None):
+        """One optimizer step: everything inside runs at the device's speed.
+
+        ``key`` names the step's work outside its spans (the update, the bookkeeping).
+        """
+        self.compute_cpu_s = self.compute_wall_s = self.wait_s = self.target_s = 0.0
+        self.micro_s, self.micro_cpu_s = [], []
         self._wait_cpu = 0.0
+        self._spans_cpu = self._spans_target = 0.0
+        self._rest_key, self._span_key = key, None
+        self._alone = {False: True, True: True}    # the rest of the step, the span: run alone so far
         self._start_wall, self._start_cpu = time.perf_counter(), time.thread_time()
         self._active = True
+        self._hold()
+        ok = False
         try:
             yield self
+            ok = True
         finally:
-            self.boundary()
+            self._alone[False] &= ok       # a step that failed calibrates nothing
+            self._pay(final=True, calibrate=ok)
             self._active = False
+            self._rest_key = None
             self.step_wall_s = time.perf_counter() - self._start_wall
+
+    def _cpu(self) -> float:
+        return time.thread_time() - self._start_cpu - self._wait_cpu
+
+    def _calibrating(self) -> bool:
+        key = self._span_key if self._span_key is not None else self._rest_key
+        return self.table is not None and key is not None and self.table.cost(key) is None
+
+    def _hold(self) -> None:
+        """Computing from here on: hold the host's lock, exclusively while calibrating.
+
+        Time spent getting it counts as waiting: no real device would wait for it.
+        """
+        if self.table is None:
+            return
+        before, wall, cpu = self.table.lock.timeouts, time.perf_counter(), time.thread_time()
+        self.table.lock.hold(exclusive=self._calibrating())
+        if self._active:
+            self.wait_s += time.perf_counter() - wall
+            self._wait_cpu += time.thread_time() - cpu
+        if self.table.lock.timeouts != before:   # not had: whatever runs now is not alone
+            self._alone[self._span_key is not None] = False
+
+    def _release(self) -> None:
+        if self.table is not None:
+            self.table.lock.release()
+
+    def _cost(self, key: str | None, cpu: float, alone: bool) -> float:
+        """The host cost of one piece of work: calibrated, or calibrating it now, or its CPU time."""
+        if self.table is None or key is None:
+            return cpu
+        known = self.table.cost(key)
+        if known is not None:
+            return known
+        start = time.thread_time()          # the reference kernel's time is nobody's work
+        try:
+            return self.table.observe(key, cpu) if alone else cpu / self.table.host_factor()
+        finally:
+            self._wait_cpu += time.thread_time() - start
+
+    def _pay(self, final: bool = False, calibrate: bool = True) -> None:
+        """Sleep off the device time of the work so far (the rest of the step at its end)."""
+        self._release()
+        cpu = self._cpu()
+        if final:
+            rest = cpu - self._spans_cpu
+            target = self._spans_target + (self._cost(self._rest_key, rest, self._alone[False]) if calibrate else rest)
+        else:
+            target = self._spans_target + (cpu - self._spans_cpu)
+        target /= self.speed
+        compute_wall = time.perf_counter() - self._start_wall - self.wait_s
+        if target > compute_wall:
+            time.sleep(target - compute_wall)
+        self.compute_cpu_s = cpu
+        self.target_s = target
+        self.compute_wall_s = time.perf_counter() - self._start_wall - self.wait_s
 
     def boundary(self) -> None:
         """Pay the compute debt before anything other ranks can observe (a collective)."""
         if not self._active:
             return
-        cpu = time.thread_time() - self._start_cpu - self._wait_cpu
-        compute_wall = time.perf_counter() - self._start_wall - self.wait_s
-        extra = cpu / self.speed - compute_wall
-        if extra > 0:
-            time.sleep(extra)
-        self.compute_cpu_s = cpu
-        self.compute_wall_s = time.perf_counter() - self._start_wall - self.wait_s
+        self._pay()
+        self._hold()
 
     @contextlib.contextmanager
     def waiting(self):
-        """A wait for a collective: neither compute nor stretched."""
+        """A wait for a collective: neither compute nor stretched, and no lock held meanwhile."""
         if not self._active:
             yield
             return
-        self.boundary()
+        self._pay()
         wall, cpu = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             self.wait_s += time.perf_counter() - wall
             self._wait_cpu += time.thread_time() - cpu
-
-    def share_s(self, cpu_s: float) -> float:
-        """The device time of ``cpu_s`` of this step's CPU work (its share of the stretched compute)."""
-        return self.compute_s * cpu_s / self.compute_cpu_s if self.compute_cpu_s > 0 else 0.0
+            self._hold()
 
     @contextlib.contextmanager
-    def span(self):
-        """One whole micro-step: its CPU time (waits excluded) is kept in ``micro_cpu_s``."""
+    def span(self, key: str | None = None):
+        """One whole micro-step, ``key`` naming its work: costs its calibrated time."""
         if not self._active:
             yield
             return
-        start_cpu, start_wait = time.thread_time(), self._wait_cpu
+        self._span_key, self._alone[True] = key, True
+        self._hold()
+        start_cpu = self._cpu()
+        ok = False
         try:
             yield
+            ok = True
         finally:
-            self.micro_cpu_s.append(time.thread_time() - start_cpu - (self._wait_cpu - start_wait))
+            alone = self._alone[True]
+            cpu = self._cpu() - start_cpu
+            cost = self._cost(key, cpu, alone) if ok else cpu
+            self._spans_cpu += cpu
+            self._spans_target += cost
+            self.micro_cpu_s.append(cpu)
+            self.micro_s.append(cost / self.speed)
+            self._span_key = None
+            self._hold()
 
     # -- memory -------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -3,14 +3,16 @@
 An emulated device (``poplar.emulate.EmulatedDevice``) implements these to run at its
 own speed and within its own memory. The engine calls:
 
-- ``step()``: a context around one optimizer step;
+- ``step(key)``: a context around one optimizer step; ``key`` (a string, or None)
+  names the step's work outside its micro-steps, so that the same work can be
+  recognised again (an emulated device runs a recognised piece of work in a fixed time);
 - ``micro_step(state_bytes, state_storages)``: a context around one micro-step's
   forward and backward, with the bytes of model state held meanwhile and the storages
   that already counts;
 - ``boundary()``: right before a collective is launched;
 - ``waiting()``: a context around each wait for a collective;
-- ``span()``: a context around one whole micro-step (its collectives' launches and
-  waits included).
+- ``span(key)``: a context around one whole micro-step (its collectives' launches and
+  waits included); ``key`` names its work, as for ``step``.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ class Device:
     def compute_s(self) -> float:
         return self.step_wall_s - self.wait_s
 
-    def span(self):
+    def span(self, key: str | None = None):
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def step(self):
+    def step(self, key: str | None = None):
         self.wait_s = 0.0
         start = time.perf_counter()
         try:

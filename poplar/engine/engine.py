@@ -112,6 +112,7 @@ class Engine:
         self._pending: list[tuple[FlatUnit, Any, torch.Tensor | None]] = []
         self._next_launch = 0
         self._batch_check = None
+        self._work = _work_signature(self)
 
     # ------------------------------------------------------------------ set-up checks
     def _check_consistent(self, model: nn.Module) -> None:
@@ -278,8 +279,12 @@ class Engine:
         micro_batch)`` returns the mean loss over the micro-batch. Returns the mean loss
         over the whole global batch, the same on every rank.
         """
-        with self.rank_device.step():
+        with self.rank_device.step(self._key("rest", local_batch, loss_fn, self.plan.micro_batches(self.rank))):
             return self._train_batch(local_batch, loss_fn)
+
+    def _key(self, *what) -> str:
+        """A name for one piece of this rank's work: the same work, the same name (see ``Device.span``)."""
+        return _digest(self._work, *[_shapes(w) if not callable(w) else _name(w) for w in what])
 
     def _train_batch(self, local_batch, loss_fn: LossFn) -> float:
         self._reset_step_state()
@@ -287,8 +292,10 @@ class Engine:
         global_batch = self.plan.global_batch_size
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         micro_batches = split_batch(local_batch, self.plan.micro_batches(self.rank), self.device)
+        last = len(micro_batches) - 1
         for i, micro_batch in enumerate(micro_batches):
-            with self.rank_device.span():
+            where = "only" if last == 0 else "first" if i == 0 else "last" if i == last else "middle"
+            with self.rank_device.span(self._key("micro", micro_batch, loss_fn, where)):
                 self._begin_micro_step(sync=self.zero_stage >= 2 or i == len(micro_batches) - 1)
                 with self._memory_accounting():
                     loss = loss_fn(self.model, micro_batch)
@@ -559,3 +566,35 @@ def initialize(model: nn.Module, optimizer: OptimizerFactory, plan: Plan, config
     elif overrides:
         config = config.model_copy(update=overrides)
     return Engine(model, optimizer, plan, config, device)
+
+
+# ---------------------------------------------------------------------------- naming the work
+def _digest(*parts) -> str:
+    import hashlib
+
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+
+
+def _name(fn) -> str:
+    fn = getattr(fn, "func", fn)   # functools.partial
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def _shapes(x) -> Any:
+    leaves, _ = tree_flatten(x)
+    return [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t) for t in leaves]
+
+
+def _work_signature(engine: Engine) -> str:
+    """What makes this rank's computations cost what they do: the model, its shards, the stage, the options."""
+    model = engine.model
+    config = getattr(model, "config", None)
+    opt = engine.optimizer
+    # the options that change the work (foreach, amsgrad, ...), not the numbers a schedule moves
+    hyper = [sorted((k, v) for k, v in g.items() if isinstance(v, (bool, str)) or v is None) for g in opt.param_groups]
+    return _digest(f"{type(model).__module__}.{type(model).__qualname__}",
+                   config.to_json_string() if hasattr(config, "to_json_string") else repr(config),
+                   [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in model.parameters()],
+                   [(tuple(b.shape), str(b.dtype)) for b in model.buffers()],
+                   [tuple(u.master.shape) for u in engine.units], type(opt).__qualname__, repr(hyper),
+                   engine.zero_stage, engine.world_size, repr(engine.config), str(engine.device))

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import poplar
 from poplar.emulate import EmulatedDevice, parse_cluster
+from poplar.emulate.calibration import calibration
 from poplar.engine import collectives as C
 from poplar.engine.engine import EngineConfig
 from poplar.engine.units import build_units
@@ -55,7 +56,7 @@ def cache_key(workload: str | Workload, kind: dict, stage: int, world_size: int,
     """Everything that changes a device's stage profile: model, its shapes, device, stage, world, dtype."""
     key = {"workload": as_workload(workload).cache_dict(), "device": kind, "stage": stage, "world_size": world_size,
            "slowdown": round(slowdown, 6), "dtype": dtype, "max_micro_batch": max_micro_batch,
-           "poplar": poplar.__version__}
+           "poplar": poplar.__version__, "calibration": calibration().id}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -184,7 +185,7 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
                 if r < warmup:
                     continue
                 engine.train_batch(batches[i], wl.loss)
-                micro = device.share_s(device.micro_cpu_s[0])
+                micro = device.micro_s[0]
                 once = max(0.0, device.compute_s - 2 * micro)
                 times[i].append(micro + once)              # a step of one micro-batch
                 per_step.append(once)

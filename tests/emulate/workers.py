@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
 
@@ -35,6 +36,7 @@ def timed_steps(rank, world_size, cluster: dict, plan: dict, steps: int):
         engine.train_batch((x[lo:hi], y[lo:hi]), causal_lm_loss)
         if i > 0:   # the first step warms up
             out.append({"compute": device.step_wall_s - device.wait_s, "cpu": device.compute_cpu_s,
+                        "target": device.target_s,
                         "wait": device.wait_s, "step": device.step_wall_s, "speed": device.speed,
                         "slowdown": slowdown})
     return out
@@ -61,3 +63,16 @@ def largest_fitting_micro_batch(rank, world_size, memory_gb: float, stage: int, 
         best = mbs
         engine.close()
     return {"best": best, "peaks": peaks, "error": error}
+
+
+def hold_exclusively(path: str, seconds: float, ready) -> None:
+    """Hold the host's calibration lock exclusively for ``seconds`` (another process's calibration)."""
+    import time
+
+    from poplar.emulate.calibration import HostLock
+
+    lock = HostLock(Path(path))
+    lock.hold(exclusive=True)
+    ready.set()
+    time.sleep(seconds)
+    lock.release()

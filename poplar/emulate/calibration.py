@@ -1,0 +1,215 @@
+"""What a computation costs on this host, measured alone once and kept: the emulated devices' clock.
+
+An emulated device's time for a piece of work is the host's CPU time for that work
+divided by the device's speed. Measured afresh every time, that time would follow
+whatever the host is doing: ranks sharing its cores inflate each other's CPU time
+(three ranks on two cores: +25% here), and a shared host drifts by 10-40% over minutes.
+A real GPU does neither. So each computation the engine names (a key: the model, the
+stage, the micro-batch's shape, its place in the step) is calibrated once:
+
+- alone: while a rank calibrates, it holds the host-wide calibration lock exclusively,
+  and every rank holds it shared while it computes anything, so no other rank of any
+  emulated cluster on this host computes meanwhile (waits and sleeps hold no lock, so
+  no rank can block another that waits for it);
+- on a fixed scale: the host's current speed is measured with a fixed reference kernel
+  and every calibration is stated in the speed the host had when the table was started,
+  so calibrations taken minutes apart, in different processes, add up consistently;
+- as the median of its first ``OBSERVATIONS`` runs, kept on disk per host (the first
+  process to finish a key writes it; the others adopt that value), so every rank, every
+  later launch, the profiler and the training that follows it all see the same times.
+
+Only computations with a key are calibrated; anything else runs at its measured CPU time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+OBSERVATIONS = 3          # runs of a computation whose median becomes its calibrated cost
+LOCK_TIMEOUT_S = 10.0     # a lock not had by then is given up on: the work runs unlocked (never a hang)
+REFERENCE_EVERY_S = 2.0   # the host's speed is re-measured at most this often
+
+
+def default_dir() -> Path:
+    base = os.environ.get("POPLAR_CACHE_DIR")
+    return Path(base) / "calibration" if base else Path.home() / ".cache" / "poplar" / "calibration"
+
+
+def host_fingerprint() -> str:
+    """What makes calibrations of one host comparable: its CPU, torch, threads, poplar."""
+    import poplar
+
+    cpu = platform.processor()
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    what = [platform.machine(), cpu, os.cpu_count(), torch.__version__, torch.get_num_threads(), poplar.__version__]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
+
+
+_REF = None
+
+
+def reference_s(repeats: int = 5) -> float:
+    """CPU time of a fixed kernel (the best of ``repeats``, after a warm-up), in this thread: the host's speed now."""
+    global _REF
+    if _REF is None:
+        g = torch.Generator().manual_seed(0)
+        _REF = (torch.randn(192, 192, generator=g), torch.randn(192, 192, generator=g))
+    a, b = _REF
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        for _ in range(10):
+            torch.mm(a, b)
+        best = min(best, time.thread_time() - start)
+    return best
+
+
+class HostLock:
+    """The host-wide calibration lock (``flock`` on a file): exclusive to calibrate, shared to compute.
+
+    One per process (``flock`` locks belong to the open file, so two in one process would
+    block each other). Acquiring polls with a timeout; one not had in ``LOCK_TIMEOUT_S``
+    is given up on and counted in ``timeouts``.
+    """
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.mode: int | None = None
+        self.timeouts = 0
+
+    def hold(self, exclusive: bool) -> None:
+        want = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        if self.mode == want:
+            return
+        if self.mode is not None:
+            self.release()   # converting is not atomic anyway: release, then take anew
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(self._fd, want | fcntl.LOCK_NB)
+                self.mode = want
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    self.timeouts += 1
+                    return
+                time.sleep(0.0002)
+
+    def release(self) -> None:
+        if self.mode is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self.mode = None
+
+    @property
+    def exclusive(self) -> bool:
+        return self.mode == fcntl.LOCK_EX
+
+
+class Calibration:
+    """The calibrated CPU seconds of this host's keyed computations (see the module's docstring).
+
+    The table is a JSON-lines file: a header with the host's reference time when it was
+    started and an identifier (a profile measured against one table is not reused with
+    another), then one line per calibrated key.
+    """
+
+    def __init__(self, directory: Path | None = None):
+        directory = Path(directory or default_dir())
+        fp = host_fingerprint()
+        self.path = directory / f"host-{fp}.jsonl"
+        self.lock = _process_lock(directory / f"host-{fp}.lock")
+        self.costs: dict[str, float] = {}
+        self._observed: dict[str, list[float]] = {}
+        self._ref_at = -float("inf")
+        self._factor = 1.0
+        self.lock.hold(exclusive=True)
+        try:
+            if not self.path.exists() or self.path.stat().st_size == 0:
+                header = {"reference_s": reference_s(repeats=20), "id": uuid.uuid4().hex[:12], "host": fp}
+                self._append(header)
+            self._read()
+        finally:
+            self.lock.release()
+
+    # -- the table ------------------------------------------------------------------------
+    def _append(self, entry: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def _read(self) -> None:
+        for line in self.path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:   # a line cut short by a killed process: skip it
+                continue
+            if "reference_s" in entry and not hasattr(self, "reference_base_s"):
+                self.reference_base_s, self.id = float(entry["reference_s"]), str(entry["id"])
+            elif "key" in entry:
+                self.costs.setdefault(entry["key"], float(entry["cpu_s"]))
+
+    def cost(self, key: str | None) -> float | None:
+        """The calibrated CPU seconds of ``key``'s computation, or None while it is being calibrated."""
+        return None if key is None else self.costs.get(key)
+
+    # -- calibrating ----------------------------------------------------------------------
+    def host_factor(self) -> float:
+        """How much slower the host runs now than when the table was started (measured at most every 2 s)."""
+        now = time.monotonic()
+        if now - self._ref_at > REFERENCE_EVERY_S:
+            self._factor = reference_s() / self.reference_base_s
+            self._ref_at = now
+        return self._factor
+
+    def observe(self, key: str, cpu_s: float) -> float:
+        """One run of ``key``'s computation took ``cpu_s`` of CPU time alone; returns its cost on the table's scale.
+
+        The ``OBSERVATIONS``-th run fixes the key's cost: another process's value if it
+        wrote one first, else the median of these runs, written for everyone.
+        """
+        scaled = cpu_s / self.host_factor()
+        seen = self._observed.setdefault(key, [])
+        seen.append(scaled)
+        if len(seen) < OBSERVATIONS:
+            return scaled
+        self._read()
+        if key not in self.costs:
+            self.costs[key] = statistics.median(seen)
+            self._append({"key": key, "cpu_s": self.costs[key]})
+        del self._observed[key]
+        return self.costs[key]
+
+
+_LOCKS: dict[Path, HostLock] = {}
+
+
+def _process_lock(path: Path) -> HostLock:
+    if path not in _LOCKS:
+        _LOCKS[path] = HostLock(path)
+    return _LOCKS[path]
+
+
+_TABLES: dict[Path, Calibration] = {}
+
+
+def calibration(directory: Path | None = None) -> Calibration:
+    """This process's calibration table for ``directory`` (default: the cache's)."""
+    directory = Path(directory or default_dir())
+    if directory not in _TABLES:
+        _TABLES[directory] = Calibration(directory)
+    return _TABLES[directory]

@@ -1,0 +1,100 @@
+"""The emulated device's clock: work calibrated once, alone, on a fixed scale, then run at that time."""
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from poplar.emulate import EmulatedDevice, parse_cluster
+from poplar.emulate import calibration as cal
+from poplar.emulate.calibration import Calibration, HostLock
+from tests.emulate.workers import hold_exclusively
+
+A = torch.randn(160, 160)
+
+
+def work(n: int) -> None:
+    for _ in range(n):
+        torch.mm(A, A)
+
+
+def device(table, speed=0.5):
+    return EmulatedDevice(parse_cluster({"devices": [{"kind": "d", "speed": speed, "memory_gb": 1.0}]}).device(0),
+                          table=table)
+
+
+def run_step(dev, n: int, key="work") -> None:
+    with dev.step("rest"):
+        with dev.span(key):
+            work(n)
+
+
+def test_calibrated_work_keeps_its_time_when_the_host_slows_down(tmp_path):
+    table = Calibration(tmp_path)
+    dev, raw = device(table), device(False)
+    for _ in range(cal.OBSERVATIONS):
+        run_step(dev, 40)
+    assert table.cost("work") is not None and table.cost("rest") is not None
+    calibrated = dev.target_s
+    # the same work now costs the host 40% more CPU time (as on a host 40% slower)
+    walls, raw_walls = [], []
+    for _ in range(3):
+        run_step(dev, 56)
+        walls.append(dev.compute_wall_s)
+        run_step(raw, 56)
+        raw_walls.append(raw.compute_wall_s)
+    assert min(walls) == pytest.approx(calibrated, rel=0.1), (walls, calibrated)
+    assert min(raw_walls) > 1.25 * calibrated, (raw_walls, calibrated)   # without the table the device slows too
+    assert dev.micro_s[0] == pytest.approx(table.cost("work") / dev.speed)
+
+
+def test_a_calibration_is_kept_for_every_process_and_launch(tmp_path):
+    first = Calibration(tmp_path)
+    dev = device(first)
+    for _ in range(cal.OBSERVATIONS):
+        run_step(dev, 10, key="k")
+    again = Calibration(tmp_path)          # another process, or a later launch
+    assert again.cost("k") == first.cost("k") and again.id == first.id
+    assert Calibration(tmp_path / "other").cost("k") is None
+
+
+def test_costs_are_stated_at_the_speed_the_host_had_when_the_table_began(tmp_path, monkeypatch):
+    table = Calibration(tmp_path)
+    monkeypatch.setattr(cal, "reference_s", lambda: 2 * table.reference_base_s)   # the host now runs half as fast
+    table._ref_at = -float("inf")
+    costs = [table.observe("k", 1.0) for _ in range(cal.OBSERVATIONS)]
+    assert costs == [pytest.approx(0.5)] * cal.OBSERVATIONS
+
+
+def test_a_failed_step_calibrates_nothing(tmp_path):
+    table = Calibration(tmp_path)
+    dev = device(table)
+    for _ in range(cal.OBSERVATIONS):
+        with pytest.raises(RuntimeError):
+            with dev.step("rest"):
+                with dev.span("work"):
+                    work(2)
+                    raise RuntimeError("out of memory, say")
+    assert table.cost("work") is None and table.cost("rest") is None
+    assert table.lock.mode is None   # and no lock is left held
+
+
+def test_calibrating_waits_until_nobody_else_computes(tmp_path):
+    # another process calibrating holds the lock exclusively: computing here waits for it
+    path = tmp_path / "host.lock"
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    other = ctx.Process(target=hold_exclusively, args=(str(path), 1.0, ready))
+    other.start()
+    try:
+        assert ready.wait(60)
+        lock = HostLock(path)
+        start = time.perf_counter()
+        lock.hold(exclusive=False)
+        waited = time.perf_counter() - start
+        lock.release()
+    finally:
+        other.join(30)
+    assert 0.5 < waited < cal.LOCK_TIMEOUT_S, waited
+    assert lock.timeouts == 0
