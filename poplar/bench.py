@@ -5,17 +5,38 @@ Poplar's plan and the ``uniform`` and ``proportional`` allocations of the same s
 one launch of the cluster, in alternating rounds (so a drift of the shared host falls
 on all three alike), and report measured samples/s and tokens/s, the ratios, and the
 share of the planner's ideal bound (every device at its own best, nobody waiting).
+
+The real peer takes part in the same launch and rounds where it can run: DeepSpeed
+ZeRO in Poplar's stage with the uniform plan's micro-batch and accumulation, under the
+same emulated devices (:mod:`poplar.peers.deepspeed`); out of memory, it is given the
+next smaller micro-batch (same samples, more accumulation) up to twice. Where it cannot
+run (not installed, an error at start-up, out of memory still), its row is left out,
+Poplar's plans are measured without it, and ``peers`` says why in one line.
 """
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 from poplar.emulate import load_cluster, presets
+from poplar.emulate.cluster import ClusterSpec
 from poplar.measure import measure_plans
-from poplar.planner import make_plan
+from poplar.peers import PeerFailed
+from poplar.planner import PlanResult, make_plan
 from poplar.profile.profiler import profile_cluster
 from poplar.workload import Workload
 
 ALLOCATIONS = ("poplar", "uniform", "proportional")
+OOM_RETRIES = 2   # smaller micro-batches DeepSpeed is given after it ran out of memory
+
+
+def plan_cluster(cluster: str, workload: Workload, global_batch: int,
+                 use_cache: bool = True) -> tuple[ClusterSpec, PlanResult]:
+    """Profile ``workload`` on the cluster (or read the cache) and plan ``global_batch``."""
+    spec = load_cluster(cluster)
+    profile, _ = profile_cluster(workload, spec.model_dump(), use_cache=use_cache,
+                                 max_micro_batch=min(256, global_batch))
+    return spec, make_plan(profile, global_batch)
 
 
 def plan_and_measure(cluster: str, workload: Workload, global_batch: int, pick, steps: int = 12, rounds: int = 3,
@@ -25,23 +46,70 @@ def plan_and_measure(cluster: str, workload: Workload, global_batch: int, pick, 
     All of them in one launch of the cluster, in alternating rounds. Returns the
     planning result and ``(stage, allocation, measured)`` per pair that has a plan.
     """
-    spec = load_cluster(cluster)
-    profile, _ = profile_cluster(workload, spec.model_dump(), use_cache=use_cache,
-                                 max_micro_batch=min(256, global_batch))
-    result = make_plan(profile, global_batch)
+    spec, result = plan_cluster(cluster, workload, global_batch, use_cache)
     pairs = [(s, result.stages[s].allocations[n]) for s, n in pick(result)
              if result.stages[s].allocations[n].plan is not None]
     measured = measure_plans(workload, spec.model_dump(), [a.plan for _, a in pairs], steps=steps, rounds=rounds)
     return result, [(s, a, m) for (s, a), m in zip(pairs, measured)]
 
 
+def deepspeed_setup(result: PlanResult, workload: Workload):
+    """DeepSpeed's setup for the chosen stage's uniform plan, or why there is none (one line)."""
+    from poplar.peers import deepspeed
+
+    why = deepspeed.unavailable()
+    if why:
+        return None, why
+    uniform = result.stages[result.stage].allocations["uniform"]
+    if uniform.plan is None:
+        return None, f"no uniform plan to run it with: {uniform.why_not}"
+    return deepspeed.DeepSpeedSetup.from_plan(uniform.plan, workload), None
+
+
+def measure_with_peer(workload: Workload, cluster: dict, plans: list, setup, steps: int = 12,
+                      rounds: int = 3) -> tuple[list[dict], dict | str]:
+    """Measure ``plans`` and the peer ``setup`` in one launch: the plans' figures, and the peer's row or why it has none.
+
+    A peer out of memory is tried again with its next smaller micro-batch (the same
+    samples per rank in more micro-steps), at most ``OOM_RETRIES`` times; a peer that
+    cannot run is left out, and the plans are measured without it.
+    """
+    failed = []
+    while True:
+        try:
+            *figures, peer = measure_plans(workload, cluster, plans, steps=steps, rounds=rounds, peers=[setup])
+            break
+        except PeerFailed as e:
+            failed.append(str(e))
+            setup = setup.smaller() if "OutOfMemoryError" in str(e) and len(failed) <= OOM_RETRIES else None
+            if setup is None:
+                return measure_plans(workload, cluster, plans, steps=steps, rounds=rounds), failed[-1]
+    row = {"version": version(setup.name), **setup.to_dict(), "global_batch": setup.global_batch_size,
+           "samples_per_s": peer["samples_per_s"], "tokens_per_s": peer["samples_per_s"] * workload.seq_len,
+           "step_s": peer["step_s"], "busy_s": peer["busy_s"]}
+    if failed:
+        row["failed_before"] = failed
+    return figures, row
+
+
 def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: int = 12, rounds: int = 3,
-                  use_cache: bool = True) -> dict:
-    result, measured = plan_and_measure(cluster, workload, global_batch,
-                                        lambda r: [(r.stage, n) for n in ALLOCATIONS], steps, rounds, use_cache)
+                  use_cache: bool = True, peers: bool = True) -> dict:
+    """Measure Poplar's plan, the baselines and (``peers``) DeepSpeed on one cluster; see the module's docstring."""
+    spec, result = plan_cluster(cluster, workload, global_batch, use_cache)
     stage = result.stages[result.stage]
+    allocs = [stage.allocations[n] for n in ALLOCATIONS if stage.allocations[n].plan is not None]
+    plans = [a.plan for a in allocs]
+    setup, notes = None, {}
+    if peers:
+        setup, why = deepspeed_setup(result, workload)
+        if why:
+            notes["deepspeed"] = why
+    if setup is not None:
+        measured, notes[setup.name] = measure_with_peer(workload, spec.model_dump(), plans, setup, steps, rounds)
+    else:
+        measured = measure_plans(workload, spec.model_dump(), plans, steps=steps, rounds=rounds)
     rows = {}
-    for _, alloc, m in measured:
+    for alloc, m in zip(allocs, measured):
         rows[alloc.name] = {"plan": alloc.plan.to_dict(), "predicted_samples_per_s": alloc.predicted.samples_per_s,
                             "samples_per_s": m["samples_per_s"],
                             "tokens_per_s": m["samples_per_s"] * workload.seq_len,
@@ -49,10 +117,12 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
     ideal = stage.ideal_samples_per_s
     out = {"cluster": cluster, "model": workload.model, "seq_len": workload.seq_len, "global_batch": global_batch,
            "zero_stage": result.stage, "reason": result.reason, "ideal_samples_per_s": ideal,
-           "ideal_tokens_per_s": ideal * workload.seq_len, "allocations": rows}
+           "ideal_tokens_per_s": ideal * workload.seq_len, "allocations": rows, "peers": notes}
     pop = rows["poplar"]["samples_per_s"]
     out["poplar_vs_uniform"] = pop / rows["uniform"]["samples_per_s"] if "uniform" in rows else None
     out["poplar_vs_proportional"] = pop / rows["proportional"]["samples_per_s"] if "proportional" in rows else None
+    ds = notes.get("deepspeed")
+    out["poplar_vs_deepspeed"] = pop / ds["samples_per_s"] if isinstance(ds, dict) else None
     out["poplar_of_ideal"] = pop / ideal
     return out
 

@@ -103,7 +103,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
                 p.kill()
                 p.join(timeout=5)
     if errors:
-        rank = min(errors)
+        rank = next(iter(errors))   # the first to fail: the others may only have lost it
         raise RankFailed(f"rank {rank} failed:\n{errors[rank]}")
     missing = [r for r in range(world_size) if r not in outputs]
     if missing:

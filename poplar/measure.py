@@ -4,68 +4,117 @@ One launch of the cluster's ranks measures several plans one after another, in
 alternating rounds (plan A, B, C, A, B, C, ...), so drifts of a shared, noisy host
 fall on every plan alike. Per plan: the step's wall time (median over the measured
 steps) and every rank's busy time (compute; waits for other ranks excluded).
+
+Peers (:mod:`poplar.peers`: DeepSpeed) take part in the same rounds, under the same
+emulated devices. They start first and run their warm-up steps before Poplar's engines
+are built, so a peer that cannot run fails the launch within seconds, as
+:class:`poplar.peers.PeerFailed` naming the peer and why; the caller can measure again
+without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 import poplar
 from poplar.emulate import EmulatedDevice, parse_cluster
+from poplar.peers import PeerFailed
 from poplar.workload import Workload, as_workload
 
 
+class _Peer:
+    """A started peer with this rank's batch; whatever fails in it is a :class:`PeerFailed` naming it."""
+
+    def __init__(self, setup, wl: Workload, device: EmulatedDevice, rank: int):
+        self.setup, self.rank = setup, rank
+        with self._failing():
+            self.peer = setup.start(wl, device)
+            self.batch = wl.random_batch(setup.local_batch_size(rank), seed=rank)
+
+    @contextlib.contextmanager
+    def _failing(self):
+        try:
+            yield
+        except Exception as e:
+            s, what = self.setup, f"{type(e).__name__}: {e}".splitlines()[0]
+            raise PeerFailed(f"{s.name} (ZeRO-{s.zero_stage}, micro-batch {s.micro_batch_size} x {s.accum_steps}) "
+                             f"failed on rank {self.rank}: {what}") from e
+
+    def train_batch(self) -> float:
+        with self._failing():
+            return self.peer.train_batch(self.batch)
+
+
 def _measure_rank(rank: int, world_size: int, workload: dict, cluster: dict, plans: list[dict], steps: int,
-                  warmup: int, rounds: int) -> list[dict]:
+                  warmup: int, rounds: int, peers: list = ()) -> list[dict]:
     wl = as_workload(workload)
     spec = parse_cluster(cluster)
     device = EmulatedDevice(spec.device(rank), rank, spec.host_slowdown())
+    started = [_Peer(setup, wl, device, rank) for setup in peers]
+    for peer in started:     # warm-up, before Poplar's engines exist
+        for _ in range(warmup):
+            peer.train_batch()
     optimizer = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
-    engines, batches = [], []
+    engines = []
+    runs: list[Callable[[], float]] = []     # one optimizer step of each contender: the plans, then the peers
     for p in plans:
         plan = poplar.Plan.from_dict(p)
-        engines.append(poplar.initialize(wl.build(), optimizer, plan, device=device))
-        batches.append(wl.random_batch(plan.local_batch_size(rank), seed=rank))
-    walls: list[list[float]] = [[] for _ in plans]
-    busy: list[list[float]] = [[] for _ in plans]
-    for i, engine in enumerate(engines):          # warm-up, every plan
+        engine = poplar.initialize(wl.build(), optimizer, plan, device=device)
+        batch = wl.random_batch(plan.local_batch_size(rank), seed=rank)
+        engines.append(engine)
+        runs.append(lambda engine=engine, batch=batch: engine.train_batch(batch, wl.loss))
+    for run in runs:       # warm-up, every plan (the peers have had theirs)
         for _ in range(warmup):
-            engine.train_batch(batches[i], wl.loss)
+            run()
+    runs += [peer.train_batch for peer in started]
+    walls: list[list[float]] = [[] for _ in runs]
+    busy: list[list[float]] = [[] for _ in runs]
     per_round = max(1, steps // rounds)
     for _ in range(rounds):
-        for i, engine in enumerate(engines):
+        for i, run in enumerate(runs):
             dist.barrier()
-            engine.train_batch(batches[i], wl.loss)   # the first step after a switch realigns the ranks
+            run()   # the first step after a switch realigns the ranks
             for _ in range(per_round):
                 start = time.perf_counter()
-                engine.train_batch(batches[i], wl.loss)
+                run()
                 walls[i].append(time.perf_counter() - start)
                 busy[i].append(device.compute_s)
     for engine in engines:
         engine.close()
+    for peer in started:
+        peer.peer.close()
     return [{"step_s": statistics.median(w), "busy_s": statistics.median(b), "steps": len(w)}
             for w, b in zip(walls, busy)]
 
 
-def measure_plans(workload: str | Workload, cluster: dict, plans: list[poplar.Plan], steps: int = 12, warmup: int = 2,
-                  rounds: int = 3, timeout_s: float = 900) -> list[dict]:
-    """Train each plan on the emulated ``cluster`` and measure it.
+def measure_plans(workload: str | Workload, cluster: dict, plans: list[poplar.Plan], steps: int = 12, warmup: int = 4,
+                  rounds: int = 3, timeout_s: float = 900, peers: list = ()) -> list[dict]:
+    """Train each plan, then each peer (a :mod:`poplar.peers` setup), on the emulated ``cluster`` and measure it.
 
-    Returns, per plan: ``step_s`` (median wall time of a step, the slowest rank's view),
-    ``busy_s`` (each rank's median busy time) and ``samples_per_s``.
+    Returns, per plan and then per peer: ``step_s`` (median wall time of a step, the
+    slowest rank's view), ``busy_s`` (each rank's median busy time) and
+    ``samples_per_s``. Raises :class:`poplar.peers.PeerFailed` when a peer cannot run.
     """
-    from poplar.launch import spawn
+    from poplar.launch import RankFailed, spawn
 
     spec = parse_cluster(cluster)
-    ranks = spawn(_measure_rank, spec.world_size, as_workload(workload).model_dump(), cluster, [p.to_dict() for p in plans], steps, warmup,
-                  rounds, timeout_s=timeout_s)
+    try:
+        ranks = spawn(_measure_rank, spec.world_size, as_workload(workload).model_dump(), cluster,
+                      [p.to_dict() for p in plans], steps, warmup, rounds, list(peers), timeout_s=timeout_s)
+    except RankFailed as e:
+        failed = next((line for line in str(e).splitlines() if line.startswith(f"{PeerFailed.__name__}: ")), None)
+        if failed is None:
+            raise
+        raise PeerFailed(failed.split(": ", 1)[1]) from None
     out = []
-    for i, plan in enumerate(plans):
+    for i, what in enumerate([*plans, *peers]):
         step = max(r[i]["step_s"] for r in ranks)
         out.append({"step_s": step, "busy_s": [r[i]["busy_s"] for r in ranks],
-                    "samples_per_s": plan.global_batch_size / step, "steps": ranks[0][i]["steps"]})
+                    "samples_per_s": what.global_batch_size / step, "steps": ranks[0][i]["steps"]})
     return out

@@ -240,8 +240,9 @@ def bench(
     steps: int = typer.Option(12, min=3, help="measured steps per allocation"),
     json_out: Path | None = typer.Option(None, "--json", help="also write the figures here"),
     no_cache: bool = typer.Option(False, "--no-cache", help="profile again"),
+    no_peers: bool = typer.Option(False, "--no-peers", help="leave DeepSpeed out (measured where it is installed)"),
 ) -> None:
-    """Measure Poplar's plan against the uniform and proportional allocations, and the ideal bound."""
+    """Measure Poplar's plan against the uniform and proportional allocations, DeepSpeed, and the ideal bound."""
     import json
 
     from rich.console import Console
@@ -258,26 +259,36 @@ def bench(
         results = []
         for c in clusters(cluster):
             console.print(f"[bold]{c}[/]: profiling (cached after the first run), planning, measuring")
-            results.append(bench_cluster(c, workload, global_batch, steps, use_cache=not no_cache))
+            results.append(bench_cluster(c, workload, global_batch, steps, use_cache=not no_cache,
+                                         peers=not no_peers))
     except (ValueError, FileNotFoundError) as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
     table = Table(title=f"{model}, global batch {global_batch}: measured, {steps} steps per allocation")
     for col in ("cluster", "stage", "allocation", "samples/s", "tokens/s", "vs uniform", "vs proportional",
-                "of ideal"):
+                "vs deepspeed", "of ideal"):
         table.add_column(col, justify="right")
+    notes = []
     for r in results:
-        rows = r["allocations"]
+        rows = dict(r["allocations"])
+        for name, peer in r["peers"].items():
+            if isinstance(peer, dict):
+                rows[name] = peer
+            else:
+                notes.append(f"{r['cluster']}: {name}: {peer}")
+
+        def vs(a: dict, name: str) -> str:
+            return f"{a['samples_per_s'] / rows[name]['samples_per_s']:.2f}x" if name in rows else "-"
+
         for name, a in rows.items():
             table.add_row(r["cluster"], str(r["zero_stage"]), name, f"{a['samples_per_s']:.1f}",
-                          f"{a['tokens_per_s']:,.0f}",
-                          f"{a['samples_per_s'] / rows['uniform']['samples_per_s']:.2f}x" if "uniform" in rows else "-",
-                          f"{a['samples_per_s'] / rows['proportional']['samples_per_s']:.2f}x"
-                          if "proportional" in rows else "-",
+                          f"{a['tokens_per_s']:,.0f}", vs(a, "uniform"), vs(a, "proportional"), vs(a, "deepspeed"),
                           f"{100 * a['samples_per_s'] / r['ideal_samples_per_s']:.0f}%")
         table.add_row(r["cluster"], str(r["zero_stage"]), "ideal", f"{r['ideal_samples_per_s']:.1f}",
-                      f"{r['ideal_tokens_per_s']:,.0f}", "-", "-", "100%")
+                      f"{r['ideal_tokens_per_s']:,.0f}", "-", "-", "-", "100%")
     console.print(table)
+    for note in notes:
+        console.print(note, highlight=False)
     if json_out:
         json_out.write_text(json.dumps(results, indent=2) + "\n")
         console.print(f"wrote {json_out}")

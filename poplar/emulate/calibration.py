@@ -11,10 +11,9 @@ stage, the micro-batch's shape, its place in the step) is calibrated once:
   and every rank holds it shared while it computes anything, so no other rank of any
   emulated cluster on this host computes meanwhile (waits and sleeps hold no lock, so
   no rank can block another that waits for it);
-- on a fixed scale: the host's current speed is measured with a fixed reference kernel
-  and every calibration is stated in the speed the host had when the table was started,
-  so calibrations taken minutes apart, in different processes, add up consistently;
-- as the median of its first ``OBSERVATIONS`` runs, kept on disk per host (the first
+- as the best of its first ``OBSERVATIONS`` runs (the most reproducible figure on a
+  shared host: here one computation's CPU time alone varied by 20-40% from run to run
+  and second to second, its best by a few percent), kept on disk per host (the first
   process to finish a key writes it; the others adopt that value), so every rank, every
   later launch, the profiler and the training that follows it all see the same times.
 
@@ -28,16 +27,14 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import time
 import uuid
 from pathlib import Path
 
 import torch
 
-OBSERVATIONS = 3          # runs of a computation whose median becomes its calibrated cost
+OBSERVATIONS = 5          # runs of a computation whose best becomes its calibrated cost
 LOCK_TIMEOUT_S = 10.0     # a lock not had by then is given up on: the work runs unlocked (never a hang)
-REFERENCE_EVERY_S = 2.0   # the host's speed is re-measured at most this often
 
 
 def default_dir() -> Path:
@@ -46,7 +43,7 @@ def default_dir() -> Path:
 
 
 def host_fingerprint() -> str:
-    """What makes calibrations of one host comparable: its CPU, torch, threads, poplar."""
+    """What makes calibrations of one host comparable: its CPU, torch, poplar (threads are in each key)."""
     import poplar
 
     cpu = platform.processor()
@@ -55,28 +52,15 @@ def host_fingerprint() -> str:
                     if line.startswith("model name")), cpu)
     except OSError:
         pass
-    what = [platform.machine(), cpu, os.cpu_count(), torch.__version__, torch.get_num_threads(), poplar.__version__]
+    what = [platform.machine(), cpu, os.cpu_count(), torch.__version__, poplar.__version__]
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
 
 
-_REF = None
+def host_lock_path() -> Path:
+    """One lock for the whole host, whatever table a process uses: the cores are what it guards."""
+    import tempfile
 
-
-def reference_s(repeats: int = 5) -> float:
-    """CPU time of a fixed kernel (the best of ``repeats``, after a warm-up), in this thread: the host's speed now."""
-    global _REF
-    if _REF is None:
-        g = torch.Generator().manual_seed(0)
-        _REF = (torch.randn(192, 192, generator=g), torch.randn(192, 192, generator=g))
-    a, b = _REF
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.thread_time()
-        for _ in range(10):
-            torch.mm(a, b)
-        best = min(best, time.thread_time() - start)
-    return best
+    return Path(os.environ.get("POPLAR_HOST_LOCK", Path(tempfile.gettempdir()) / "poplar-host.lock"))
 
 
 class HostLock:
@@ -124,24 +108,22 @@ class HostLock:
 class Calibration:
     """The calibrated CPU seconds of this host's keyed computations (see the module's docstring).
 
-    The table is a JSON-lines file: a header with the host's reference time when it was
-    started and an identifier (a profile measured against one table is not reused with
-    another), then one line per calibrated key.
+    The table is a JSON-lines file: a header with an identifier (a profile measured
+    against one table is not reused with another), then one line per calibrated key.
     """
 
     def __init__(self, directory: Path | None = None):
         directory = Path(directory or default_dir())
         fp = host_fingerprint()
         self.path = directory / f"host-{fp}.jsonl"
-        self.lock = _process_lock(directory / f"host-{fp}.lock")
+        self.lock = _process_lock(host_lock_path())
         self.costs: dict[str, float] = {}
         self._observed: dict[str, list[float]] = {}
-        self._ref_at = -float("inf")
-        self._factor = 1.0
+        directory.mkdir(parents=True, exist_ok=True)
         self.lock.hold(exclusive=True)
         try:
             if not self.path.exists() or self.path.stat().st_size == 0:
-                header = {"reference_s": reference_s(repeats=20), "id": uuid.uuid4().hex[:12], "host": fp}
+                header = {"id": uuid.uuid4().hex[:12], "host": fp}
                 self._append(header)
             self._read()
         finally:
@@ -158,41 +140,40 @@ class Calibration:
                 entry = json.loads(line)
             except json.JSONDecodeError:   # a line cut short by a killed process: skip it
                 continue
-            if "reference_s" in entry and not hasattr(self, "reference_base_s"):
-                self.reference_base_s, self.id = float(entry["reference_s"]), str(entry["id"])
+            if "id" in entry and not hasattr(self, "id"):
+                self.id = str(entry["id"])
             elif "key" in entry:
                 self.costs.setdefault(entry["key"], float(entry["cpu_s"]))
 
     def cost(self, key: str | None) -> float | None:
         """The calibrated CPU seconds of ``key``'s computation, or None while it is being calibrated."""
-        return None if key is None else self.costs.get(key)
+        return None if key is None else self.costs.get(_threaded(key))
 
     # -- calibrating ----------------------------------------------------------------------
-    def host_factor(self) -> float:
-        """How much slower the host runs now than when the table was started (measured at most every 2 s)."""
-        now = time.monotonic()
-        if now - self._ref_at > REFERENCE_EVERY_S:
-            self._factor = reference_s() / self.reference_base_s
-            self._ref_at = now
-        return self._factor
-
     def observe(self, key: str, cpu_s: float) -> float:
-        """One run of ``key``'s computation took ``cpu_s`` of CPU time alone; returns its cost on the table's scale.
+        """One run of ``key``'s computation took ``cpu_s`` of CPU time alone; returns its cost for now.
 
         The ``OBSERVATIONS``-th run fixes the key's cost: another process's value if it
-        wrote one first, else the median of these runs, written for everyone.
+        wrote one first, else the best of these runs, written for everyone.
         """
-        scaled = cpu_s / self.host_factor()
+        key = _threaded(key)
+        if key in self.costs:
+            return self.costs[key]
         seen = self._observed.setdefault(key, [])
-        seen.append(scaled)
+        seen.append(cpu_s)
         if len(seen) < OBSERVATIONS:
-            return scaled
+            return cpu_s
         self._read()
         if key not in self.costs:
-            self.costs[key] = statistics.median(seen)
+            self.costs[key] = min(seen)
             self._append({"key": key, "cpu_s": self.costs[key]})
         del self._observed[key]
         return self.costs[key]
+
+
+def _threaded(key: str) -> str:
+    """The same work costs differently on a different number of torch threads."""
+    return f"{key}|threads={torch.get_num_threads()}"
 
 
 _LOCKS: dict[Path, HostLock] = {}

@@ -25,7 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 PRESETS_DIR = Path(__file__).parent / "presets"
-MIN_SLOWDOWN = 1.2   # see ClusterSpec.host_slowdown
+MIN_SLOWDOWN = 2.0   # see ClusterSpec.host_slowdown and docs/profile.md (why 2)
 
 
 class DeviceGroup(BaseModel):

@@ -12,9 +12,12 @@ Before every collective, and at the end of a step, the rank sleeps until the wal
 it spent computing (waits for collectives excluded) equals the device time of its work
 so far. So a device of speed 0.5 takes twice the host's time for the same work, and the
 ranks of a cluster wait for each other at collectives as they would on the real
-devices. A device can only be slowed down, so every cluster runs slower than declared
-by one common factor (``ClusterSpec.host_slowdown``, at least 1.2: a host up to 20%
-slower than when calibrated still keeps up), which keeps every ratio between devices.
+devices. A device can only be slowed down, so every cluster runs slower than declared by one
+common factor (``ClusterSpec.host_slowdown``, at least 2: this shared host runs the
+same work 1.5-1.9x slower than calibrated alone when ranks sleep between micro-steps),
+which keeps every ratio between devices. The time of the work in progress between two
+spans is estimated at the rate the calibrated work has run lately, and settled when
+the span ends.
 
 Memory. The model-state bytes the engine holds plus the bytes autograd saves for the
 backward pass (counted by ``saved_tensors_hooks`` as they are saved) must fit the
@@ -63,6 +66,7 @@ class EmulatedDevice(Device):
         self._active = False
         self._span_key: str | None = None
         self._rest_key: str | None = None
+        self._rate = 1.0   # device work per CPU second of the work in progress (see _pay)
 
     # -- speed --------------------------------------------------------------------------
     # Accounts run over the whole step, so that a sleep that overshot (the host was busy)
@@ -126,11 +130,7 @@ class EmulatedDevice(Device):
         known = self.table.cost(key)
         if known is not None:
             return known
-        start = time.thread_time()          # the reference kernel's time is nobody's work
-        try:
-            return self.table.observe(key, cpu) if alone else cpu / self.table.host_factor()
-        finally:
-            self._wait_cpu += time.thread_time() - start
+        return self.table.observe(key, cpu) if alone else cpu
 
     def _pay(self, final: bool = False, calibrate: bool = True) -> None:
         """Sleep off the device time of the work so far (the rest of the step at its end)."""
@@ -139,8 +139,8 @@ class EmulatedDevice(Device):
         if final:
             rest = cpu - self._spans_cpu
             target = self._spans_target + (self._cost(self._rest_key, rest, self._alone[False]) if calibrate else rest)
-        else:
-            target = self._spans_target + (cpu - self._spans_cpu)
+        else:   # the work since the last span, at the rate the calibrated work has been running lately
+            target = self._spans_target + (cpu - self._spans_cpu) * self._rate
         target /= self.speed
         compute_wall = time.perf_counter() - self._start_wall - self.wait_s
         if target > compute_wall:
@@ -188,6 +188,8 @@ class EmulatedDevice(Device):
             alone = self._alone[True]
             cpu = self._cpu() - start_cpu
             cost = self._cost(key, cpu, alone) if ok else cpu
+            if cpu > 0 and key is not None:   # calibrated cost per CPU second now: ~1/(how much slower the host runs)
+                self._rate = 0.7 * self._rate + 0.3 * min(1.0, cost / cpu)
             self._spans_cpu += cpu
             self._spans_target += cost
             self.micro_cpu_s.append(cpu)

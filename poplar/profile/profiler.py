@@ -185,7 +185,9 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
                 if r < warmup:
                     continue
                 engine.train_batch(batches[i], wl.loss)
-                micro = device.micro_s[0]
+                # the step's compute as measured, split as its calibrated work is (a lag of the
+                # host behind the device's time falls on every part alike)
+                micro = device.micro_s[0] * device.compute_s / device.target_s
                 once = max(0.0, device.compute_s - 2 * micro)
                 times[i].append(micro + once)              # a step of one micro-batch
                 per_step.append(once)

@@ -1,0 +1,145 @@
+"""DeepSpeed as a measured peer: it runs under the emulated devices (speed and memory) and in `poplar bench`.
+
+The tests that run DeepSpeed skip where it is not installed; the others check what the
+benchmark does without it, or when a peer fails, and run everywhere.
+"""
+
+import importlib.util
+import json
+import statistics
+
+import pytest
+
+import poplar.bench
+from poplar.launch import spawn
+from poplar.measure import measure_plans
+from poplar.peers import PeerFailed
+from poplar.peers.deepspeed import INSTALL_HINT
+from tests.peers.workers import WORKLOAD, BrokenSetup, deepspeed_speed_and_memory
+from tests.planner.profiles import make_profile
+
+HALF_SPEED = {"devices": [{"kind": "fast", "speed": 1.0, "memory_gb": 4.0},
+                          {"kind": "half", "speed": 0.5, "memory_gb": 4.0}]}
+# both-differ's device kinds, profiled as lines: the planner's input without the profiler's minute
+BOTH_DIFFER_PROFILE = make_profile({"big-fast": (1, 0.01, 0.002, 16), "small-slow": (1, 0.02, 0.004, 8)}, seq_len=32)
+
+
+@pytest.fixture(autouse=True)
+def caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("POPLAR_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def zero3_ranks(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POPLAR_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        # The whole cluster 2x slower than declared (the ratio stays): a fast device that
+        # must keep its time has room for a host busy with other work (up to 2x slower).
+        return spawn(deepspeed_speed_and_memory, 2, HALF_SPEED, 3, 8, 2.0, timeout_s=180)
+
+
+def test_deepspeed_on_a_half_speed_device_takes_twice_the_time(zero3_ranks):
+    fast, half = (r["times"][4:] for r in zero3_ranks)     # three steps calibrate each piece of work
+    # ZeRO-3 gathers parameters asynchronously and reduce-scatters gradients: if any of
+    # DeepSpeed's waits escaped the device, the fast rank's waiting would count as its compute
+    ratio = statistics.median(h["compute"] / f["compute"] for f, h in zip(fast, half))
+    assert ratio == pytest.approx(2.0, rel=0.25), ratio
+    assert statistics.median(s["wait"] for s in fast) > 0.5 * statistics.median(s["compute"] for s in fast)
+
+
+def test_deepspeed_runs_out_of_the_emulated_memory(zero3_ranks):
+    for rank in zero3_ranks:
+        assert rank["oom"] is not None and "out of memory" in rank["oom"], rank["oom"]
+        # its model state fitted: what overflowed were the activations its forward saved
+        assert 0 < rank["peak_state_bytes"] == rank["state_bytes"] < rank["capacity"]
+
+
+def test_bench_measures_deepspeed_beside_poplar(tmp_path, monkeypatch):
+    pytest.importorskip("deepspeed")
+    from typer.testing import CliRunner
+
+    from poplar.cli.main import app
+
+    monkeypatch.setattr(poplar.bench, "profile_cluster", lambda *a, **k: (BOTH_DIFFER_PROFILE, {}))
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "bench.json"
+    run = CliRunner().invoke(app, ["bench", "--cluster", "both-differ", "--model", "llama-tiny", "--seq-len", "32",
+                                   "--vocab-size", "512", "--global-batch", "16", "--steps", "3", "--json", str(out)])
+    assert run.exit_code == 0, run.output
+    (result,) = json.loads(out.read_text())
+    ds = result["peers"]["deepspeed"]
+    uniform = result["allocations"]["uniform"]["plan"]
+    assert ds["config"]["zero_optimization"]["stage"] == result["zero_stage"]
+    assert ds["config"]["train_micro_batch_size_per_gpu"] == max(uniform["micro_batch_sizes"])
+    assert ds["config"]["gradient_accumulation_steps"] == uniform["accum_steps"][0]
+    assert ds["global_batch"] == 16 and ds["samples_per_s"] > 0
+    assert ds["tokens_per_s"] == pytest.approx(32 * ds["samples_per_s"])
+    poplar_speed = result["allocations"]["poplar"]["samples_per_s"]
+    assert result["poplar_vs_deepspeed"] == pytest.approx(poplar_speed / ds["samples_per_s"])
+    assert "vs deepspeed" in run.output
+    assert any(line.split("│")[3].strip() == "deepspeed" for line in run.output.splitlines() if line.count("│") > 4)
+
+
+def test_a_peer_that_cannot_start_fails_the_launch_with_its_reason():
+    with pytest.raises(PeerFailed, match=r"broken \(ZeRO-1, micro-batch 4 x 1\) failed on rank \d: "
+                                         r"RuntimeError: this peer does not start"):
+        measure_plans(WORKLOAD, HALF_SPEED, [], peers=[BrokenSetup()], timeout_s=60)
+
+
+def fake_measure(calls):
+    """measure_plans without processes: every plan and peer at 100 samples/s.
+
+    A peer that is not DeepSpeed fails; DeepSpeed runs out of memory above micro-batch 4.
+    """
+    def measure(workload, cluster, plans, steps=12, rounds=3, peers=()):
+        calls.append([f"{p.name}:{p.micro_batch_size}" for p in peers])
+        if any(p.name != "deepspeed" for p in peers):
+            raise PeerFailed("broken: it failed")
+        if any(p.micro_batch_size > 4 for p in peers):
+            raise PeerFailed("deepspeed (...) failed on rank 1: OutOfMemoryError: emulated small-slow (rank 1) ...")
+        return [{"step_s": w.global_batch_size / 100, "busy_s": [0.1, 0.1], "samples_per_s": 100.0, "steps": 3}
+                for w in [*plans, *peers]]
+    return measure
+
+
+@pytest.fixture
+def no_processes(monkeypatch):
+    calls = []
+    monkeypatch.setattr(poplar.bench, "profile_cluster", lambda *a, **k: (BOTH_DIFFER_PROFILE, {}))
+    monkeypatch.setattr(poplar.bench, "measure_plans", fake_measure(calls))
+    return calls
+
+
+def test_without_deepspeed_the_row_is_absent_and_the_output_says_why(no_processes, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a))
+    result = poplar.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3)
+    assert result["peers"] == {"deepspeed": INSTALL_HINT} and result["poplar_vs_deepspeed"] is None
+    assert set(result["allocations"]) == {"poplar", "uniform", "proportional"} and no_processes == [[]]
+    # and without peers asked for, none is tried and nothing is said
+    result = poplar.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3, peers=False)
+    assert result["peers"] == {} and no_processes == [[], []]
+
+
+def test_a_failing_peer_is_reported_and_poplar_measured_without_it(no_processes, monkeypatch):
+    monkeypatch.setattr(poplar.bench, "deepspeed_setup", lambda result, workload: (BrokenSetup(), None))
+    result = poplar.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3)
+    assert result["peers"] == {"broken": "broken: it failed"} and result["poplar_vs_deepspeed"] is None
+    assert no_processes == [["broken:4"], []]
+    assert all(a["samples_per_s"] == 100.0 for a in result["allocations"].values())
+
+
+def test_deepspeed_out_of_memory_gets_the_next_smaller_micro_batch(no_processes, monkeypatch):
+    pytest.importorskip("deepspeed")
+    from poplar.peers.deepspeed import DeepSpeedSetup
+
+    setup = DeepSpeedSetup(zero_stage=0, micro_batch_size=8, accum_steps=1, world_size=2, hidden_size=64)
+    monkeypatch.setattr(poplar.bench, "deepspeed_setup", lambda result, workload: (setup, None))
+    result = poplar.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3)
+    ds = result["peers"]["deepspeed"]
+    # 8 samples per rank: 8 x 1 did not fit, 4 x 2 did (7, 6 and 5 do not divide 8)
+    assert no_processes == [["deepspeed:8"], ["deepspeed:4"]]
+    assert (ds["micro_batch_size"], ds["accum_steps"], ds["config"]["gradient_accumulation_steps"]) == (4, 2, 2)
+    assert len(ds["failed_before"]) == 1 and "OutOfMemoryError" in ds["failed_before"][0]
+    assert result["poplar_vs_deepspeed"] == pytest.approx(1.0)
