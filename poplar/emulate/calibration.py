@@ -163,10 +163,18 @@ class Calibration:
         seen.append(cpu_s)
         if len(seen) < OBSERVATIONS:
             return cpu_s
-        self._read()
-        if key not in self.costs:
-            self.costs[key] = min(seen)
-            self._append({"key": key, "cpu_s": self.costs[key]})
+        mode = self.lock.mode
+        self.lock.hold(exclusive=True)    # read, then write: one process at a time
+        try:
+            self._read()
+            if key not in self.costs:
+                self.costs[key] = min(seen)
+                self._append({"key": key, "cpu_s": self.costs[key]})
+        finally:
+            if mode is None:
+                self.lock.release()
+            else:
+                self.lock.hold(exclusive=mode == fcntl.LOCK_EX)
         del self._observed[key]
         return self.costs[key]
 

@@ -4,6 +4,7 @@ import statistics
 
 import pytest
 
+from poplar.emulate.calibration import OBSERVATIONS
 from poplar.launch import spawn
 from tests.emulate.workers import largest_fitting_micro_batch, timed_steps
 
@@ -17,7 +18,7 @@ def test_half_speed_device_takes_twice_the_time_at_the_same_micro_batch():
     fast, half = spawn(timed_steps, 2, HALF_SPEED, plan, 10, timeout_s=180)
     # the same work is calibrated once for both ranks (the two vCPUs of this VM do not
     # always run equally fast: the same work took up to ~17% more CPU time on one)
-    after = slice(4, None)   # three steps calibrate the work
+    after = slice(OBSERVATIONS, None)   # the first steps calibrate the work
     ratio = statistics.median(h["compute"] / f["compute"] for f, h in zip(fast[after], half[after]))
     assert ratio == pytest.approx(2.0, rel=0.1), ratio
     # the fast device really waits for the slow one at the gradient all-reduce
@@ -31,9 +32,9 @@ def test_speed_holds_when_ranks_share_cores():
     cluster = {"devices": [{"kind": "big", "speed": 1.0, "memory_gb": 4.0},
                            {"kind": "small", "count": 3, "speed": 0.35, "memory_gb": 4.0}]}
     plan = {"zero_stage": 1, "micro_batch_sizes": [4, 2, 2, 2], "accum_steps": [1, 1, 1, 1]}
-    ranks = spawn(timed_steps, 4, cluster, plan, 8, timeout_s=240)
+    ranks = spawn(timed_steps, 4, cluster, plan, 9, timeout_s=240)
     assert ranks[0][0]["slowdown"] > 1.0
-    after = slice(4, None)
+    after = slice(OBSERVATIONS, None)
     for rank in ranks:
         achieved = statistics.median(s["compute"] / s["target"] for s in rank[after])
         assert achieved == pytest.approx(1.0, rel=0.1), [round(s["compute"] / s["target"], 2) for s in rank]
