@@ -117,6 +117,7 @@ class Calibration:
         fp = host_fingerprint()
         self.path = directory / f"host-{fp}.jsonl"
         self.lock = _process_lock(host_lock_path())
+        self.id: str | None = None
         self.costs: dict[str, float] = {}
         self._observed: dict[str, list[float]] = {}
         directory.mkdir(parents=True, exist_ok=True)
@@ -140,7 +141,7 @@ class Calibration:
                 entry = json.loads(line)
             except json.JSONDecodeError:   # a line cut short by a killed process: skip it
                 continue
-            if "id" in entry and not hasattr(self, "id"):
+            if "id" in entry and self.id is None:
                 self.id = str(entry["id"])
             elif "key" in entry:
                 self.costs.setdefault(entry["key"], float(entry["cpu_s"]))
@@ -163,7 +164,7 @@ class Calibration:
         seen.append(cpu_s)
         if len(seen) < OBSERVATIONS:
             return cpu_s
-        mode = self.lock.mode
+        held, exclusive = self.lock.mode is not None, self.lock.exclusive
         self.lock.hold(exclusive=True)    # read, then write: one process at a time
         try:
             self._read()
@@ -171,10 +172,10 @@ class Calibration:
                 self.costs[key] = min(seen)
                 self._append({"key": key, "cpu_s": self.costs[key]})
         finally:
-            if mode is None:
-                self.lock.release()
+            if held:
+                self.lock.hold(exclusive=exclusive)
             else:
-                self.lock.hold(exclusive=mode == fcntl.LOCK_EX)
+                self.lock.release()
         del self._observed[key]
         return self.costs[key]
 

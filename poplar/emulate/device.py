@@ -53,6 +53,7 @@ class EmulatedDevice(Device):
         self.speed = spec.speed / slowdown
         self.capacity = spec.memory_bytes
         self.table = calibration() if table is True else (table or None)
+        self.names_work = self.table is not None
         # figures of the last step, for tests and reports
         self.compute_cpu_s = 0.0       # the host's CPU time of this rank's compute
         self.compute_wall_s = 0.0      # the emulated device's compute time (after stretching)
@@ -60,7 +61,6 @@ class EmulatedDevice(Device):
         self.wait_s = 0.0              # time blocked in collectives
         self.step_wall_s = 0.0         # the whole step, as the clock on the wall saw it
         self.micro_s: list[float] = []       # the device time of each micro-step (span), in order
-        self.micro_cpu_s: list[float] = []   # ... and its CPU time
         self.peak_bytes = 0            # model states + saved activations, at their highest
         self.peak_state_bytes = 0      # model states alone at the start of a micro-step, at their highest
         self._active = False
@@ -78,7 +78,7 @@ class EmulatedDevice(Device):
         ``key`` names the step's work outside its spans (the update, the bookkeeping).
         """
         self.compute_cpu_s = self.compute_wall_s = self.wait_s = self.target_s = 0.0
-        self.micro_s, self.micro_cpu_s = [], []
+        self.micro_s = []
         self._wait_cpu = 0.0
         self._spans_cpu = self._spans_target = 0.0
         self._rest_key, self._span_key = key, None
@@ -192,7 +192,6 @@ class EmulatedDevice(Device):
                 self._rate = 0.7 * self._rate + 0.3 * min(1.0, cost / cpu)
             self._spans_cpu += cpu
             self._spans_target += cost
-            self.micro_cpu_s.append(cpu)
             self.micro_s.append(cost / self.speed)
             self._span_key = None
             self._hold()

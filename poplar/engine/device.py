@@ -31,6 +31,7 @@ class Device:
     step_wall_s = 0.0
     wait_s = 0.0
     tracks_memory = False   # True: the engine reports its state bytes to micro_step()
+    names_work = False      # True: the engine names its work (the keys of step() and span())
 
     @property
     def compute_s(self) -> float:

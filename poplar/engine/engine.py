@@ -112,7 +112,8 @@ class Engine:
         self._pending: list[tuple[FlatUnit, Any, torch.Tensor | None]] = []
         self._next_launch = 0
         self._batch_check = None
-        self._work = _work_signature(self)
+        # names for the pieces of work, only for a device that recognises them (see Device.span)
+        self._work = _work_signature(self) if self.rank_device.names_work else None
 
     # ------------------------------------------------------------------ set-up checks
     def _check_consistent(self, model: nn.Module) -> None:
@@ -282,8 +283,10 @@ class Engine:
         with self.rank_device.step(self._key("rest", local_batch, loss_fn, self.plan.micro_batches(self.rank))):
             return self._train_batch(local_batch, loss_fn)
 
-    def _key(self, *what) -> str:
+    def _key(self, *what) -> str | None:
         """A name for one piece of this rank's work: the same work, the same name (see ``Device.span``)."""
+        if self._work is None:
+            return None
         return _digest(self._work, *[_shapes(w) if not callable(w) else _name(w) for w in what])
 
     def _train_batch(self, local_batch, loss_fn: LossFn) -> float:
@@ -296,7 +299,7 @@ class Engine:
         for i, micro_batch in enumerate(micro_batches):
             where = "only" if last == 0 else "first" if i == 0 else "last" if i == last else "middle"
             with self.rank_device.span(self._key("micro", micro_batch, loss_fn, where)):
-                self._begin_micro_step(sync=self.zero_stage >= 2 or i == len(micro_batches) - 1)
+                self._begin_micro_step(sync=self.zero_stage >= 2 or i == last)
                 with self._memory_accounting():
                     loss = loss_fn(self.model, micro_batch)
                     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
