@@ -48,8 +48,9 @@ def profile(
     model: str = typer.Option("tiny", help="model preset: tiny, small, base (built-in), or llama-tiny, "
                                            "llama-small, llama-125m, llama-350m, bert-tiny, bert-small, bert-base"),
     seq_len: int | None = typer.Option(None, help="tokens per sample (Hugging Face presets; default 128)"),
-    cluster: str = typer.Option(..., help="cluster YAML file, or a preset: memory-differs, compute-differs, "
-                                           "both-differ, uneven-quantity"),
+    cluster: str | None = typer.Option(None, help="cluster YAML file, or a preset: memory-differs, compute-differs, "
+                                                  "both-differ, uneven-quantity; none (or left out): the real CUDA "
+                                                  "devices the ranks run on, discovered"),
     out: Path = typer.Option(Path("profile.json"), help="where to write the profile (JSON)"),
     plot: Path | None = typer.Option(None, help="also draw the fitted curves here (PNG)"),
     stages: str = typer.Option("0,1,2,3", help="ZeRO stages to profile, comma-separated"),
@@ -59,7 +60,7 @@ def profile(
     no_cache: bool = typer.Option(False, "--no-cache", help="measure again even where a cached profile exists"),
     max_micro_batch: int = typer.Option(256, min=1, help="largest micro-batch the memory search tries"),
 ) -> None:
-    """Measure every device kind of an emulated cluster in every ZeRO stage."""
+    """Measure every device kind of a cluster (emulated, or the real CUDA devices) in every ZeRO stage."""
     import multiprocessing as mp
     import os
     import time
@@ -73,8 +74,10 @@ def profile(
     from poplar.profile.profiler import profile_cluster
 
     console = Console()
+    under_torchrun = "WORLD_SIZE" in os.environ
     try:
-        spec = load_cluster(cluster)
+        discover = cluster is None or cluster.strip().lower() in ("", "none")
+        spec = None if discover else load_cluster(cluster)
         stage_list = sorted({int(s) for s in stages.split(",") if s.strip()})
         if not stage_list or any(s not in (0, 1, 2, 3) for s in stage_list):
             raise ValueError(f"--stages {stages!r}: give stages from 0, 1, 2, 3, e.g. 0,1,2,3")
@@ -85,14 +88,19 @@ def profile(
             workload = Workload(model=model, seq_len=seq_len)
         except ValidationError as e:
             raise ValueError(f"--model/--seq-len: {e.errors()[0]['msg']}") from None
+        if discover:
+            spec = _discover_devices("profile")
     except (ValueError, FileNotFoundError) as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
-    console.print(f"profiling [bold]{model}[/] on {spec.world_size} emulated ranks: "
-                  + ", ".join(f"{d.count} x {d.kind} (speed {d.speed}, {d.memory_gb} GiB)" for d in spec.devices)
-                  + (f"; whole cluster slowed {spec.host_slowdown():.2f}x to fit this host" if spec.host_slowdown() > 1 else ""))
+    if spec.is_real:
+        console.print(f"profiling [bold]{model}[/] on {spec.world_size} CUDA ranks: "
+                      + ", ".join(f"{d.count} x {d.kind}" for d in spec.devices))
+    else:
+        console.print(f"profiling [bold]{model}[/] on {spec.world_size} emulated ranks: "
+                      + ", ".join(f"{d.count} x {d.kind} (speed {d.speed}, {d.memory_gb} GiB)" for d in spec.devices)
+                      + (f"; whole cluster slowed {spec.host_slowdown():.2f}x to fit this host" if spec.host_slowdown() > 1 else ""))
     start = time.perf_counter()
-    under_torchrun = "WORLD_SIZE" in os.environ
     with Progress(console=console, transient=True, disable=under_torchrun and os.environ.get("RANK") != "0") as bar:
         task = bar.add_task("starting ranks", total=len(stage_list) * (repeats + 3))
 
@@ -100,16 +108,16 @@ def profile(
             def put(self, event):
                 bar.update(task, advance=1, description=f"stage {event[0]}: {event[1]}")
 
-        if under_torchrun:
+        if under_torchrun or spec.is_real:   # this process is a rank (torchrun's, or the one GPU's here)
             from poplar.engine.dist import init_distributed, shutdown
 
-            init_distributed()
-            spec.check_world_size(int(os.environ["WORLD_SIZE"]))
+            ctx = init_distributed()
+            spec.check_world_size(ctx.world_size)
             prof, summary = profile_cluster(workload, spec.model_dump(), stage_list, n_points=points, repeats=repeats,
                                             use_cache=not no_cache, progress=ToBar(), distributed=True,
                                             max_micro_batch=max_micro_batch)
             shutdown()
-            if os.environ.get("RANK") != "0":
+            if ctx.rank != 0:
                 return
         else:
             queue = mp.get_context("spawn").Queue()
@@ -143,6 +151,23 @@ def profile(
     console.print(f"wrote {out}")
     if plot:
         console.print(f"wrote {plot_profile(prof, plot)}")
+
+
+def _discover_devices(command: str):
+    """The real CUDA devices the ranks run on; joins the process group (torchrun's, or one rank here)."""
+    import os
+
+    from poplar.engine.dist import init_distributed
+    from poplar.profile.discover import cuda_devices_here, discover_cluster, no_devices_message
+
+    n = cuda_devices_here()
+    if n == 0:
+        raise ValueError(no_devices_message())
+    if "WORLD_SIZE" not in os.environ and n > 1:
+        raise ValueError(f"{n} CUDA devices here: launch one rank per device, `torchrun --standalone "
+                         f"--nproc-per-node {n} -m poplar.cli.main {command} ...` (or CUDA_VISIBLE_DEVICES=0 for one)")
+    init_distributed()
+    return discover_cluster()
 
 
 @app.command()
@@ -192,7 +217,8 @@ def plan(
 def train(
     config: Path | None = typer.Option(None, help="a YAML file of training fields (see poplar/train/config.py)"),
     model: str | None = typer.Option(None, help="model preset, e.g. llama-tiny, bert-tiny, llama-125m"),
-    cluster: str | None = typer.Option(None, help="emulated cluster: a preset or a YAML file"),
+    cluster: str | None = typer.Option(None, help="emulated cluster: a preset or a YAML file; none: the real CUDA "
+                                                  "devices (discovered), or plain ranks with --plan"),
     global_batch: int | None = typer.Option(None, help="samples per optimizer step"),
     steps: int | None = typer.Option(None, help="optimizer steps"),
     plan: str | None = typer.Option(None, help="train with this plan.json (no profiling or planning)"),
@@ -202,7 +228,7 @@ def train(
     nproc: int | None = typer.Option(None, min=1, help="without --cluster: this many plain CPU ranks (with --plan)"),
     set_: list[str] = typer.Option([], "--set", help="any other field: --set lr=3e-4 (repeatable)"),
 ) -> None:
-    """Profile (or reuse the cache), plan, and train on an emulated heterogeneous cluster."""
+    """Profile (or reuse the cache), plan, and train on an emulated heterogeneous cluster or the real CUDA devices."""
     from rich.console import Console
 
     from poplar.train.config import load_config

@@ -14,6 +14,10 @@ devices:
 
 Ranks are assigned to devices in file order: here rank 0 is ``big-fast``, ranks 1-2
 are ``small-slow``.
+
+A cluster of real CUDA devices is not written by hand: it is discovered from the
+launched ranks (:mod:`poplar.profile.discover`), and each of its kinds carries the
+GPU's properties (``cuda``) instead of a speed: a real device runs at its own.
 """
 
 from __future__ import annotations
@@ -22,10 +26,26 @@ import os
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 MIN_SLOWDOWN = 2.0   # see ClusterSpec.host_slowdown and docs/profile.md (why 2)
+
+
+class CudaProperties(BaseModel):
+    """What tells one real CUDA device from another (``torch.cuda.get_device_properties``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, description="the GPU's name, e.g. 'NVIDIA H100 80GB HBM3'")
+    total_memory: int = Field(gt=0, description="its memory, in bytes")
+    major: int = Field(ge=0, description="compute capability, major")
+    minor: int = Field(ge=0, description="compute capability, minor")
+
+    @property
+    def kind(self) -> str:
+        """The kind's name: devices of one name, memory and capability are one kind."""
+        return f"{self.name} ({self.total_memory / 2**30:.1f} GiB, sm_{self.major}{self.minor})"
 
 
 class DeviceGroup(BaseModel):
@@ -35,12 +55,31 @@ class DeviceGroup(BaseModel):
 
     kind: str = Field(min_length=1, description="a name for this kind of device")
     count: int = Field(1, gt=0, description="how many ranks are devices of this kind")
-    speed: float = Field(gt=0, description="compute speed relative to this host (1.0 = the host's own)")
+    # required (a cluster file must give it); None only for a discovered CUDA device
+    speed: float | None = Field(gt=0, description="compute speed relative to this host (1.0 = the host's own)")
     memory_gb: float = Field(gt=0, description="memory capacity of one device, in GiB")
+    cuda: CudaProperties | None = Field(None, description="a real CUDA device, as discovered; None: emulated")
+
+    @model_validator(mode="after")
+    def _speed_unless_real(self) -> DeviceGroup:
+        if self.cuda is None and self.speed is None:
+            raise ValueError("an emulated device needs a speed (give speed: 1.0 for this host's own)")
+        if self.cuda is not None and self.speed is not None:
+            raise ValueError("a real CUDA device runs at its own speed: leave speed out (null)")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        # an emulated device dumps exactly as before real devices existed: its dict is part
+        # of the profile cache's keys and of the cluster files written
+        data = handler(self)
+        if self.cuda is None:
+            data.pop("cuda", None)
+        return data
 
     @property
     def memory_bytes(self) -> int:
-        return int(self.memory_gb * 2**30)
+        return self.cuda.total_memory if self.cuda is not None else int(self.memory_gb * 2**30)
 
 
 class ClusterSpec(BaseModel):
@@ -49,6 +88,18 @@ class ClusterSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     devices: list[DeviceGroup] = Field(min_length=1, description="device kinds, in rank order")
+
+    @model_validator(mode="after")
+    def _all_real_or_all_emulated(self) -> ClusterSpec:
+        if len({d.cuda is None for d in self.devices}) > 1:
+            raise ValueError("mixes real CUDA devices with emulated ones: a cluster is either discovered or "
+                             "emulated, not both")
+        return self
+
+    @property
+    def is_real(self) -> bool:
+        """Real CUDA devices (discovered), not emulated ones."""
+        return self.devices[0].cuda is not None
 
     @property
     def world_size(self) -> int:
@@ -79,6 +130,8 @@ class ClusterSpec(BaseModel):
         is ``busy`` of the host's cores (devices whose speeds add up to more than the
         host's cores would compete for them). Every ratio between devices stays as declared.
         """
+        if self.is_real:   # nothing is emulated, so nothing needs slowing down
+            return 1.0
         cores = cores or os.cpu_count() or 1
         return max(MIN_SLOWDOWN, sum(d.speed * d.count for d in self.devices) / (cores * busy))
 
@@ -92,8 +145,8 @@ def _field_errors(e: ValidationError) -> str:
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
         if err["type"] == "extra_forbidden":
             lines.append(f"{where}: unknown field (allowed: kind, count, speed, memory_gb under devices)")
-        else:
-            lines.append(f"{where}: {err['msg']}")
+        else:   # a validator's own message reads as it was written
+            lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
     return "; ".join(lines)
 
 

@@ -18,6 +18,14 @@ Per stage, each rank
    over ``repeats`` rounds.
 Then the collectives are timed at the model's size. Identical devices share one
 profile; profiles are cached on disk, keyed by what changes them.
+
+On real CUDA devices (a discovered cluster, see :mod:`poplar.profile.discover`) the same
+steps run on the GPUs themselves: the probe runs out of memory for real (the local model
+on the GPU, the stage's other model states held beside it as a reserved buffer), steps
+are timed by :class:`~poplar.engine.cuda_device.CudaDevice`, and the sizes are timed
+one after another rather than with every size's engine alive at once (a real GPU holds
+each engine's states for real, so at the limit only one fits; and a GPU's speed does not
+drift the way this host's shared vCPUs do, which is what the interleaving is for).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +47,7 @@ import poplar
 from poplar.emulate import EmulatedDevice, parse_cluster
 from poplar.emulate.calibration import calibration
 from poplar.engine import collectives as C
+from poplar.engine.cuda_device import CudaDevice
 from poplar.engine.engine import EngineConfig
 from poplar.engine.units import build_units
 from poplar.workload import Workload, as_workload
@@ -52,11 +62,21 @@ def default_cache_dir() -> Path:
 
 
 def cache_key(workload: str | Workload, kind: dict, stage: int, world_size: int, slowdown: float,
-              dtype: str = "fp32", max_micro_batch: int = 256) -> str:
-    """Everything that changes a device's stage profile: model, its shapes, device, stage, world, dtype."""
+              dtype: str = "fp32", max_micro_batch: int = 256, real: bool = False) -> str:
+    """Everything that changes a device's stage profile: model, its shapes, device, stage, world, dtype.
+
+    ``real``: ``kind`` is a real CUDA device (its dict names the GPU, its memory and
+    capability); the host's calibration then means nothing, the software driving the
+    GPU does.
+    """
     key = {"workload": as_workload(workload).cache_dict(), "device": kind, "stage": stage, "world_size": world_size,
            "slowdown": round(slowdown, 6), "dtype": dtype, "max_micro_batch": max_micro_batch,
-           "poplar": poplar.__version__, "calibration": calibration().id}
+           "poplar": poplar.__version__}
+    if real:
+        key["software"] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                           "cudnn": torch.backends.cudnn.version()}
+    else:
+        key["calibration"] = calibration().id
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -76,28 +96,112 @@ def _probe_fits(device: EmulatedDevice, model, wl: Workload, micro_batch: int, s
         gc.collect()
 
 
-def largest_micro_batch(device: EmulatedDevice, workload: str | Workload, state_bytes: int, limit: int = 4096) -> int:
-    """Grow the micro-batch until the device runs out of memory, then bisect. 0: not even 1 fits."""
+def largest_micro_batch(device: EmulatedDevice | CudaDevice, workload: str | Workload, state_bytes: int,
+                        limit: int = 4096) -> int:
+    """Grow the micro-batch until the device runs out of memory, then bisect. 0: not even 1 fits.
+
+    ``state_bytes``: the model states held meanwhile. On a real GPU, the part of them the
+    probe's own model does not hold is held as a reserved buffer.
+    """
     wl = as_workload(workload)
+    if isinstance(device, CudaDevice):
+        return _largest_on_gpu(device, wl, state_bytes, limit)
     model = wl.build()
-    if not _probe_fits(device, model, wl, 1, state_bytes):
+    return _grow_then_bisect(lambda m: _probe_fits(device, model, wl, m, state_bytes), limit)
+
+
+def _grow_then_bisect(fits: Callable[[int], bool], limit: int) -> int:
+    """The largest ``m <= limit`` with ``fits(m)``, found by doubling then bisecting; 0 if not even 1 fits."""
+    if not fits(1):
         return 0
     good, bad = 1, None
     while bad is None:
         nxt = good * 2
         if nxt > limit:
             return good
-        if _probe_fits(device, model, wl, nxt, state_bytes):
+        if fits(nxt):
             good = nxt
         else:
             bad = nxt
     while bad - good > 1:
         mid = (good + bad) // 2
-        if _probe_fits(device, model, wl, mid, state_bytes):
+        if fits(mid):
             good = mid
         else:
             bad = mid
     return good
+
+
+# ---------------------------------------------------------------------------- on a real GPU
+def _free_gpu() -> None:
+    """Give back what dead tensors held, so the next probe starts from the same memory."""
+    gc.collect()           # reference cycles (an engine's hooks, autograd graphs) hold GPU tensors too
+    torch.cuda.empty_cache()
+
+
+def _drop_grad(param: torch.Tensor) -> None:
+    param.grad = None
+
+
+def _largest_on_gpu(device: CudaDevice, wl: Workload, state_bytes: int, limit: int) -> int:
+    """Real out-of-memory: the local model on the GPU, the rest of ``state_bytes`` reserved beside it."""
+    model = wl.build().to(device.torch_device)
+    own = sum(st.nbytes() for st in {p.untyped_storage()._cdata: p.untyped_storage()
+                                     for p in model.parameters()}.values())
+    # the engine hands each gradient to its own buffers (counted in state_bytes) and frees
+    # it at once: so does the probe, or its gradients would count twice
+    hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
+    try:
+        with device.reserve(state_bytes - own):
+            return _grow_then_bisect(lambda m: _fits_on_gpu(device, model, wl, m), limit)
+    finally:
+        for h in hooks:
+            h.remove()
+        model = None
+        _free_gpu()
+
+
+def _fits_on_gpu(device: CudaDevice, model, wl: Workload, micro_batch: int) -> bool:
+    """One forward+backward of ``micro_batch`` samples on the GPU: does it fit?"""
+    fits = True
+    try:
+        _forward_backward(device, model, wl, micro_batch)
+    except torch.OutOfMemoryError:
+        fits = False
+    except RuntimeError as e:   # cuBLAS reports its own failed allocations otherwise
+        if "CUBLAS_STATUS_ALLOC_FAILED" not in str(e):
+            raise
+        fits = False
+    # after the handler: the error's traceback no longer holds the batch and the graph
+    model.zero_grad(set_to_none=True)
+    _free_gpu()
+    return fits
+
+
+def _forward_backward(device: CudaDevice, model, wl: Workload, micro_batch: int) -> None:
+    # in a frame of its own, so the batch and the graph die with it
+    batch = tuple(t.to(device.torch_device) for t in wl.random_batch(micro_batch, seed=micro_batch))
+    wl.loss(model, batch).backward()
+    torch.cuda.synchronize(device.index)   # an asynchronous failure surfaces here, not in the next probe
+
+
+def _real_device(spec, rank: int) -> CudaDevice:
+    """This rank's GPU, checked against the cluster's description on every rank alike (no rank left waiting)."""
+    from poplar.engine.dist import context
+    from poplar.profile.discover import local_properties
+
+    if context().device.type != "cuda":   # the group's backend: every rank raises alike
+        raise ValueError("real CUDA devices are profiled with one GPU per rank over NCCL: launch under torchrun on "
+                         "GPU machines (or in this process on one GPU)")
+    here, expected = local_properties(), spec.device(rank).cuda
+    ok = torch.tensor([int(here == expected)], device=context().device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    fix = "profile the devices the ranks run on (discover them: no --cluster)"
+    if here != expected:
+        raise ValueError(f"rank {rank} runs on {here.kind}, but the cluster describes {expected.kind}: {fix}")
+    if not ok.item():
+        raise ValueError(f"another rank's GPU differs from the cluster's description: {fix}")
+    return CudaDevice()
 
 
 def point_sizes(max_micro_batch: int, n_points: int) -> list[int]:
@@ -107,18 +211,23 @@ def point_sizes(max_micro_batch: int, n_points: int) -> list[int]:
     return [int(round(v)) for v in np.geomspace(1, max_micro_batch, n_points)]
 
 
-def _time_collectives(numel: int, repeats: int = 3) -> CommProfile:
+def _time_collectives(numel: int, repeats: int = 3, device: torch.device | None = None) -> CommProfile:
+    """``device``: where the buffers live (a GPU under NCCL, whose collectives return before they finish)."""
     world = dist.get_world_size()
     padded = -(-numel // world) * world
-    full, shard = torch.zeros(padded), torch.zeros(padded // world)
+    device = device or torch.device("cpu")
+    full, shard = torch.zeros(padded, device=device), torch.zeros(padded // world, device=device)
+    done = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def timed(fn) -> float:
         fn()
+        done()
         out = []
         for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
             fn()
+            done()
             out.append(time.perf_counter() - start)
         return statistics.median(out)
 
@@ -133,7 +242,9 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
     wl = as_workload(workload)
     spec = parse_cluster(cluster)
     spec.check_world_size(world_size)
-    device = EmulatedDevice(spec.device(rank), rank, spec.host_slowdown())
+    real = spec.is_real
+    device = _real_device(spec, rank) if real else EmulatedDevice(spec.device(rank), rank, spec.host_slowdown())
+    here = _tensor_device(device)   # NCCL's collectives take the GPU's tensors
     optimizer = lambda params: torch.optim.AdamW(params, lr=_OPTIMIZER_LR)  # noqa: E731
     out: dict = {"kind": spec.device(rank).kind, "stages": {}}
     def note(stage: int, what: str) -> None:
@@ -147,26 +258,35 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
         engine = poplar.initialize(wl.build(), optimizer, poplar.Plan(stage, [1] * world_size, 2),
                                    device=device)
         state_before = engine.model_state_bytes()
-        fits_one = largest_micro_batch(device, wl, state_before, limit=1) == 1
-        ok = torch.tensor([1 if fits_one else 0])
+        # a real GPU already holds the engine's tensors: the probe reserves only the rest
+        held = state_before - engine.memory_report()["total"] if real else state_before
+        fits_one = largest_micro_batch(device, wl, held, limit=1) == 1
+        ok = torch.tensor([1 if fits_one else 0], device=here)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if not ok.item():
             engine.close()
+            engine = None
+            if real:
+                _free_gpu()
             out["stages"][stage] = {"max": 1 if fits_one else 0, "state_bytes": state_before, "points": [],
                                     "note": "not timed: a device of this cluster does not fit micro-batch 1"}
             note(stage, "done")
             continue
         engine.train_batch(wl.random_batch(2), wl.loss)   # optimizer states now exist
-        device.peak_state_bytes = 0
+        if not real:   # an emulated device also sees the states at the start of every micro-step
+            device.peak_state_bytes = 0
         engine.train_batch(wl.random_batch(2), wl.loss)   # ... and so do gradients
-        state = max(engine.model_state_bytes(), device.peak_state_bytes)
+        state = max(engine.model_state_bytes(), 0 if real else device.peak_state_bytes)
         engine.close()
+        engine = None
+        if real:   # the probe holds the states itself (its model and a reserved buffer)
+            _free_gpu()
         # 1% of the capacity kept free: the whole local batch sits on the device during a
         # step (the engine moves it there at once), so with accumulation the inputs take
         # more than in the probe's single micro-batch (520 bytes a sample for `tiny`)
         headroom = int(HEADROOM * device.capacity)
         limit = largest_micro_batch(device, wl, state + headroom, limit=max_micro_batch)
-        sizes = torch.zeros(world_size, n_points, dtype=torch.int64)
+        sizes = torch.zeros(world_size, n_points, dtype=torch.int64, device=here)
         sizes[rank] = torch.tensor(point_sizes(limit, n_points))
         dist.all_reduce(sizes)
         # every size's engine at once, timed in interleaved rounds (one step of each size per
@@ -174,25 +294,32 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
         # micro-batches: the first one's time is what every further micro-step costs, and the
         # rest of the step (the synchronisation, the update) is what a step costs once.
         plans = [poplar.Plan(stage, [int(s) for s in sizes[:, i]], 2) for i in range(n_points)]
-        engines = [poplar.initialize(wl.build(), optimizer, plan, device=device) for plan in plans]
-        batches = [wl.random_batch(plan.local_batch_size(rank)) for plan in plans]
         times: list[list[float]] = [[] for _ in plans]
         per_step = []
-        for r in range(warmup + repeats):
-            note(stage, f"round {r + 1}/{warmup + repeats}")
-            for i, engine in enumerate(engines):
-                engine.train_batch(batches[i], wl.loss)     # back to this size: settle first
-                if r < warmup:
-                    continue
-                engine.train_batch(batches[i], wl.loss)
-                # the step's compute as measured, split as its calibrated work is (a lag of the
-                # host behind the device's time falls on every part alike)
-                micro = device.micro_s[0] * device.compute_s / device.target_s
-                once = max(0.0, device.compute_s - 2 * micro)
-                times[i].append(micro + once)              # a step of one micro-batch
-                per_step.append(once)
-        for engine in engines:
-            engine.close()
+        # a real GPU holds every engine's states for real: there, one size at a time
+        for group in ([[i] for i in range(n_points)] if real else [range(n_points)]):
+            engines = {i: poplar.initialize(wl.build(), optimizer, plans[i], device=device) for i in group}
+            batches = {i: wl.random_batch(plans[i].local_batch_size(rank)) for i in group}
+            for r in range(warmup + repeats):
+                note(stage, f"round {r + 1}/{warmup + repeats}")
+                for i, engine in engines.items():
+                    engine.train_batch(batches[i], wl.loss)     # back to this size: settle first
+                    if r < warmup:
+                        continue
+                    engine.train_batch(batches[i], wl.loss)
+                    if real:   # the GPU's own time: nothing to split
+                        micro = device.micro_s[0]
+                    else:      # the step's compute as measured, split as its calibrated work is (a lag of
+                        # the host behind the device's time falls on every part alike)
+                        micro = device.micro_s[0] * device.compute_s / device.target_s
+                    once = max(0.0, device.compute_s - 2 * micro)
+                    times[i].append(micro + once)              # a step of one micro-batch
+                    per_step.append(once)
+            for engine in engines.values():
+                engine.close()
+            engines = engine = None
+            if real:
+                _free_gpu()
         points = [(plan.micro_batch_sizes[rank], statistics.median(t)) for plan, t in zip(plans, times)]
         out["stages"][stage] = {"max": limit, "state_bytes": state, "points": points, "note": "",
                                 "per_step": statistics.median(per_step)}
@@ -200,8 +327,13 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
         out.setdefault("sync", {})[stage] = _calibrate_sync(rank, world_size, stage, wl, spec, device,
                                                             optimizer, out["kind"], out["stages"][stage], repeats)
         note(stage, "done")
-    out["comm"] = _time_collectives(wl.n_params()).model_dump()
+    out["comm"] = _time_collectives(wl.n_params(), device=here).model_dump()
     return out
+
+
+def _tensor_device(device) -> torch.device:
+    """Where this rank's tensors for collectives live: its GPU if it is a real one."""
+    return device.torch_device if isinstance(device, CudaDevice) else torch.device("cpu")
 
 
 def _calibrate_sync(rank: int, world_size: int, stage: int, wl: Workload, spec, device, optimizer, kind: str,
@@ -233,7 +365,11 @@ def _calibrate_sync(rank: int, world_size: int, stage: int, wl: Workload, spec, 
             walls.append(device.step_wall_s)
             busy.append(device.compute_s)
     engine.close()
-    figures = torch.tensor([statistics.median(walls), statistics.median(busy)], dtype=torch.float64)
+    engine = None
+    if isinstance(device, CudaDevice):
+        _free_gpu()
+    figures = torch.tensor([statistics.median(walls), statistics.median(busy)], dtype=torch.float64,
+                           device=_tensor_device(device))
     everyone = [torch.zeros_like(figures) for _ in range(world_size)]
     dist.all_gather(everyone, figures)
     step = statistics.median(float(f[0]) for f in everyone)
@@ -264,7 +400,11 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
                     repeats: int = 6, cache_dir: Path | None = None, use_cache: bool = True, progress=None,
                     on_poll=None, max_micro_batch: int = 256, timeout_s: float = 900,
                     distributed: bool = False) -> tuple[Profile, dict]:
-    """Profile ``workload`` (a model name, or a :class:`Workload`) on the emulated ``cluster``, launching its ranks.
+    """Profile ``workload`` (a model name, or a :class:`Workload`) on ``cluster``, launching its ranks.
+
+    ``cluster`` is emulated (a cluster file's content) or the real CUDA devices of the
+    running group (:func:`poplar.profile.discover.discover_cluster`); real devices are
+    profiled only with ``distributed=True``.
 
     The largest micro-batch searched is ``max_micro_batch`` (a plan never needs more
     than its global batch). Returns the :class:`Profile` and a summary of the cache
@@ -278,11 +418,15 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
 
     wl = as_workload(workload)
     spec = parse_cluster(cluster)
+    if spec.is_real and not distributed:
+        raise ValueError("real CUDA devices are profiled by the ranks that run on them: call with distributed=True "
+                         "in a running process group (poplar profile does so under torchrun, or on one GPU)")
     world = spec.world_size
     slowdown = spec.host_slowdown()
     cache_dir = Path(cache_dir or default_cache_dir())
     kinds = {d.kind: d for d in spec.devices}
-    keys = {(k, s): cache_key(wl, d.model_dump(), s, world, slowdown, max_micro_batch=max_micro_batch)
+    keys = {(k, s): cache_key(wl, d.model_dump(), s, world, slowdown, max_micro_batch=max_micro_batch,
+                              real=spec.is_real)
             for k, d in kinds.items() for s in stages}
     cached = {}
     if use_cache:
@@ -291,7 +435,7 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
             if path.exists():
                 cached[ks] = StageProfile.model_validate_json(path.read_text())
     # the collectives and the ranks' synchronisation depend on the whole cluster
-    comm_path = cache_dir / f"comm-{cache_key(wl, spec.model_dump(), -1, world, slowdown)}.json"
+    comm_path = cache_dir / f"comm-{cache_key(wl, spec.model_dump(), -1, world, slowdown, real=spec.is_real)}.json"
     comm = CommProfile.model_validate_json(comm_path.read_text()) if use_cache and comm_path.exists() else None
     todo = [s for s in stages if any((k, s) not in cached for k in kinds) or comm is None or s not in comm.sync_s]
     rank = dist.get_rank() if distributed else 0

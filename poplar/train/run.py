@@ -1,9 +1,10 @@
 """`poplar train`: profile (or reuse the cache), plan, and train with the plan.
 
 The launcher prepares the data once (the tokenizer is cached, so the ranks read it
-back), obtains a plan (``--plan``, or profile + plan on the emulated cluster, the
-chosen stage's Poplar allocation or a baseline), writes it to the run's directory and
-launches one process per device. Each rank trains on its slice of every global batch
+back), obtains a plan (``--plan``, or profile + plan on the emulated cluster, or on the
+real CUDA devices when there is no cluster file; the chosen stage's Poplar allocation
+or a baseline), writes it to the run's directory and launches one process per device.
+Each rank trains on its slice of every global batch
 (:class:`poplar.data.text.GlobalBatches`), and rank 0 writes one JSON line per step:
 loss, step time, samples/s, tokens/s, achieved TFLOP/s, and every rank's busy and idle
 time. Checkpoints (``torch.distributed.checkpoint``) are sharded and atomic; ``resume``
@@ -62,12 +63,15 @@ def prepare_data(cfg: TrainConfig):
 def _train_rank(rank: int, world_size: int, cfg_dict: dict, plan_dict: dict, wl_dict: dict,
                 return_state: bool = False) -> dict:
     from poplar.emulate import EmulatedDevice, load_cluster
+    from poplar.engine.cuda_device import CudaDevice
     from poplar.engine.device import Device
 
     cfg, plan, wl = TrainConfig(**cfg_dict), poplar.Plan.from_dict(plan_dict), Workload(**wl_dict)
     if cfg.cluster:
         spec = load_cluster(cfg.cluster)
         device = EmulatedDevice(spec.device(rank), rank, spec.host_slowdown())
+    elif _on_cuda():   # a real GPU: its steps timed on the GPU, so busy and idle times mean what they say
+        device = CudaDevice()
     else:
         device = Device()
     _, batches = prepare_data(cfg)
@@ -138,14 +142,19 @@ def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, distributed: bool 
         plan = poplar.Plan.load(previous)
         plan.check_world_size(world_size)
         return plan, None
-    if not cfg.cluster:
-        raise ValueError("without a cluster file, give --plan: the profiler measures emulated devices described "
-                         "by a cluster file (real CUDA devices are not profiled yet)")
     from poplar.emulate import load_cluster
     from poplar.planner import make_plan
+    from poplar.profile.discover import discover_cluster
     from poplar.profile.profiler import profile_cluster
 
-    spec = load_cluster(cfg.cluster)
+    if cfg.cluster:
+        spec = load_cluster(cfg.cluster)
+    elif distributed and _on_cuda():   # no cluster file: the ranks' own GPUs
+        spec = discover_cluster()
+    else:
+        raise ValueError("without a cluster file only real CUDA ranks are profiled (torchrun's on GPUs, or the one "
+                         "GPU here), and these are plain CPU ranks: give --plan, or --cluster FILE|PRESET for an "
+                         "emulated cluster")
     spec.check_world_size(world_size)
     profile, _ = profile_cluster(wl, spec.model_dump(), stages=tuple(cfg.stages), use_cache=cfg.profile_cache,
                                  max_micro_batch=min(256, cfg.global_batch), distributed=distributed)
@@ -192,7 +201,12 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     launches the ranks itself: one per device of ``cfg.cluster``, or ``nproc`` plain
     CPU ranks with ``cfg.plan``.
     """
+    from poplar.profile.discover import cuda_devices_here
+
     if "WORLD_SIZE" in os.environ:
+        return _run_under_torchrun(cfg, return_state)
+    gpus = cuda_devices_here()
+    if not cfg.cluster and nproc is None and gpus == 1:   # the one GPU here: this process is its rank
         return _run_under_torchrun(cfg, return_state)
     from poplar.emulate import load_cluster
     from poplar.launch import spawn
@@ -204,8 +218,13 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
             raise ValueError(f"--nproc {nproc}, but the cluster file describes {world} devices: give one of them")
     elif nproc:
         world = nproc
+    elif gpus > 1:
+        raise ValueError(f"{gpus} CUDA devices here: launch one rank per device, `torchrun --standalone "
+                         f"--nproc-per-node {gpus} -m poplar.cli.main train ...`; or give --cluster FILE|PRESET "
+                         "(an emulated cluster), or --nproc with --plan (plain CPU ranks)")
     else:
-        raise ValueError("give --cluster (an emulated cluster), or --nproc with --plan, or launch under torchrun")
+        raise ValueError("no cluster file and no CUDA device to discover here: give --cluster FILE|PRESET (an "
+                         "emulated cluster), or --nproc with --plan (plain CPU ranks), or launch under torchrun")
     out_dir.mkdir(parents=True, exist_ok=True)
     tok, _ = prepare_data(cfg)
     wl = Workload(model=cfg.model, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size())
@@ -216,7 +235,15 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     return _finish(cfg, out_dir, plan, result, ranks[0])
 
 
+def _on_cuda() -> bool:
+    """This rank computes on its own GPU (the process group runs over NCCL)."""
+    from poplar.engine.dist import context
+
+    return dist.is_initialized() and context().device.type == "cuda"
+
+
 def _run_under_torchrun(cfg: TrainConfig, return_state: bool) -> dict:
+    """This process is one rank: torchrun's, or a group of one here (``init_distributed`` makes it)."""
     from poplar.engine.dist import init_distributed, shutdown
 
     out_dir = _check_out(cfg)        # every rank sees the same directory: all refuse alike
