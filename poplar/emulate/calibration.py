@@ -5,7 +5,7 @@ divided by the device's speed. Measured afresh every time, that time would follo
 whatever the host is doing: ranks sharing its cores inflate each other's CPU time
 (three ranks on two cores: +25% here), and a shared host drifts by 10-40% over minutes.
 A real GPU does neither. So each computation the engine names (a key: the model, the
-stage, the micro-batch's shape, its place in the step) is calibrated once:
+stage, the micro-batch's shape) is calibrated once:
 
 - alone: while a rank calibrates, it holds the host-wide calibration lock exclusively,
   and every rank holds it shared while it computes anything, so no other rank of any
@@ -16,6 +16,15 @@ stage, the micro-batch's shape, its place in the step) is calibrated once:
   and second to second, its best by a few percent), kept on disk per host (the first
   process to finish a key writes it; the others adopt that value), so every rank, every
   later launch, the profiler and the training that follows it all see the same times.
+
+A key ``family@m`` names the work of a micro-batch of ``m`` samples in a family (the
+same model, stage, shapes per sample and loss, whatever the micro-step's place in the
+step). A real device's time is a smooth function of the micro-batch size; calibrations
+of single sizes are not (one size's best of 5 came out 60% above its neighbours' here).
+So a size lying between two calibrated sizes of its family is not calibrated but
+interpolated linearly between them, and fixed for everyone like a calibration. The
+profiler calibrates the sizes it measures, from 1 to the device's limit, so every
+micro-batch a plan then gives that device runs at the time the profile's curve says.
 
 Only computations with a key are calibrated; anything else runs at its measured CPU time.
 """
@@ -34,6 +43,7 @@ from pathlib import Path
 import torch
 
 OBSERVATIONS = 5          # runs of a computation whose best becomes its calibrated cost
+SCHEME = 3                # how work is named and costed (3: micro-step families by size, without the optimizer); a new one, a new table
 LOCK_TIMEOUT_S = 10.0     # a lock not had by then is given up on: the work runs unlocked (never a hang)
 
 
@@ -52,7 +62,7 @@ def host_fingerprint() -> str:
                     if line.startswith("model name")), cpu)
     except OSError:
         pass
-    what = [platform.machine(), cpu, os.cpu_count(), torch.__version__, poplar.__version__]
+    what = [platform.machine(), cpu, os.cpu_count(), torch.__version__, poplar.__version__, SCHEME]
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
 
 
@@ -119,6 +129,7 @@ class Calibration:
         self.lock = _process_lock(host_lock_path())
         self.id: str | None = None
         self.costs: dict[str, float] = {}
+        self._anchors: dict[str, dict[int, float]] = {}   # per family: the sizes calibrated, not interpolated
         self._observed: dict[str, list[float]] = {}
         directory.mkdir(parents=True, exist_ok=True)
         self.lock.hold(exclusive=True)
@@ -143,12 +154,34 @@ class Calibration:
                 continue
             if "id" in entry and self.id is None:
                 self.id = str(entry["id"])
-            elif "key" in entry:
-                self.costs.setdefault(entry["key"], float(entry["cpu_s"]))
+            elif "key" in entry and entry["key"] not in self.costs:
+                key, cost = entry["key"], float(entry["cpu_s"])
+                self.costs[key] = cost
+                family, m = _family(key)
+                if family is not None and not entry.get("interpolated"):
+                    self._anchors.setdefault(family, {})[m] = cost
 
     def cost(self, key: str | None) -> float | None:
-        """The calibrated CPU seconds of ``key``'s computation, or None while it is being calibrated."""
-        return None if key is None else self.costs.get(_threaded(key))
+        """The calibrated CPU seconds of ``key``'s computation, or None while it is being calibrated.
+
+        A size between two calibrated sizes of its family is interpolated (and fixed) instead.
+        """
+        if key is None:
+            return None
+        key = _threaded(key)
+        known = self.costs.get(key)
+        if known is not None:
+            return known
+        family, m = _family(key)
+        sizes = self._anchors.get(family) if family is not None else None
+        if not sizes:
+            return None
+        below = max((s for s in sizes if s < m), default=None)
+        above = min((s for s in sizes if s > m), default=None)
+        if below is None or above is None:   # no extrapolation: a size outside the calibrated ones is calibrated
+            return None
+        share = (m - below) / (above - below)
+        return self._fix(key, sizes[below] + share * (sizes[above] - sizes[below]), interpolated=True)
 
     # -- calibrating ----------------------------------------------------------------------
     def observe(self, key: str, cpu_s: float) -> float:
@@ -164,25 +197,39 @@ class Calibration:
         seen.append(cpu_s)
         if len(seen) < OBSERVATIONS:
             return cpu_s
+        del self._observed[key]
+        return self._fix(key, min(seen))
+
+    def _fix(self, key: str, cpu_s: float, interpolated: bool = False) -> float:
+        """Fix ``key``'s cost for every process: the value another process wrote first, else ``cpu_s``."""
         held, exclusive = self.lock.mode is not None, self.lock.exclusive
         self.lock.hold(exclusive=True)    # read, then write: one process at a time
         try:
             self._read()
             if key not in self.costs:
-                self.costs[key] = min(seen)
-                self._append({"key": key, "cpu_s": self.costs[key]})
+                entry = {"key": key, "cpu_s": cpu_s, **({"interpolated": True} if interpolated else {})}
+                self._append(entry)
+                self._read()
         finally:
             if held:
                 self.lock.hold(exclusive=exclusive)
             else:
                 self.lock.release()
-        del self._observed[key]
         return self.costs[key]
 
 
 def _threaded(key: str) -> str:
     """The same work costs differently on a different number of torch threads."""
-    return f"{key}|threads={torch.get_num_threads()}"
+    return key if "|threads=" in key else f"{key}|threads={torch.get_num_threads()}"
+
+
+def _family(key: str) -> tuple[str | None, int]:
+    """``family@m|threads=N`` -> (``family|threads=N``, m); a key without a size -> (None, 0)."""
+    base, at, rest = key.rpartition("@")
+    size, _, threads = rest.partition("|")
+    if not at or not size.isdigit():
+        return None, 0
+    return f"{base}|{threads}", int(size)
 
 
 _LOCKS: dict[Path, HostLock] = {}

@@ -114,6 +114,7 @@ class Engine:
         self._batch_check = None
         # names for the pieces of work, only for a device that recognises them (see Device.span)
         self._work = _work_signature(self) if self.rank_device.names_work else None
+        self._micro_work = _micro_signature(self) if self.rank_device.names_work else None
 
     # ------------------------------------------------------------------ set-up checks
     def _check_consistent(self, model: nn.Module) -> None:
@@ -280,14 +281,20 @@ class Engine:
         micro_batch)`` returns the mean loss over the micro-batch. Returns the mean loss
         over the whole global batch, the same on every rank.
         """
-        with self.rank_device.step(self._key("rest", local_batch, loss_fn, self.plan.micro_batches(self.rank))):
+        with self.rank_device.step(self._rest_key(loss_fn)):
             return self._train_batch(local_batch, loss_fn)
 
-    def _key(self, *what) -> str | None:
-        """A name for one piece of this rank's work: the same work, the same name (see ``Device.span``)."""
+    # Names for the pieces of this rank's work: the same work, the same name (see Device.span).
+    def _rest_key(self, loss_fn: LossFn) -> str | None:
+        """The step's work outside its micro-steps (the update, the bookkeeping): the same whatever the batch."""
+        return None if self._work is None else _digest(self._work, "rest", _name(loss_fn))
+
+    def _micro_key(self, micro_batch, loss_fn: LossFn) -> str | None:
+        """A micro-step: ``family@samples``, the family being the work per sample (see poplar.emulate.calibration)."""
         if self._work is None:
             return None
-        return _digest(self._work, *[_shapes(w) if not callable(w) else _name(w) for w in what])
+        per_sample = [(s[0][1:], s[1]) if isinstance(s, tuple) else s for s in _shapes(micro_batch)]
+        return f"{_digest(self._micro_work, 'micro', per_sample, _name(loss_fn))}@{batch_size(micro_batch)}"
 
     def _train_batch(self, local_batch, loss_fn: LossFn) -> float:
         self._reset_step_state()
@@ -297,8 +304,7 @@ class Engine:
         micro_batches = split_batch(local_batch, self.plan.micro_batches(self.rank), self.device)
         last = len(micro_batches) - 1
         for i, micro_batch in enumerate(micro_batches):
-            where = "only" if last == 0 else "first" if i == 0 else "last" if i == last else "middle"
-            with self.rank_device.span(self._key("micro", micro_batch, loss_fn, where)):
+            with self.rank_device.span(self._micro_key(micro_batch, loss_fn)):
                 self._begin_micro_step(sync=self.zero_stage >= 2 or i == last)
                 with self._memory_accounting():
                     loss = loss_fn(self.model, micro_batch)
@@ -588,16 +594,27 @@ def _shapes(x) -> Any:
     return [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t) for t in leaves]
 
 
-def _work_signature(engine: Engine) -> str:
-    """What makes this rank's computations cost what they do: the model, its shards, the stage, the options."""
+def _micro_signature(engine: Engine) -> str:
+    """What makes a micro-step's forward and backward cost what they do: the model, its shards, the stage.
+
+    Not the optimizer, nor options the micro-step does not run (clipping, batch checks):
+    training with clipping does the same micro-steps as the profiler did without it.
+    """
     model = engine.model
     config = getattr(model, "config", None)
-    opt = engine.optimizer
-    # the options that change the work (foreach, amsgrad, ...), not the numbers a schedule moves
-    hyper = [sorted((k, v) for k, v in g.items() if isinstance(v, (bool, str)) or v is None) for g in opt.param_groups]
+    c = engine.config
     return _digest(f"{type(model).__module__}.{type(model).__qualname__}",
                    config.to_json_string() if hasattr(config, "to_json_string") else repr(config),
                    [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in model.parameters()],
                    [(tuple(b.shape), str(b.dtype)) for b in model.buffers()],
-                   [tuple(u.master.shape) for u in engine.units], type(opt).__qualname__, repr(hyper),
-                   engine.zero_stage, engine.world_size, repr(engine.config), str(engine.device))
+                   [tuple(u.master.shape) for u in engine.units], engine.zero_stage, engine.world_size,
+                   repr((c.mixed_precision, c.unit_classes, c.unit_numel, c.prefetch, c.max_inflight_reduces,
+                         c.track_memory)), str(engine.device))
+
+
+def _work_signature(engine: Engine) -> str:
+    """What makes the rest of a step cost what it does: the micro-steps' signature, the optimizer, every option."""
+    opt = engine.optimizer
+    # the options that change the work (foreach, amsgrad, ...), not the numbers a schedule moves
+    hyper = [sorted((k, v) for k, v in g.items() if isinstance(v, (bool, str)) or v is None) for g in opt.param_groups]
+    return _digest(_micro_signature(engine), type(opt).__qualname__, repr(hyper), repr(engine.config))

@@ -6,7 +6,7 @@ import pytest
 
 from poplar.emulate.calibration import OBSERVATIONS
 from poplar.launch import spawn
-from tests.emulate.workers import largest_fitting_micro_batch, timed_steps
+from tests.emulate.workers import largest_fitting_micro_batch, micro_step_times, timed_steps
 
 HALF_SPEED = {"devices": [{"kind": "fast", "speed": 1.0, "memory_gb": 4.0},
                           {"kind": "half", "speed": 0.5, "memory_gb": 4.0}]}
@@ -69,3 +69,13 @@ def test_largest_micro_batch_grows_with_memory_and_activations_grow_with_it(fits
 def test_a_higher_zero_stage_fits_a_larger_micro_batch_only_with_more_ranks(fits):
     # one rank: nothing to shard, so stage 3 fits no more than stage 0
     assert fits(0.03, stage=3)["best"] <= fits(0.03, stage=0)["best"]
+
+
+def test_a_micro_step_costs_by_its_size_alone_and_sizes_between_are_interpolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("POPLAR_CACHE_DIR", str(tmp_path))    # a table of its own: no size calibrated before
+    # sizes 2 and 6 calibrated; then 3 + 3 + 3 (every place in the step at one cost) and
+    # 4 + 4 (between the calibrated sizes: interpolated, so its time follows the curve)
+    plans = [{"zero_stage": 0, "micro_batch_sizes": [m], "accum_steps": [a]} for m, a in ((2, 1), (6, 1), (3, 3), (4, 2))]
+    two, six, threes, fours = spawn(micro_step_times, 1, plans, OBSERVATIONS + 1, timeout_s=180)[0]
+    assert len(set(threes)) == 1, threes              # first, middle and last: the same work, the same time
+    assert fours == [pytest.approx((two[0] + six[0]) / 2)] * 2, (two, six, fours)

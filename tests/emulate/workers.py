@@ -76,3 +76,18 @@ def hold_exclusively(path: str, seconds: float, ready) -> None:
     ready.set()
     time.sleep(seconds)
     lock.release()
+
+
+def micro_step_times(rank, world_size, plans: list[dict], steps: int):
+    """Train each plan in turn on one emulated device; return each plan's last step's micro-step times."""
+    device = EmulatedDevice(parse_cluster({"devices": [{"kind": "d", "speed": 0.5, "memory_gb": 4.0}]}).device(0))
+    out = []
+    for p in plans:
+        plan = poplar.Plan.from_dict(p)
+        engine = poplar.initialize(make_model(), OPTIMIZER, plan, device=device)
+        x, y = bigram_batches(1, plan.global_batch_size, seq_len=MODEL["max_seq_len"], vocab_size=MODEL["vocab_size"])[0]
+        for _ in range(steps):
+            engine.train_batch((x, y), causal_lm_loss)
+        out.append([t * device.speed for t in device.micro_s])   # host CPU seconds, as calibrated
+        engine.close()
+    return out
