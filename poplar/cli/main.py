@@ -17,7 +17,7 @@ def main() -> None:
 
 @app.command()
 def demo(
-    steps: int = typer.Option(12, min=2, help="training steps per allocation"),
+    steps: int = typer.Option(14, min=2, help="training steps per allocation (the first 6 warm up)"),
     cluster: str = typer.Option("both-differ", help="emulated cluster: a preset or a YAML file"),
     out: Path = typer.Option(Path("runs/demo"), help="where the runs, the table and the plots go"),
 ) -> None:
