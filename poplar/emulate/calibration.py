@@ -154,12 +154,18 @@ class Calibration:
                 continue
             if "id" in entry and self.id is None:
                 self.id = str(entry["id"])
-            elif "key" in entry and entry["key"] not in self.costs:
-                key, cost = entry["key"], float(entry["cpu_s"])
-                self.costs[key] = cost
-                family, m = _family(key)
-                if family is not None and not entry.get("interpolated"):
-                    self._anchors.setdefault(family, {})[m] = cost
+            elif "key" in entry:
+                self._add(entry)
+
+    def _add(self, entry: dict) -> None:
+        """Take one table line in; the first value of a key stays (another process may have written it first)."""
+        key, cost = entry["key"], float(entry["cpu_s"])
+        if key in self.costs:
+            return
+        self.costs[key] = cost
+        family, m = _family(key)
+        if family is not None and not entry.get("interpolated"):
+            self._anchors.setdefault(family, {})[m] = cost
 
     def cost(self, key: str | None) -> float | None:
         """The calibrated CPU seconds of ``key``'s computation, or None while it is being calibrated.
@@ -209,7 +215,7 @@ class Calibration:
             if key not in self.costs:
                 entry = {"key": key, "cpu_s": cpu_s, **({"interpolated": True} if interpolated else {})}
                 self._append(entry)
-                self._read()
+                self._add(entry)
         finally:
             if held:
                 self.lock.hold(exclusive=exclusive)

@@ -113,8 +113,8 @@ class Engine:
         self._next_launch = 0
         self._batch_check = None
         # names for the pieces of work, only for a device that recognises them (see Device.span)
-        self._work = _work_signature(self) if self.rank_device.names_work else None
         self._micro_work = _micro_signature(self) if self.rank_device.names_work else None
+        self._work = _work_signature(self, self._micro_work) if self.rank_device.names_work else None
 
     # ------------------------------------------------------------------ set-up checks
     def _check_consistent(self, model: nn.Module) -> None:
@@ -616,9 +616,9 @@ def _micro_signature(engine: Engine) -> str:
                          c.track_memory)), str(engine.device))
 
 
-def _work_signature(engine: Engine) -> str:
+def _work_signature(engine: Engine, micro_signature: str) -> str:
     """What makes the rest of a step cost what it does: the micro-steps' signature, the optimizer, every option."""
     opt = engine.optimizer
     # the options that change the work (foreach, amsgrad, ...), not the numbers a schedule moves
     hyper = [sorted((k, v) for k, v in g.items() if isinstance(v, (bool, str)) or v is None) for g in opt.param_groups]
-    return _digest(_micro_signature(engine), type(opt).__qualname__, repr(hyper), repr(engine.config))
+    return _digest(micro_signature, type(opt).__qualname__, repr(hyper), repr(engine.config))
