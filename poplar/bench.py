@@ -16,6 +16,7 @@ Poplar's plans are measured without it, and ``peers`` says why in one line.
 
 from __future__ import annotations
 
+import json
 from importlib.metadata import version
 
 from poplar.emulate import load_cluster, presets
@@ -98,7 +99,13 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
     spec, result = plan_cluster(cluster, workload, global_batch, use_cache)
     stage = result.stages[result.stage]
     allocs = [stage.allocations[n] for n in ALLOCATIONS if stage.allocations[n].plan is not None]
-    plans = [a.plan for a in allocs]
+    # an allocation whose plan is another's (Poplar keeps a baseline's split when it
+    # predicts none faster) is that plan: measured once, so the host's noise between two
+    # runs of one plan does not read as a difference between the allocations
+    first: dict[str, str] = {}
+    same_as = {a.name: first.setdefault(_plan_id(a.plan), a.name) for a in allocs}
+    unique = [a for a in allocs if same_as[a.name] == a.name]
+    plans = [a.plan for a in unique]
     setup, notes = None, {}
     if peers:
         setup, why = deepspeed_setup(result, workload)
@@ -108,12 +115,16 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
         measured, notes[setup.name] = measure_with_peer(workload, spec.model_dump(), plans, setup, steps, rounds)
     else:
         measured = measure_plans(workload, spec.model_dump(), plans, steps=steps, rounds=rounds)
+    by_name = {a.name: m for a, m in zip(unique, measured)}
     rows = {}
-    for alloc, m in zip(allocs, measured):
+    for alloc in allocs:
+        m = by_name[same_as[alloc.name]]
         rows[alloc.name] = {"plan": alloc.plan.to_dict(), "predicted_samples_per_s": alloc.predicted.samples_per_s,
                             "samples_per_s": m["samples_per_s"],
                             "tokens_per_s": m["samples_per_s"] * workload.seq_len,
                             "step_s": m["step_s"], "busy_s": m["busy_s"]}
+        if same_as[alloc.name] != alloc.name:
+            rows[alloc.name]["same_plan_as"] = same_as[alloc.name]
     ideal = stage.ideal_samples_per_s
     out = {"cluster": cluster, "model": workload.model, "seq_len": workload.seq_len, "global_batch": global_batch,
            "zero_stage": result.stage, "reason": result.reason, "ideal_samples_per_s": ideal,
@@ -125,6 +136,11 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
     out["poplar_vs_deepspeed"] = pop / ds["samples_per_s"] if isinstance(ds, dict) else None
     out["poplar_of_ideal"] = pop / ideal
     return out
+
+
+def _plan_id(plan) -> str:
+    """Two allocations with one id train exactly alike: the same stage, micro-batches, accumulation, samples."""
+    return json.dumps(plan.to_dict(), sort_keys=True)
 
 
 def clusters(arg: str) -> list[str]:

@@ -12,10 +12,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_then_bench_on_an_emulated_cluster(tmp_path):
+    # a global batch of 24 caps every micro-batch the profiler tries at 24: a shorter profile
     env = {**os.environ, "COLUMNS": "200", "POPLAR_CACHE_DIR": str(tmp_path / "profiles"),
            "POPLAR_DATA_CACHE": str(tmp_path / "data")}
     out = tmp_path / "demo"
-    run = subprocess.run([sys.executable, "-m", "poplar.cli.main", "demo", "--steps", "3", "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "poplar.cli.main", "demo", "--steps", "3", "--global-batch", "24",
+                          "--out", str(out)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for word in ("poplar", "uniform", "proportional", "ideal", "samples/s", "tokens/s", "comparison.png"):
@@ -28,7 +30,7 @@ def test_demo_then_bench_on_an_emulated_cluster(tmp_path):
             assert abs(a["loss"] - b["loss"]) < 1e-4, (name, a["loss"], b["loss"])
     # the benchmark reuses the demo's profile (same workload) and measures all three
     bench = subprocess.run([sys.executable, "-m", "poplar.cli.main", "bench", "--cluster", "both-differ",
-                            "--steps", "3", "--json", str(tmp_path / "bench.json")], cwd=ROOT, env=env,
+                            "--global-batch", "24", "--steps", "3", "--json", str(tmp_path / "bench.json")], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=600)
     assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
     (result,) = json.loads((tmp_path / "bench.json").read_text())

@@ -20,12 +20,13 @@ def demo(
     steps: int = typer.Option(14, min=2, help="training steps per allocation (the first 6 warm up)"),
     cluster: str = typer.Option("both-differ", help="emulated cluster: a preset or a YAML file"),
     out: Path = typer.Option(Path("runs/demo"), help="where the runs, the table and the plots go"),
+    global_batch: int = typer.Option(96, min=1, help="samples per optimizer step, over all ranks"),
 ) -> None:
     """The main job: profile, plan and train a small Llama on real text with Poplar's plan and both baselines."""
     from poplar.demo import run_demo
 
     try:
-        run_demo(steps=steps, cluster=cluster, out=out)
+        run_demo(steps=steps, cluster=cluster, out=out, global_batch=global_batch)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -307,12 +308,15 @@ def bench(
             return f"{a['samples_per_s'] / rows[name]['samples_per_s']:.2f}x" if name in rows else "-"
 
         for name, a in rows.items():
-            table.add_row(r["cluster"], str(r["zero_stage"]), name, f"{a['samples_per_s']:.1f}",
+            label = f"{name} (= {a['same_plan_as']})" if a.get("same_plan_as") else name
+            table.add_row(r["cluster"], str(r["zero_stage"]), label, f"{a['samples_per_s']:.1f}",
                           f"{a['tokens_per_s']:,.0f}", vs(a, "uniform"), vs(a, "proportional"), vs(a, "deepspeed"),
                           f"{100 * a['samples_per_s'] / r['ideal_samples_per_s']:.0f}%")
         table.add_row(r["cluster"], str(r["zero_stage"]), "ideal", f"{r['ideal_samples_per_s']:.1f}",
                       f"{r['ideal_tokens_per_s']:,.0f}", "-", "-", "-", "100%")
     console.print(table)
+    if any(a.get("same_plan_as") for r in results for a in r["allocations"].values()):
+        console.print("(= name): the same plan as that allocation's, measured once", highlight=False)
     for note in notes:
         console.print(note, highlight=False)
     if json_out:

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 OBSERVATIONS = 5          # runs of a computation whose best becomes its calibrated cost
-SCHEME = 4                # how work is named and costed (4: micro-step families by size, the rest per split); a new one, a new table
+SCHEME = 5                # how work is named and costed (5: micro-step families by size, one rest per engine); a new one, a new table
 LOCK_TIMEOUT_S = 10.0     # a lock not had by then is given up on: the work runs unlocked (never a hang)
 
 

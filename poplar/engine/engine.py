@@ -286,12 +286,14 @@ class Engine:
 
     # Names for the pieces of this rank's work: the same work, the same name (see Device.span).
     def _rest_key(self, loss_fn: LossFn) -> str | None:
-        """The step's work outside its micro-steps (the update, the bookkeeping), per split of the local batch.
+        """The step's work outside its micro-steps (the update, the bookkeeping): one name whatever the split.
 
-        Named per split, as each rank calibrates its own: one name shared by every rank of
-        a 4-rank cluster on 2 cores left the fast rank behind its time (18% in one run).
+        The update of a shard costs what it costs whatever micro-batches fed it, so every
+        plan of an engine (the profiler's and the one trained) shares one calibration of it.
+        Named per split instead, each plan calibrated its own in its first steps, and the
+        plans measured 1-15% slower than their predictions (docs/plan.md).
         """
-        return None if self._work is None else _digest(self._work, "rest", _name(loss_fn), self.plan.micro_batches(self.rank))
+        return None if self._work is None else _digest(self._work, "rest", _name(loss_fn))
 
     def _micro_key(self, micro_batch, loss_fn: LossFn) -> str | None:
         """A micro-step: ``family@samples``, the family being the work per sample (see poplar.emulate.calibration)."""

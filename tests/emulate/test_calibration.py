@@ -32,22 +32,24 @@ def run_step(dev, n: int, key="work") -> None:
 
 def test_calibrated_work_keeps_its_time_when_the_host_slows_down(tmp_path):
     table = Calibration(tmp_path)
-    # speed 0.25: the device's time is 4x the host's, so a host also loaded by other work
-    # (up to 2.8x here) still keeps up with the calibrated time
-    dev, raw = device(table, speed=0.25), device(False, speed=0.25)
+    # speed 0.2: the device's time is 5x the host's, so a host that now takes twice the
+    # CPU time for the work, and is loaded by other work besides, still keeps up
+    dev, raw = device(table, speed=0.2), device(False, speed=0.2)
     for _ in range(cal.OBSERVATIONS):
         run_step(dev, 40)
     assert table.cost("work") is not None and table.cost("rest") is not None
     calibrated = dev.target_s
-    # the same work now costs the host 40% more CPU time (as on a host 40% slower)
+    # the same work now costs the host twice the CPU time (as on a host twice as slow)
     walls, raw_walls = [], []
     for _ in range(3):
-        run_step(dev, 56)
+        run_step(dev, 80)
         walls.append(dev.compute_wall_s)
-        run_step(raw, 56)
+        run_step(raw, 80)
         raw_walls.append(raw.compute_wall_s)
     assert min(walls) == pytest.approx(calibrated, rel=0.1), (walls, calibrated)
-    assert min(raw_walls) > 1.25 * calibrated, (raw_walls, calibrated)   # without the table the device slows too
+    # without the table the device slows down with the host (2x, less what the host's
+    # speed drifted by since the calibration: a third at most here)
+    assert min(raw_walls) > 1.5 * calibrated, (raw_walls, calibrated)
     assert dev.micro_s[0] == pytest.approx(table.cost("work") / dev.speed)
 
 

@@ -1,0 +1,56 @@
+"""`poplar bench`'s bookkeeping, without processes: which plans are measured, how rows are filled."""
+
+import dataclasses
+
+import pytest
+
+import poplar.bench
+from tests.peers.test_deepspeed import BOTH_DIFFER_PROFILE
+from tests.peers.workers import WORKLOAD
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Plans handed to the measurement; each is measured at a speed of its own (100, 200, ... samples/s)."""
+    seen = []
+
+    def measure(workload, cluster, plans, steps=12, rounds=3, peers=()):
+        seen.append([p.to_dict() for p in plans])
+        return [{"step_s": p.global_batch_size / (100.0 * (i + 1)), "busy_s": [0.1] * p.world_size,
+                 "samples_per_s": 100.0 * (i + 1), "steps": steps} for i, p in enumerate(plans)]
+
+    monkeypatch.setattr(poplar.bench, "profile_cluster", lambda *a, **k: (BOTH_DIFFER_PROFILE, {}))
+    monkeypatch.setattr(poplar.bench, "measure_plans", measure)
+    return seen
+
+
+def test_every_distinct_plan_is_measured(measured):
+    result = poplar.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3, peers=False)
+    rows = result["allocations"]
+    assert list(rows) == ["poplar", "uniform", "proportional"]
+    firsts = {}
+    for name, row in rows.items():   # a plan seen before is that allocation's measurement
+        first = firsts.setdefault(repr(row["plan"]), name)
+        assert row.get("same_plan_as") == (None if first == name else first)
+    assert len(measured) == 1 and [repr(p) for p in measured[0]] == list(firsts)
+
+
+def test_an_allocation_with_another_ones_plan_is_measured_once_and_says_so(measured, monkeypatch):
+    make_plan = poplar.bench.make_plan
+
+    def poplar_keeps_proportional(profile, global_batch):
+        result = make_plan(profile, global_batch)
+        allocs = result.stages[result.stage].allocations
+        allocs["poplar"] = dataclasses.replace(allocs["poplar"], plan=allocs["proportional"].plan)
+        return result
+
+    monkeypatch.setattr(poplar.bench, "make_plan", poplar_keeps_proportional)
+    result = poplar.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3, peers=False)
+    rows = result["allocations"]
+    assert rows["poplar"]["plan"] == rows["proportional"]["plan"] != rows["uniform"]["plan"]
+    # two plans measured, poplar's first; proportional's row is that measurement
+    assert [len(m) for m in measured] == [2] and measured[0][0] == rows["poplar"]["plan"]
+    assert rows["proportional"]["same_plan_as"] == "poplar" and "same_plan_as" not in rows["poplar"]
+    assert rows["proportional"]["samples_per_s"] == rows["poplar"]["samples_per_s"] == 100.0
+    assert rows["uniform"]["samples_per_s"] == 200.0
+    assert result["poplar_vs_proportional"] == 1.0 and result["poplar_vs_uniform"] == 0.5
