@@ -18,15 +18,13 @@ from rich.console import Console
 from rich.table import Table
 
 from poplar.train.config import load_config
-from poplar.emulate.calibration import OBSERVATIONS
 from poplar.train.report import plot_runs, read_log, summarize
 from poplar.train.run import run_training
 
 ALLOCATIONS = ("poplar", "uniform", "proportional")
-WARMUP_STEPS = OBSERVATIONS + 1   # steps left out of the medians
 
 
-def run_demo(steps: int = 14, cluster: str = "both-differ", out: str | Path = "runs/demo", global_batch: int = 96,
+def run_demo(steps: int = 12, cluster: str = "both-differ", out: str | Path = "runs/demo", global_batch: int = 96,
              console: Console | None = None) -> dict:
     console = console or Console()
     out = Path(out)
@@ -43,14 +41,16 @@ def run_demo(steps: int = 14, cluster: str = "both-differ", out: str | Path = "r
         run = run_training(cfg)
         result = result or run["planning"]
         logs[name] = read_log(out / name / "log.jsonl")
-        # the first steps calibrate work the devices had not run yet (alone, holding the
-        # host's lock: slower); the first allocation trained pays for it, so all skip them
-        summaries[name] = summarize(logs[name], skip=WARMUP_STEPS)
+        # medians over the steady steps: after the first, and without the steps in which an
+        # emulated device calibrated work it had not run before (alone, holding the host's
+        # lock: slower), which the allocation trained first would pay for the others
+        summaries[name] = summarize(logs[name])
         console.print(f"  {run['plan']}")
     stage = result.stages[result.stage]
     ideal = stage.ideal_samples_per_s
+    steady = {name: len(s["steady_steps"]) for name, s in summaries.items()}
     table = Table(title=f"llama-tiny on {cluster}, ZeRO stage {result.stage}, global batch {global_batch} "
-                        f"(medians over steps {min(WARMUP_STEPS, steps - 1) + 1}-{steps})")
+                        f"(medians over the steady steps: {', '.join(f'{n} {k} of {steps}' for n, k in steady.items())})")
     for col in ("allocation", "plan", "samples/s", "tokens/s", "vs uniform", "of ideal", "predicted", "loss"):
         table.add_column(col, justify="right")
     for name in ALLOCATIONS:

@@ -17,7 +17,8 @@ def main() -> None:
 
 @app.command()
 def demo(
-    steps: int = typer.Option(14, min=2, help="training steps per allocation (the first 6 warm up)"),
+    steps: int = typer.Option(12, min=2, help="training steps per allocation (medians over the steady ones: not the "
+                                                "first, nor any calibrating an emulated device's work)"),
     cluster: str = typer.Option("both-differ", help="emulated cluster: a preset or a YAML file"),
     out: Path = typer.Option(Path("runs/demo"), help="where the runs, the table and the plots go"),
     global_batch: int = typer.Option(96, min=1, help="samples per optimizer step, over all ranks"),

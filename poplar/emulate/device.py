@@ -61,6 +61,7 @@ class EmulatedDevice(Device):
         self.wait_s = 0.0              # time blocked in collectives
         self.step_wall_s = 0.0         # the whole step, as the clock on the wall saw it
         self.micro_s: list[float] = []       # the device time of each micro-step (span), in order
+        self.calibrating = False       # the last step ran work without a calibrated cost (see Device)
         self.peak_bytes = 0            # model states + saved activations, at their highest
         self.peak_state_bytes = 0      # model states alone at the start of a micro-step, at their highest
         self._active = False
@@ -79,6 +80,7 @@ class EmulatedDevice(Device):
         """
         self.compute_cpu_s = self.compute_wall_s = self.wait_s = self.target_s = 0.0
         self.micro_s = []
+        self.calibrating = False
         self._wait_cpu = 0.0
         self._spans_cpu = self._spans_target = 0.0
         self._rest_key, self._span_key = key, None
@@ -130,6 +132,7 @@ class EmulatedDevice(Device):
         known = self.table.cost(key)
         if known is not None:
             return known
+        self.calibrating = True
         return self.table.observe(key, cpu) if alone else cpu
 
     def _pay(self, final: bool = False, calibrate: bool = True) -> None:
@@ -139,8 +142,13 @@ class EmulatedDevice(Device):
         if final:
             rest = cpu - self._spans_cpu
             target = self._spans_target + (self._cost(self._rest_key, rest, self._alone[False]) if calibrate else rest)
-        else:   # the work since the last span, at the rate the calibrated work has been running lately
-            target = self._spans_target + (cpu - self._spans_cpu) * self._rate
+        else:   # the work since the last span, at the rate the calibrated work has been running lately,
+            # and never beyond the cost of the span in progress where that is known: a sleep
+            # cannot be taken back, and a span whose work (a whole micro-step before its
+            # gradients' collective) ran slower than that rate would leave the device behind
+            in_progress = (cpu - self._spans_cpu) * self._rate
+            known = self.table.cost(self._span_key) if self.table is not None and self._span_key else None
+            target = self._spans_target + (in_progress if known is None else min(in_progress, known))
         target /= self.speed
         compute_wall = time.perf_counter() - self._start_wall - self.wait_s
         if target > compute_wall:

@@ -26,10 +26,13 @@ class Device:
 
     ``step_wall_s`` is the last step's wall time and ``wait_s`` the part of it spent
     waiting for collectives, so ``compute_s`` is the rest (what the profiler measures).
+    ``calibrating``: the last step did work the device had no fixed time for yet (an
+    emulated device measuring it: slower than its steady steps); never on a real one.
     """
 
     step_wall_s = 0.0
     wait_s = 0.0
+    calibrating = False
     tracks_memory = False   # True: the engine reports its state bytes to micro_step()
     names_work = False      # True: the engine names its work (the keys of step() and span())
 

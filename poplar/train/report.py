@@ -12,11 +12,18 @@ def read_log(path: str | Path) -> list[dict]:
 
 
 def summarize(records: list[dict], skip: int = 1) -> dict:
-    """Medians over the steps after the first ``skip`` (warm-up), and the loss at both ends."""
-    steady = records[skip:] or records
+    """Medians over the steady steps, and the loss at both ends.
+
+    Steady: after the first ``skip`` (warm-up), and not calibrating (an emulated device
+    measuring work it had no fixed time for yet: the allocation trained first would pay
+    for work every later one reuses). ``steady_steps`` names them (log step numbers).
+    """
+    after = records[skip:] or records
+    steady = [r for r in after if not r.get("calibrating")] or after
     ranks = len(steady[0]["busy_s"])
     return {
         "steps": len(records),
+        "steady_steps": [r["step"] for r in steady],
         "first_loss": records[0]["loss"],
         "last_loss": records[-1]["loss"],
         "step_s": statistics.median(r["step_s"] for r in steady),

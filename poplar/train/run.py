@@ -104,16 +104,18 @@ def _train_rank(rank: int, world_size: int, cfg_dict: dict, plan_dict: dict, wl_
             losses.append(loss)
             logging = step % cfg.log_every == 0 or step == last - 1
             if logging:                              # every rank: the figures are gathered
-                figures = torch.tensor([period, device.compute_s], dtype=torch.float64)
+                figures = torch.tensor([period, device.compute_s, float(device.calibrating)], dtype=torch.float64)
                 every = [torch.zeros_like(figures) for _ in range(world_size)]
                 dist.all_gather(every, figures)
                 step_s = max(float(f[0]) for f in every)
                 busy = [float(f[1]) for f in every]
+                calibrating = any(float(f[2]) > 0 for f in every)
             if logging and log is not None:
                 record = {"step": step, "loss": loss, "lr": learning_rate(cfg, step), "step_s": step_s,
                           "samples_per_s": plan.global_batch_size / step_s, "tokens_per_s": tokens / step_s,
                           "tflops": fpt * tokens / step_s / 1e12, "busy_s": busy,
-                          "idle_s": [max(0.0, step_s - b) for b in busy], "grad_norm": engine.last_grad_norm}
+                          "idle_s": [max(0.0, step_s - b) for b in busy], "grad_norm": engine.last_grad_norm,
+                          "calibrating": calibrating}
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 print(f"step {step + 1}/{cfg.steps}  loss {loss:.4f}  {record['samples_per_s']:.1f} samples/s  "

@@ -9,6 +9,7 @@ import torch
 from poplar.emulate import EmulatedDevice, parse_cluster
 from poplar.emulate import calibration as cal
 from poplar.emulate.calibration import Calibration, HostLock
+from poplar.profile import StageProfile
 from tests.emulate.workers import hold_exclusively
 
 A = torch.randn(160, 160)
@@ -51,6 +52,17 @@ def test_calibrated_work_keeps_its_time_when_the_host_slows_down(tmp_path):
     # speed drifted by since the calibration: a third at most here)
     assert min(raw_walls) > 1.5 * calibrated, (raw_walls, calibrated)
     assert dev.micro_s[0] == pytest.approx(table.cost("work") / dev.speed)
+
+
+def test_a_step_says_whether_it_calibrated_work(tmp_path):
+    dev = device(Calibration(tmp_path))
+    flags = []
+    for _ in range(cal.OBSERVATIONS + 2):
+        run_step(dev, 4)
+        flags.append(dev.calibrating)
+    assert flags == [True] * cal.OBSERVATIONS + [False, False]
+    run_step(dev, 4, key="new work")
+    assert dev.calibrating
 
 
 def test_a_calibration_is_kept_for_every_process_and_launch(tmp_path):
@@ -107,17 +119,53 @@ def test_calibrating_waits_until_nobody_else_computes(tmp_path):
 
 def test_a_size_between_calibrated_sizes_is_interpolated_and_fixed(tmp_path):
     table = Calibration(tmp_path)
-    for m, cost in ((2, 0.020), (6, 0.060), (10, 0.090)):
+    for m, cost in ((2, 0.020), (6, 0.060)):
         for _ in range(cal.OBSERVATIONS):
             table.observe(f"fam@{m}", cost)
-    assert table.cost("fam@4") == pytest.approx(0.040)          # halfway between 2 and 6
-    assert table.cost("fam@9") == pytest.approx(0.0825)
-    assert table.cost("fam@1") is None and table.cost("fam@11") is None   # never extrapolated: calibrated
+    assert table.cost("fam@4") == pytest.approx(0.040)          # two sizes: on the line, halfway
+    for _ in range(cal.OBSERVATIONS):
+        table.observe("fam@12", 0.090)                           # a bending curve
+    # on the curve a profile with these points fits (a natural cubic spline), not on the line
+    curve = StageProfile(max_micro_batch=12, state_bytes=0, points=[(2, 0.020), (6, 0.060), (12, 0.090)])
+    assert table.cost("fam@9") == pytest.approx(curve.time(9)) and abs(curve.time(9) - 0.075) > 0.001
+    assert table.cost("fam@1") is None and table.cost("fam@13") is None   # never extrapolated: calibrated
     assert table.cost("other@4") is None                         # another family has no calibrated sizes
     again = Calibration(tmp_path)                                # fixed for every process, as written
     assert again.cost("fam@4") == table.cost("fam@4") and again.cost("fam@9") == table.cost("fam@9")
-    # an interpolated size is no anchor: 5 lies between the calibrated 2 and 6, not between 4 and 6
+    # an interpolated size is no anchor: the curve runs through the calibrated sizes only
     for _ in range(cal.OBSERVATIONS):
-        table.observe("fam@3", 0.045)                            # a new calibrated size below
-    assert table.cost("fam@5") == pytest.approx(0.045 + (5 - 3) / (6 - 3) * (0.060 - 0.045))
+        table.observe("fam@3", 0.045)                            # a new calibrated size
+    points = [(2, 0.020), (3, 0.045), (6, 0.060), (12, 0.090)]
+    assert table.cost("fam@5") == pytest.approx(StageProfile(max_micro_batch=12, state_bytes=0, points=points).time(5))
     assert table.cost("fam@4") == pytest.approx(0.040)           # once fixed, it keeps its cost
+
+
+def spin(cpu_s: float) -> None:
+    """Work of exactly ``cpu_s`` CPU seconds in this thread, whatever else the host runs."""
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_sleep_before_a_collective_never_runs_past_the_span_in_progress(tmp_path):
+    # a micro-step's gradients are sent at its end: the device pays its debt right before
+    # (boundary), while the span's cost is not yet settled. Its work now costs the host
+    # twice its calibrated CPU time (as on a host twice as slow): at speed 0.25 the device
+    # has the time to do it, and must still take its calibrated time, no more.
+    dev = device(Calibration(tmp_path), speed=0.25)
+
+    def step(cpu_s):
+        with dev.step("rest"):
+            with dev.span("work"):
+                spin(cpu_s)
+                dev.boundary()
+
+    for _ in range(cal.OBSERVATIONS + 1):
+        step(0.010)
+    calibrated = dev.target_s
+    lags = []
+    for _ in range(3):
+        step(0.020)
+        lags.append(dev.compute_wall_s / dev.target_s)
+    assert dev.target_s == pytest.approx(calibrated)
+    assert max(lags) < 1.15, lags      # not up to 2x: the sleep stopped at the span's cost

@@ -12,6 +12,7 @@ import torch
 import poplar
 from poplar.launch import RankFailed
 from poplar.train.config import load_config
+from poplar.train.report import summarize
 from poplar.train.run import run_training
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +43,27 @@ def test_tiny_llama_on_three_uneven_ranks_learns(tmp_path):
         assert len(r["busy_s"]) == len(r["idle_s"]) == 3
         assert r["samples_per_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 32)
         assert r["tflops"] > 0
+    # the emulated devices calibrate their work in the first steps (5 runs of each piece,
+    # no profile before), and the log says which: the report leaves those steps out
+    flags = [r["calibrating"] for r in records]
+    assert flags[0] and not flags[-1] and flags == sorted(flags, reverse=True), flags
+    assert summarize(records)["steady_steps"] == [r["step"] for r in records if not r["calibrating"]]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step-00000008"
+
+
+def test_the_summary_leaves_out_the_first_and_the_calibrating_steps():
+    records = [{"step": i, "loss": 5.0 - i, "step_s": s, "samples_per_s": 10 / s, "tokens_per_s": 320 / s,
+                "tflops": 1.0, "busy_s": [s, s / 2], "idle_s": [0.0, s / 2], "calibrating": i < 3}
+               for i, s in enumerate([9.0, 8.0, 7.0, 1.0, 2.0, 3.0])]
+    s = summarize(records)
+    assert s["steady_steps"] == [3, 4, 5] and s["step_s"] == 2.0 and s["busy_s"] == [2.0, 1.0]
+    assert (s["first_loss"], s["last_loss"], s["steps"]) == (5.0, 0.0, 6)
+    for r in records:                 # nothing calibrated: only the first step is left out
+        r["calibrating"] = False
+    assert summarize(records)["steady_steps"] == [1, 2, 3, 4, 5]
+    for r in records:                 # everything calibrating: all but the first, rather than nothing
+        r["calibrating"] = True
+    assert summarize(records)["steady_steps"] == [1, 2, 3, 4, 5]
 
 
 def test_resume_continues_exactly_and_refuses_another_plan(tmp_path):
