@@ -24,8 +24,7 @@ def fitted_curve(points, x):
     """The curve through ``(size, time)`` points, at ``x`` (arrays allowed), sorted by size.
 
     A natural cubic spline through three points or more; a line through two; through
-    the origin with one. The emulated devices interpolate their calibrated costs with
-    the same curve (:mod:`poplar.emulate.calibration`).
+    the origin with one.
     """
     m = np.array([p[0] for p in points], dtype=float)
     t = np.array([p[1] for p in points], dtype=float)
