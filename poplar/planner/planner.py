@@ -18,6 +18,7 @@ from poplar.planner.search import Infeasible, allocate, ideal_samples_per_s, pro
 from poplar.profile.profile import Profile
 
 ALLOCATIONS = {"poplar": allocate, "uniform": uniform, "proportional": proportional}
+TIE = 0.01   # predicted gains below this are not worth a split other than a baseline's (see plan_stage)
 
 
 class PlanningError(ValueError):
@@ -84,6 +85,7 @@ class PlanResult:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
+
 def _rank_list(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
@@ -115,6 +117,15 @@ def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int]
         a = out.allocations[name]
         if a.plan is not None and out.poplar.plan is not None and a.predicted.step_s < out.poplar.predicted.step_s:
             out.allocations["poplar"] = Allocation("poplar", a.plan, a.predicted)
+    # A split predicted to gain less than TIE over a baseline's is a gain the cost model
+    # cannot tell from its own error: Poplar keeps the baseline's split (uniform's first,
+    # the simplest), which then measures as well as the baseline by construction.
+    for name in ("uniform", "proportional"):
+        a, best = out.allocations.get(name), out.poplar
+        if a is not None and a.plan is not None and best.plan is not None and a.plan != best.plan \
+                and a.predicted.step_s <= best.predicted.step_s * (1 + TIE):
+            out.allocations["poplar"] = Allocation("poplar", a.plan, a.predicted)
+            break
     if out.poplar.plan is None:
         out.excluded = out.poplar.why_not
     out.ideal_samples_per_s = ideal_samples_per_s(cost, global_batch)

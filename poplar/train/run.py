@@ -180,8 +180,12 @@ def _check_out(cfg: TrainConfig) -> Path:
 def _write_run_files(cfg: TrainConfig, out_dir: Path, plan, result) -> None:
     import yaml
 
-    if result is not None:
-        result.save(out_dir / "plan.json")
+    if result is not None:   # the plan trained on top (what --resume reads), the planner's figures beside it
+        d = result.to_dict()
+        if plan != result.plan:   # a baseline's allocation: its plan and its prediction
+            d.update(plan.to_dict(), predicted=result.stages[result.stage].allocations[cfg.baseline].predicted.to_dict())
+        d["meta"]["allocation"] = cfg.baseline
+        (out_dir / "plan.json").write_text(json.dumps(d, indent=2) + "\n")
     elif not (out_dir / "plan.json").exists() or poplar.Plan.load(out_dir / "plan.json") != plan:
         plan.save(out_dir / "plan.json")
     (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))

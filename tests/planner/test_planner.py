@@ -97,3 +97,26 @@ def test_cli_writes_a_plan_and_rejects_bad_input(tmp_path):
     stages = subprocess.run(cmd + ["--global-batch", "8", "--stages", "0,5"], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=120)
     assert stages.returncode == 2 and "--stages" in stages.stdout
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_gain_within_the_cost_models_error_keeps_the_simpler_split(stage, monkeypatch):
+    import poplar.planner.planner as planner
+    from tests.planner.profiles import make_profile
+
+    def plans(slower: float):
+        prof = make_profile({"a": (1, 0.010, 0.002, 64), "b": (1, 0.010 * slower, 0.002 * slower, 64)},
+                            per_step=0.005)
+        return planner.plan_stage(prof, stage, 96).allocations
+
+    # 2% slower: one sample moved to the faster card would gain 0.1%, below TIE: uniform's split
+    monkeypatch.setattr(planner, "TIE", 0.0)
+    own = plans(1.02)
+    assert list(own["poplar"].plan.local_batch_sizes) == [49, 47]
+    assert own["uniform"].predicted.step_s / own["poplar"].predicted.step_s - 1 < 0.01
+    monkeypatch.setattr(planner, "TIE", 0.01)
+    kept = plans(1.02)
+    assert kept["poplar"].plan == kept["uniform"].plan
+    assert kept["poplar"].predicted.step_s == kept["uniform"].predicted.step_s
+    # 5% slower: the same move gains 1.8%, and Poplar keeps its own split
+    assert list(plans(1.05)["poplar"].plan.local_batch_sizes) == [49, 47]
