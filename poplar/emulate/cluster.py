@@ -126,14 +126,19 @@ class ClusterSpec(BaseModel):
 
         A device cannot be sped up by sleeping less. So the whole cluster is slowed down
         by one common factor: at least ``MIN_SLOWDOWN`` (a host that runs up to that much
-        slower than when it calibrated still keeps up), and more until the devices' demand
-        is ``busy`` of the host's cores (devices whose speeds add up to more than the
-        host's cores would compete for them). Every ratio between devices stays as declared.
+        slower than when it calibrated still keeps up), half as much again for every core's
+        worth of ranks beyond the host's cores (ranks sharing a core inflate each other's
+        CPU time: at 2, the fast rank of 4 on 2 cores ran up to 47% behind its time), and
+        more until the devices' demand is ``busy`` of the host's cores (devices whose speeds
+        add up to more than the host's cores would compete for them). Every ratio between
+        devices stays as declared.
         """
         if self.is_real:   # nothing is emulated, so nothing needs slowing down
             return 1.0
         cores = cores or os.cpu_count() or 1
-        return max(MIN_SLOWDOWN, sum(d.speed * d.count for d in self.devices) / (cores * busy))
+        ranks = sum(d.count for d in self.devices)
+        shared = MIN_SLOWDOWN * (1 + 0.5 * max(0.0, ranks / cores - 1))
+        return max(shared, sum(d.speed * d.count for d in self.devices) / (cores * busy))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(), sort_keys=False)
