@@ -126,8 +126,8 @@ class ClusterSpec(BaseModel):
 
         A device cannot be sped up by sleeping less. So the whole cluster is slowed down
         by one common factor: at least ``MIN_SLOWDOWN`` (a host that runs up to that much
-        slower than when it calibrated still keeps up), half as much again for every core's
-        worth of ranks beyond the host's cores (ranks sharing a core inflate each other's
+        slower than when it calibrated still keeps up), half as much again for every whole
+        host's worth of ranks beyond the host's cores (ranks sharing a core inflate each other's
         CPU time: at 2, the fast rank of 4 on 2 cores ran up to 47% behind its time), and
         more until the devices' demand is ``busy`` of the host's cores (devices whose speeds
         add up to more than the host's cores would compete for them). Every ratio between
@@ -137,7 +137,7 @@ class ClusterSpec(BaseModel):
             return 1.0
         cores = cores or os.cpu_count() or 1
         ranks = sum(d.count for d in self.devices)
-        shared = MIN_SLOWDOWN * (1 + 0.5 * max(0.0, ranks / cores - 1))
+        shared = MIN_SLOWDOWN * (1 + 0.5 * max(0, (ranks - cores) // cores))
         return max(shared, sum(d.speed * d.count for d in self.devices) / (cores * busy))
 
     def to_yaml(self) -> str:

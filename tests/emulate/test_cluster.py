@@ -68,7 +68,8 @@ def test_the_common_slowdown_grows_with_ranks_sharing_cores():
         return parse_cluster({"devices": [{"kind": f"d{i}", "speed": s, "memory_gb": 1.0} for i, s in enumerate(speeds)]})
 
     assert spec(1.0, 0.5).host_slowdown(cores=2) == 2.0            # a core each: the floor
-    assert spec(1.0, 0.4, 0.4).host_slowdown(cores=2) == 2.5       # half a core's worth more
+    assert spec(1.0, 0.4, 0.4).host_slowdown(cores=2) == 2.0       # not a whole host's worth more
+    assert spec(1.0, 0.4, 0.4, 0.4, 0.4, 0.4).host_slowdown(cores=2) == 4.0
     assert spec(1.0, 0.35, 0.35, 0.35).host_slowdown(cores=2) == 3.0
     assert spec(1.0, 0.35, 0.35, 0.35).host_slowdown(cores=4) == 2.0
     assert spec(1.0, 1.0, 1.0).host_slowdown(cores=1) == 5.0       # demand: 3 speeds on 60% of one core
