@@ -16,7 +16,6 @@ Poplar's plans are measured without it, and ``peers`` says why in one line.
 
 from __future__ import annotations
 
-import json
 from importlib.metadata import version
 
 from poplar.emulate import load_cluster, presets
@@ -102,8 +101,7 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
     # an allocation whose plan is another's (Poplar keeps a baseline's split when it
     # predicts none faster) is that plan: measured once, so the host's noise between two
     # runs of one plan does not read as a difference between the allocations
-    first: dict[str, str] = {}
-    same_as = {a.name: first.setdefault(_plan_id(a.plan), a.name) for a in allocs}
+    same_as = {a.name: next(b.name for b in allocs if b.plan == a.plan) for a in allocs}
     unique = [a for a in allocs if same_as[a.name] == a.name]
     plans = [a.plan for a in unique]
     setup, notes = None, {}
@@ -136,11 +134,6 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
     out["poplar_vs_deepspeed"] = pop / ds["samples_per_s"] if isinstance(ds, dict) else None
     out["poplar_of_ideal"] = pop / ideal
     return out
-
-
-def _plan_id(plan) -> str:
-    """Two allocations with one id train exactly alike: the same stage, micro-batches, accumulation, samples."""
-    return json.dumps(plan.to_dict(), sort_keys=True)
 
 
 def clusters(arg: str) -> list[str]:

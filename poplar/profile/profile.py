@@ -20,24 +20,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from scipy.interpolate import CubicSpline
 
 
-def fitted_curve(points, x):
-    """The curve through ``(size, time)`` points, at ``x`` (arrays allowed), sorted by size.
-
-    A natural cubic spline through three points or more; a line through two; through
-    the origin with one.
-    """
-    m = np.array([p[0] for p in points], dtype=float)
-    t = np.array([p[1] for p in points], dtype=float)
-    x = np.asarray(x, dtype=float)
-    if len(m) == 1:
-        out = t[0] * x / m[0]
-    elif len(m) == 2:
-        out = t[0] + (t[1] - t[0]) * (x - m[0]) / (m[1] - m[0])
-    else:
-        out = CubicSpline(m, t, bc_type="natural")(x)
-    return float(out) if np.ndim(out) == 0 else out
-
-
 class StageProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -53,7 +35,16 @@ class StageProfile(BaseModel):
         """Seconds of a step with one micro-batch of this size (spline through the points); arrays allowed."""
         if not self.points:
             raise ValueError(f"no measured points{': ' + self.note if self.note else ''}")
-        return fitted_curve(self.points, micro_batch)
+        m = np.array([p[0] for p in self.points], dtype=float)
+        t = np.array([p[1] for p in self.points], dtype=float)
+        x = np.asarray(micro_batch, dtype=float)
+        if len(m) == 1:
+            out = t[0] * x / m[0]
+        elif len(m) == 2:
+            out = t[0] + (t[1] - t[0]) * (x - m[0]) / (m[1] - m[0])
+        else:
+            out = CubicSpline(m, t, bc_type="natural")(x)
+        return float(out) if np.ndim(out) == 0 else out
 
     def throughput(self, micro_batch: float) -> float:
         """Samples per second at this micro-batch size."""
