@@ -1,8 +1,9 @@
 """`poplar bench`: Poplar's allocation against the baselines, measured side by side in one run.
 
 Per cluster: profile the model (or reuse the cache), plan the global batch, then train
-Poplar's plan and the ``uniform`` and ``proportional`` allocations of the same stage in
-one launch of the cluster, in alternating rounds (so a drift of the shared host falls
+Poplar's plan and the ``uniform`` (DeepSpeed-style), ``proportional`` (Whale-style, by
+rated speed) and ``measured-peak`` (by measured peak throughput) allocations of the same
+stage in one launch of the cluster, in alternating rounds (so a drift of the shared host falls
 on all three alike), and report measured samples/s and tokens/s, the ratios, and the
 share of the planner's ideal bound (every device at its own best, nobody waiting).
 
@@ -26,7 +27,7 @@ from poplar.planner import PlanResult, make_plan
 from poplar.profile.profiler import profile_cluster
 from poplar.workload import Workload
 
-ALLOCATIONS = ("poplar", "uniform", "proportional")
+ALLOCATIONS = ("poplar", "uniform", "proportional", "measured-peak")
 OOM_RETRIES = 2   # smaller micro-batches DeepSpeed is given after it ran out of memory
 
 
@@ -130,6 +131,8 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
     pop = rows["poplar"]["samples_per_s"]
     out["poplar_vs_uniform"] = pop / rows["uniform"]["samples_per_s"] if "uniform" in rows else None
     out["poplar_vs_proportional"] = pop / rows["proportional"]["samples_per_s"] if "proportional" in rows else None
+    out["poplar_vs_measured_peak"] = (pop / rows["measured-peak"]["samples_per_s"] if "measured-peak" in rows
+                                      else None)
     ds = notes.get("deepspeed")
     out["poplar_vs_deepspeed"] = pop / ds["samples_per_s"] if isinstance(ds, dict) else None
     out["poplar_of_ideal"] = pop / ideal

@@ -27,7 +27,7 @@ def measured(monkeypatch):
 def test_every_distinct_plan_is_measured(measured):
     result = poplar.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3, peers=False)
     rows = result["allocations"]
-    assert list(rows) == ["poplar", "uniform", "proportional"]
+    assert list(rows) == ["poplar", "uniform", "proportional", "measured-peak"]
     firsts = {}
     for name, row in rows.items():   # a plan seen before is that allocation's measurement
         first = firsts.setdefault(repr(row["plan"]), name)

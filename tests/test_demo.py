@@ -34,6 +34,6 @@ def test_demo_then_bench_on_an_emulated_cluster(tmp_path):
                            capture_output=True, text=True, timeout=600)
     assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
     (result,) = json.loads((tmp_path / "bench.json").read_text())
-    assert set(result["allocations"]) == {"poplar", "uniform", "proportional"}
+    assert set(result["allocations"]) == {"poplar", "uniform", "proportional", "measured-peak"}
     assert all(a["samples_per_s"] > 0 for a in result["allocations"].values())
     assert result["ideal_samples_per_s"] > 0 and result["poplar_of_ideal"] > 0

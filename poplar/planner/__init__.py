@@ -2,7 +2,9 @@
 
 from poplar.planner.cost import CostModel, Prediction
 from poplar.planner.planner import PlanningError, PlanResult, StagePlan, make_plan, plan_stage
-from poplar.planner.search import Infeasible, allocate, ideal_samples_per_s, proportional, uniform
+from poplar.planner.search import (Infeasible, allocate, ideal_samples_per_s, measured_proportional, proportional,
+                                   uniform)
 
 __all__ = ["CostModel", "Infeasible", "PlanResult", "PlanningError", "Prediction", "StagePlan", "allocate",
-           "ideal_samples_per_s", "make_plan", "plan_stage", "proportional", "uniform"]
+           "ideal_samples_per_s", "make_plan", "measured_proportional", "plan_stage", "proportional",
+           "uniform"]

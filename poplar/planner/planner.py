@@ -1,8 +1,9 @@
 """The planner: the best stage and allocation for a profiled cluster, beside the baselines.
 
 :func:`make_plan` plans every requested ZeRO stage with :func:`~poplar.planner.search.allocate`,
-computes the ``uniform`` and ``proportional`` baselines and the ``ideal`` bound on the
-same cost model, and picks the stage with the highest predicted throughput among those
+computes the ``uniform`` (DeepSpeed-style) and ``proportional`` (Whale-style: by rated
+speed) baselines, the ``measured-peak`` split (by each device's measured peak samples/s, a
+stronger heuristic than Whale's) and the ``ideal`` bound on the same cost model, and picks the stage with the highest predicted throughput among those
 every device can run. A stage where some device cannot hold even one sample is left
 out, and said so; if that is every stage, those devices are left out of the plan (the
 job must then be launched without them), and said so.
@@ -14,10 +15,13 @@ from dataclasses import dataclass, field
 
 from poplar.plan import Plan
 from poplar.planner.cost import CostModel, Prediction
-from poplar.planner.search import Infeasible, allocate, ideal_samples_per_s, proportional, uniform
+from poplar.planner.search import (Infeasible, allocate, ideal_samples_per_s, measured_proportional, proportional,
+                                   uniform)
 from poplar.profile.profile import Profile
 
-ALLOCATIONS = {"poplar": allocate, "uniform": uniform, "proportional": proportional}
+ALLOCATIONS = {"poplar": allocate, "uniform": uniform, "proportional": proportional,
+               "measured-peak": measured_proportional}
+BASELINES = ("uniform", "proportional", "measured-peak")
 TIE = 0.01   # predicted gains below this are not worth a split other than a baseline's (see plan_stage)
 
 
@@ -91,7 +95,7 @@ def _rank_list(ranks: list[int]) -> str:
 
 
 def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int] | None = None) -> StagePlan:
-    """Poplar's allocation, both baselines and the ideal bound for one stage."""
+    """Poplar's allocation, the baselines and the ideal bound for one stage."""
     ranks = ranks if ranks is not None else list(range(profile.world_size))
     out = StagePlan(stage=stage, ranks=ranks)
     if any(stage not in profile.devices[profile.ranks[r]].stages for r in ranks):
@@ -120,7 +124,7 @@ def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int]
     # A split predicted to gain less than TIE over a baseline's is a gain the cost model
     # cannot tell from its own error: Poplar keeps the baseline's split (uniform's first,
     # the simplest), which then measures as well as the baseline by construction.
-    for name in ("uniform", "proportional"):
+    for name in BASELINES:
         a, best = out.allocations.get(name), out.poplar
         if a is not None and a.plan is not None and best.plan is not None and a.plan != best.plan \
                 and a.predicted.step_s <= best.predicted.step_s * (1 + TIE):

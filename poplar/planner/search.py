@@ -31,6 +31,7 @@ import numpy as np
 
 from poplar.plan import Plan
 from poplar.planner.cost import CostModel, KindCost
+from poplar.profile.discover import peak_tflops
 
 EXTRA_ACCUM = 2        # accumulation counts tried above the fewest memory allows
 # More micro-steps than memory requires only where predicted at least this much faster.
@@ -194,20 +195,53 @@ def uniform(cost: CostModel, global_batch: int) -> Plan:
 
 
 def peak_throughput(kc: KindCost) -> float:
-    """A device's peak samples/s over one micro-batch of each profiled size (its 'speed')."""
+    """A device's peak samples/s over one micro-batch of each profiled size (its measured speed)."""
     m = np.arange(1, kc.max_micro_batch + 1)
     return float(np.max(m / kc.busy(m, 1)))
 
 
-def proportional(cost: CostModel, global_batch: int) -> Plan:
-    """Whale-style: samples in proportion to each device's peak speed, memory met by accumulation only.
+def rated_speeds(cost: CostModel) -> dict[str, float] | None:
+    """Each kind's rated speed, as Whale reads it: an emulated device's declared speed, a real GPU's
+    data-sheet peak TFLOP/s in the profile's compute dtype. None where some kind has none."""
+    speeds = {}
+    for k in cost.kinds:
+        device = cost.profile.devices[k]
+        speeds[k] = device.speed if device.speed else peak_tflops(k, cost.profile.model.dtype)
+        if not speeds[k]:
+            return None
+    return speeds
 
-    The split ignores the shape of each device's curve and its memory limit; a rank
-    whose share does not fit in one micro-batch accumulates (in ZeRO-2/3 every rank then
-    runs the most micro-steps any rank needs).
+
+def proportional(cost: CostModel, global_batch: int) -> Plan:
+    """Whale-style: samples in proportion to each device's rated speed, memory met by accumulation only.
+
+    The rated speed (:func:`rated_speeds`) is what a device is sold as: it ignores the
+    device's measured curve, so it misses what memory does to a device's throughput (a
+    card that holds only small micro-batches runs below its rating). Where some device
+    has no rating (a GPU this module does not know), each device's measured peak is used,
+    as :func:`measured_proportional` does.
+    """
+    speed = rated_speeds(cost)
+    return measured_proportional(cost, global_batch) if speed is None else _split_by_speed(cost, global_batch, speed)
+
+
+def measured_proportional(cost: CostModel, global_batch: int) -> Plan:
+    """Samples in proportion to each device's measured peak samples/s (the best point of its profiled curve).
+
+    A stronger heuristic than Whale's: it sees how memory limits a device's throughput,
+    though not how the devices' times move with the micro-batch each is given.
+    """
+    return _split_by_speed(cost, global_batch, {k: peak_throughput(kc) for k, kc in cost.kinds.items()})
+
+
+def _split_by_speed(cost: CostModel, global_batch: int, peak: dict[str, float]) -> Plan:
+    """Samples in proportion to ``peak`` (per kind), memory met by accumulation only.
+
+    Each device's memory limit only clips its micro-batch: a rank whose share does not fit
+    in one micro-batch accumulates (in ZeRO-2/3 every rank then runs the most micro-steps
+    any rank needs).
     """
     n = _require_feasible(cost, global_batch)
-    peak = {k: peak_throughput(kc) for k, kc in cost.kinds.items()}
     speed = np.array([peak[k] for k in cost.rank_kinds])
     share = 1 + (global_batch - n) * speed / speed.sum()            # at least one sample each
     samples = np.floor(share).astype(int)

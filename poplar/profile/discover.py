@@ -42,6 +42,32 @@ def local_properties(index: int | None = None) -> CudaProperties:
     return CudaProperties(name=props.name, total_memory=props.total_memory, major=props.major, minor=props.minor)
 
 
+# Peak dense TFLOP/s by GPU (the vendor's data sheets, no sparsity): (bf16 tensor cores, fp32 without
+# TF32, which PyTorch leaves off for matmuls by default). The most specific names first.
+PEAK_TFLOPS: list[tuple[tuple[str, ...], float, float]] = [
+    (("H100", "PCIe"), 756.0, 51.0),
+    (("H100", "NVL"), 835.0, 60.0),
+    (("H100",), 989.0, 67.0),            # SXM ("NVIDIA H100 80GB HBM3")
+    (("H200",), 989.0, 67.0),
+    (("GH200",), 989.0, 67.0),
+    (("A100",), 312.0, 19.5),
+    (("L40S",), 362.0, 91.6),
+    (("L4",), 121.0, 30.3),
+    (("A10",), 125.0, 31.2),
+    (("V100",), 0.0, 15.7),              # no bf16
+    (("T4",), 0.0, 8.1),                 # no bf16
+]
+
+
+def peak_tflops(name: str, dtype: str) -> float | None:
+    """The GPU's peak dense TFLOP/s for ``dtype`` ("bf16" or "fp32"); None where unknown (or not supported)."""
+    for words, bf16, fp32 in PEAK_TFLOPS:
+        if all(w in name for w in words):
+            peak = bf16 if dtype == "bf16" else fp32
+            return peak or None
+    return None
+
+
 def group_devices(records: Sequence[CudaProperties]) -> ClusterSpec:
     """Ranks' devices (in rank order) as a cluster: identical consecutive devices are one group.
 

@@ -55,6 +55,9 @@ from poplar.profile.profile import CommProfile, DeviceProfile, ModelInfo, Profil
 
 _OPTIMIZER_LR = 1e-4
 HEADROOM = 0.01      # of a device's memory, left free by the largest micro-batch the profiler reports
+# on a real GPU more: the probe runs on a freshly emptied allocator, a training step on one
+# that earlier allocations have fragmented (an H100 at bf16 had 2.6 GiB reserved but unusable)
+REAL_HEADROOM = 0.04
 
 
 def default_cache_dir() -> Path:
@@ -81,6 +84,24 @@ def cache_key(workload: str | Workload, kind: dict, stage: int, world_size: int,
 
 
 # ---------------------------------------------------------------------------- in each rank
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _mixed_precision(dtype: str) -> str | None:
+    """The engine's ``mixed_precision`` for a profile's compute ``dtype``."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    return None if dtype == "fp32" else dtype
+
+
+def _probe_model(wl: Workload, dtype: str, device: torch.device | None = None) -> torch.nn.Module:
+    """The local model the memory probe runs: in the compute dtype, as the engine holds it (buffers too)."""
+    model = wl.build()
+    if device is not None:
+        model = model.to(device)
+    return model.to(DTYPES[dtype]) if dtype != "fp32" else model
+
+
 def _probe_fits(device: EmulatedDevice, model, wl: Workload, micro_batch: int, state_bytes: int) -> bool:
     """One forward+backward of ``micro_batch`` samples on the local model: does it fit?"""
     batch = wl.random_batch(micro_batch, seed=micro_batch)
@@ -97,16 +118,19 @@ def _probe_fits(device: EmulatedDevice, model, wl: Workload, micro_batch: int, s
 
 
 def largest_micro_batch(device: EmulatedDevice | CudaDevice, workload: str | Workload, state_bytes: int,
-                        limit: int = 4096) -> int:
+                        limit: int = 4096, dtype: str = "fp32") -> int:
     """Grow the micro-batch until the device runs out of memory, then bisect. 0: not even 1 fits.
 
     ``state_bytes``: the model states held meanwhile. On a real GPU, the part of them the
-    probe's own model does not hold is held as a reserved buffer.
+    probe's own model does not hold is held as a reserved buffer. ``dtype``: the
+    compute dtype (``bf16``: the model's parameters and activations in bf16, as the
+    engine's mixed precision computes).
     """
     wl = as_workload(workload)
+    _mixed_precision(dtype)
     if isinstance(device, CudaDevice):
-        return _largest_on_gpu(device, wl, state_bytes, limit)
-    model = wl.build()
+        return _largest_on_gpu(device, wl, state_bytes, limit, dtype)
+    model = _probe_model(wl, dtype)
     return _grow_then_bisect(lambda m: _probe_fits(device, model, wl, m, state_bytes), limit)
 
 
@@ -143,9 +167,9 @@ def _drop_grad(param: torch.Tensor) -> None:
     param.grad = None
 
 
-def _largest_on_gpu(device: CudaDevice, wl: Workload, state_bytes: int, limit: int) -> int:
+def _largest_on_gpu(device: CudaDevice, wl: Workload, state_bytes: int, limit: int, dtype: str = "fp32") -> int:
     """Real out-of-memory: the local model on the GPU, the rest of ``state_bytes`` reserved beside it."""
-    model = wl.build().to(device.torch_device)
+    model = _probe_model(wl, dtype, device.torch_device)
     own = sum(st.nbytes() for st in {p.untyped_storage()._cdata: p.untyped_storage()
                                      for p in model.parameters()}.values())
     # the engine hands each gradient to its own buffers (counted in state_bytes) and frees
@@ -237,9 +261,11 @@ def _time_collectives(numel: int, repeats: int = 3, device: torch.device | None 
 
 
 def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cluster: dict, stages: list[int], n_points: int = 5,
-                 warmup: int = 1, repeats: int = 6, progress=None, max_micro_batch: int = 256) -> dict:
+                 warmup: int = 1, repeats: int = 6, progress=None, max_micro_batch: int = 256,
+                 dtype: str = "fp32") -> dict:
     """What each rank of the cluster runs. Returns its per-stage figures and the collectives' times."""
     wl = as_workload(workload)
+    mixed = _mixed_precision(dtype)
     spec = parse_cluster(cluster)
     spec.check_world_size(world_size)
     real = spec.is_real
@@ -256,11 +282,11 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
         # two micro-steps of one sample: the states held between micro-steps (accumulated
         # gradients) count too, as they will in any plan that accumulates
         engine = poplar.initialize(wl.build(), optimizer, poplar.Plan(stage, [1] * world_size, 2),
-                                   device=device)
+                                   device=device, mixed_precision=mixed)
         state_before = engine.model_state_bytes()
         # a real GPU already holds the engine's tensors: the probe reserves only the rest
         held = state_before - engine.memory_report()["total"] if real else state_before
-        fits_one = largest_micro_batch(device, wl, held, limit=1) == 1
+        fits_one = largest_micro_batch(device, wl, held, limit=1, dtype=dtype) == 1
         ok = torch.tensor([1 if fits_one else 0], device=here)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if not ok.item():
@@ -284,8 +310,8 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
         # 1% of the capacity kept free: the whole local batch sits on the device during a
         # step (the engine moves it there at once), so with accumulation the inputs take
         # more than in the probe's single micro-batch (520 bytes a sample for `tiny`)
-        headroom = int(HEADROOM * device.capacity)
-        limit = largest_micro_batch(device, wl, state + headroom, limit=max_micro_batch)
+        headroom = int((REAL_HEADROOM if real else HEADROOM) * device.capacity)
+        limit = largest_micro_batch(device, wl, state + headroom, limit=max_micro_batch, dtype=dtype)
         sizes = torch.zeros(world_size, n_points, dtype=torch.int64, device=here)
         sizes[rank] = torch.tensor(point_sizes(limit, n_points))
         dist.all_reduce(sizes)
@@ -298,7 +324,8 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
         per_step = []
         # a real GPU holds every engine's states for real: there, one size at a time
         for group in ([[i] for i in range(n_points)] if real else [range(n_points)]):
-            engines = {i: poplar.initialize(wl.build(), optimizer, plans[i], device=device) for i in group}
+            engines = {i: poplar.initialize(wl.build(), optimizer, plans[i], device=device, mixed_precision=mixed)
+                       for i in group}
             batches = {i: wl.random_batch(plans[i].local_batch_size(rank)) for i in group}
             for r in range(warmup + repeats):
                 note(stage, f"round {r + 1}/{warmup + repeats}")
@@ -325,7 +352,8 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
                                 "per_step": statistics.median(per_step)}
         note(stage, "balanced plan")
         out.setdefault("sync", {})[stage] = _calibrate_sync(rank, world_size, stage, wl, spec, device,
-                                                            optimizer, out["kind"], out["stages"][stage], repeats)
+                                                            optimizer, out["kind"], out["stages"][stage], repeats,
+                                                            mixed)
         note(stage, "done")
     out["comm"] = _time_collectives(wl.n_params(), device=here).model_dump()
     return out
@@ -337,7 +365,7 @@ def _tensor_device(device) -> torch.device:
 
 
 def _calibrate_sync(rank: int, world_size: int, stage: int, wl: Workload, spec, device, optimizer, kind: str,
-                    mine: dict, repeats: int) -> tuple[float, int]:
+                    mine: dict, repeats: int, mixed: str | None = None) -> tuple[float, int]:
     """Time a step beyond the slowest rank's compute, on a plan balanced by what was just measured.
 
     The ranks synchronise at collectives (in ZeRO-2/3 inside every micro-step, unit by
@@ -356,7 +384,7 @@ def _calibrate_sync(rank: int, world_size: int, stage: int, wl: Workload, spec, 
                       devices=devices)
     cost = CostModel(interim, stage)
     plan = allocate(cost, sum(kc.max_micro_batch * cost.rank_kinds.count(k) for k, kc in cost.kinds.items()))
-    engine = poplar.initialize(wl.build(), optimizer, plan, device=device)
+    engine = poplar.initialize(wl.build(), optimizer, plan, device=device, mixed_precision=mixed)
     batch = wl.random_batch(plan.local_batch_size(rank))
     walls, busy = [], []
     for i in range(1 + 2 * repeats):
@@ -399,7 +427,7 @@ def _merge_points(point_lists: list[list[tuple[int, float]]]) -> list[tuple[int,
 def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3), n_points: int = 5, warmup: int = 1,
                     repeats: int = 6, cache_dir: Path | None = None, use_cache: bool = True, progress=None,
                     on_poll=None, max_micro_batch: int = 256, timeout_s: float = 900,
-                    distributed: bool = False) -> tuple[Profile, dict]:
+                    distributed: bool = False, dtype: str = "fp32") -> tuple[Profile, dict]:
     """Profile ``workload`` (a model name, or a :class:`Workload`) on ``cluster``, launching its ranks.
 
     ``cluster`` is emulated (a cluster file's content) or the real CUDA devices of the
@@ -407,7 +435,9 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
     profiled only with ``distributed=True``.
 
     The largest micro-batch searched is ``max_micro_batch`` (a plan never needs more
-    than its global batch). Returns the :class:`Profile` and a summary of the cache
+    than its global batch). ``dtype``: the compute dtype of the training to plan (``bf16``:
+    the engine's bf16 mixed precision; time and memory differ from fp32's). Returns the
+    :class:`Profile` and a summary of the cache
     (which (kind, stage) were measured, which were read back).
 
     ``distributed=True``: this process is one rank of a running group (torchrun); every
@@ -417,6 +447,7 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
     from poplar.launch import spawn
 
     wl = as_workload(workload)
+    _mixed_precision(dtype)
     spec = parse_cluster(cluster)
     if spec.is_real and not distributed:
         raise ValueError("real CUDA devices are profiled by the ranks that run on them: call with distributed=True "
@@ -425,7 +456,7 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
     slowdown = spec.host_slowdown()
     cache_dir = Path(cache_dir or default_cache_dir())
     kinds = {d.kind: d for d in spec.devices}
-    keys = {(k, s): cache_key(wl, d.model_dump(), s, world, slowdown, max_micro_batch=max_micro_batch,
+    keys = {(k, s): cache_key(wl, d.model_dump(), s, world, slowdown, dtype=dtype, max_micro_batch=max_micro_batch,
                               real=spec.is_real)
             for k, d in kinds.items() for s in stages}
     cached = {}
@@ -435,7 +466,7 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
             if path.exists():
                 cached[ks] = StageProfile.model_validate_json(path.read_text())
     # the collectives and the ranks' synchronisation depend on the whole cluster
-    comm_path = cache_dir / f"comm-{cache_key(wl, spec.model_dump(), -1, world, slowdown, real=spec.is_real)}.json"
+    comm_path = cache_dir / f"comm-{cache_key(wl, spec.model_dump(), -1, world, slowdown, dtype=dtype, real=spec.is_real)}.json"
     comm = CommProfile.model_validate_json(comm_path.read_text()) if use_cache and comm_path.exists() else None
     todo = [s for s in stages if any((k, s) not in cached for k in kinds) or comm is None or s not in comm.sync_s]
     rank = dist.get_rank() if distributed else 0
@@ -449,12 +480,12 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
     if todo or missing_comm:
         if distributed:
             mine = profile_rank(rank, world, wl.model_dump(), cluster, todo, n_points, warmup, repeats, progress,
-                                max_micro_batch)
+                                max_micro_batch, dtype)
             ranks = [None] * world
             dist.all_gather_object(ranks, mine)
         else:
             ranks = spawn(profile_rank, world, wl.model_dump(), cluster, todo, n_points, warmup, repeats, progress,
-                          max_micro_batch, timeout_s=timeout_s, on_poll=on_poll)
+                          max_micro_batch, dtype, timeout_s=timeout_s, on_poll=on_poll)
         old = comm
         comm = CommProfile(**ranks[0]["comm"])
         if old is not None:
@@ -476,7 +507,8 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
     model = wl.build()
     n_params = sum(p.numel() for p in model.parameters())
     units = [sum(p.numel() for p in u.params) for u in build_units(model, None, EngineConfig().unit_numel)]
-    profile = Profile(model=ModelInfo(name=wl.model, n_params=n_params, unit_numels=units, seq_len=wl.seq_len),
+    profile = Profile(model=ModelInfo(name=wl.model, n_params=n_params, unit_numels=units, seq_len=wl.seq_len,
+                                      dtype=dtype),
                       ranks=[d.kind for d in spec.rank_devices()], devices=devices, comm=comm)
     summary = {"measured": sorted(measured), "from_cache": sorted(ks for ks in cached if ks not in measured)}
     return profile, summary

@@ -32,12 +32,14 @@ class TrainConfig(BaseModel):
                                 "none: plain ranks (torchrun's, or --nproc), which need --plan")
     stages: list[int] = Field(default_factory=lambda: [0, 1, 2, 3], description="ZeRO stages the planner may use")
     plan: str | None = Field(None, description="a plan.json to train with (no profiling or planning)")
-    baseline: Literal["poplar", "uniform", "proportional"] = Field("poplar", description="allocation to train with")
+    baseline: Literal["poplar", "uniform", "proportional", "measured-peak"] = Field("poplar", description="allocation to train with")
     out: str = Field("runs/poplar", description="directory for the log, plan, checkpoints and report")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only at the end)")
     resume: bool = Field(False, description="continue from the newest checkpoint in `out`")
     log_every: int = Field(1, gt=0)
     profile_cache: bool = True
+    peak_tflops: float | None = Field(None, gt=0, description="each GPU's peak dense TFLOP/s in the compute dtype, "
+                                      "for model FLOPs utilisation where poplar does not know the GPU")
 
     @field_validator("cluster", mode="before")
     @classmethod

@@ -21,6 +21,7 @@ def summarize(records: list[dict], skip: int = 1) -> dict:
     after = records[skip:] or records
     steady = [r for r in after if not r.get("calibrating")] or after
     ranks = len(steady[0]["busy_s"])
+    mfu = {"mfu": statistics.median(r["mfu"] for r in steady)} if all("mfu" in r for r in steady) else {}
     return {
         "steps": len(records),
         "steady_steps": [r["step"] for r in steady],
@@ -32,6 +33,7 @@ def summarize(records: list[dict], skip: int = 1) -> dict:
         "tflops": statistics.median(r["tflops"] for r in steady),
         "busy_s": [statistics.median(r["busy_s"][i] for r in steady) for i in range(ranks)],
         "idle_s": [statistics.median(r["idle_s"][i] for r in steady) for i in range(ranks)],
+        **mfu,
     }
 
 

@@ -13,6 +13,9 @@ continues from the newest one exactly where an uninterrupted run would be.
 Model FLOPs per token, as counted here: ``6 * N + 12 * L * d * s`` for a training step
 (forward and backward), with ``N`` the parameters outside the input embedding, ``L``
 layers, ``d`` the hidden size and ``s`` the sequence length (the attention scores).
+On real GPUs the log also holds the model FLOPs utilisation (MFU): that rate over the
+sum of every GPU's peak dense TFLOP/s in the compute dtype
+(:func:`poplar.profile.discover.peak_tflops`, or ``peak_tflops`` in the config).
 """
 
 from __future__ import annotations
@@ -43,6 +46,16 @@ def flops_per_token(model: torch.nn.Module, wl: Workload) -> float:
     return 6.0 * n + 12.0 * layers * hidden * wl.seq_len
 
 
+def _peak_tflops(device, cfg: TrainConfig) -> float:
+    """This rank's peak TFLOP/s for MFU (0: unknown, or not a real GPU)."""
+    from poplar.engine.cuda_device import CudaDevice
+    from poplar.profile.discover import peak_tflops
+
+    if not isinstance(device, CudaDevice):
+        return 0.0
+    return cfg.peak_tflops or peak_tflops(device.properties.name, "bf16" if cfg.mixed_precision == "bf16" else "fp32") or 0.0
+
+
 def learning_rate(cfg: TrainConfig, step: int) -> float:
     """Linear warm-up, then cosine decay to a tenth over the run (a function of the step: resumable)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
@@ -65,6 +78,7 @@ def _train_rank(rank: int, world_size: int, cfg_dict: dict, plan_dict: dict, wl_
     from poplar.emulate import EmulatedDevice, load_cluster
     from poplar.engine.cuda_device import CudaDevice
     from poplar.engine.device import Device
+    from poplar.engine.dist import context
 
     cfg, plan, wl = TrainConfig(**cfg_dict), poplar.Plan.from_dict(plan_dict), Workload(**wl_dict)
     if cfg.cluster:
@@ -77,6 +91,7 @@ def _train_rank(rank: int, world_size: int, cfg_dict: dict, plan_dict: dict, wl_
     _, batches = prepare_data(cfg)
     model = wl.build(seed=cfg.seed)
     fpt = flops_per_token(model, wl)
+    peak = _peak_tflops(device, cfg)
     optimizer = lambda params: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # noqa: E731
     engine = poplar.initialize(model, optimizer, plan, device=device, clip_grad_norm=cfg.clip_grad_norm,
                                mixed_precision=None if cfg.mixed_precision == "none" else cfg.mixed_precision)
@@ -104,22 +119,28 @@ def _train_rank(rank: int, world_size: int, cfg_dict: dict, plan_dict: dict, wl_
             losses.append(loss)
             logging = step % cfg.log_every == 0 or step == last - 1
             if logging:                              # every rank: the figures are gathered
-                figures = torch.tensor([period, device.compute_s, float(device.calibrating)], dtype=torch.float64)
+                figures = torch.tensor([period, device.compute_s, float(device.calibrating), peak],
+                                       dtype=torch.float64, device=context().device)   # NCCL: on the GPU
                 every = [torch.zeros_like(figures) for _ in range(world_size)]
                 dist.all_gather(every, figures)
                 step_s = max(float(f[0]) for f in every)
                 busy = [float(f[1]) for f in every]
                 calibrating = any(float(f[2]) > 0 for f in every)
+                peaks = [float(f[3]) for f in every]
             if logging and log is not None:
                 record = {"step": step, "loss": loss, "lr": learning_rate(cfg, step), "step_s": step_s,
                           "samples_per_s": plan.global_batch_size / step_s, "tokens_per_s": tokens / step_s,
                           "tflops": fpt * tokens / step_s / 1e12, "busy_s": busy,
                           "idle_s": [max(0.0, step_s - b) for b in busy], "grad_norm": engine.last_grad_norm,
                           "calibrating": calibrating}
+                if all(p > 0 for p in peaks):
+                    record["mfu"] = record["tflops"] / sum(peaks)
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 print(f"step {step + 1}/{cfg.steps}  loss {loss:.4f}  {record['samples_per_s']:.1f} samples/s  "
-                      f"{record['tokens_per_s']:,.0f} tokens/s  idle {max(record['idle_s']) * 1000:.0f} ms",
+                      f"{record['tokens_per_s']:,.0f} tokens/s  {record['tflops']:.1f} TFLOP/s"
+                      + (f" (MFU {100 * record['mfu']:.1f}%)" if "mfu" in record else "")
+                      + f"  idle {max(record['idle_s']) * 1000:.0f} ms",
                       flush=True)
             done = step + 1
             if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == last:
@@ -159,7 +180,8 @@ def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, distributed: bool 
                          "emulated cluster")
     spec.check_world_size(world_size)
     profile, _ = profile_cluster(wl, spec.model_dump(), stages=tuple(cfg.stages), use_cache=cfg.profile_cache,
-                                 max_micro_batch=min(256, cfg.global_batch), distributed=distributed)
+                                 max_micro_batch=min(256, cfg.global_batch), distributed=distributed,
+                                 dtype="bf16" if cfg.mixed_precision == "bf16" else "fp32")
     result = make_plan(profile, cfg.global_batch, cfg.stages)
     if cfg.baseline == "poplar":
         return result.plan, result

@@ -116,7 +116,7 @@ def test_without_deepspeed_the_row_is_absent_and_the_output_says_why(no_processe
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a))
     result = poplar.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3)
     assert result["peers"] == {"deepspeed": INSTALL_HINT} and result["poplar_vs_deepspeed"] is None
-    assert set(result["allocations"]) == {"poplar", "uniform", "proportional"} and no_processes == [[]]
+    assert set(result["allocations"]) == {"poplar", "uniform", "proportional", "measured-peak"} and no_processes == [[]]
     # and without peers asked for, none is tried and nothing is said
     result = poplar.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3, peers=False)
     assert result["peers"] == {} and no_processes == [[], []]

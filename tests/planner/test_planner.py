@@ -35,7 +35,8 @@ def test_plan_json_holds_the_plan_and_what_it_predicts(tmp_path):
     assert Plan.load(tmp_path / "plan.json") == result.plan      # the engine can read it back
     data = json.loads((tmp_path / "plan.json").read_text())
     assert data["predicted"]["samples_per_s"] == pytest.approx(result.predicted.samples_per_s)
-    assert set(data["meta"]["stages"]["0"]) == {"ideal_samples_per_s", "poplar", "uniform", "proportional"}
+    assert set(data["meta"]["stages"]["0"]) == {"ideal_samples_per_s", "poplar", "uniform", "proportional",
+                                               "measured-peak"}
     assert data["meta"]["device_kinds"] == ["big", "small", "small"]
 
 

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from poplar.plan import Plan
-from poplar.planner import CostModel, allocate, proportional, uniform
+from poplar.planner import CostModel, allocate, measured_proportional, proportional, uniform
 from poplar.profile.profile import CommProfile
 from tests.planner.profiles import make_profile
 
@@ -121,7 +121,7 @@ def test_paper_cases_beat_both_baselines(name, stage):
     cost = CostModel(make_profile(PAPER_CASES[name], per_step=0.005), stage)
     for global_batch in (96, 250):
         mine = cost.predict(allocate(cost, global_batch)).step_s
-        for baseline in (uniform, proportional):
+        for baseline in (uniform, proportional, measured_proportional):
             # never worse; proportional can be as good where the speed ratio alone splits the batch well
             assert mine <= cost.predict(baseline(cost, global_batch)).step_s * (1 + 1e-9)
         # uniform waits for the slowest card: clearly worse where compute differs; where only
@@ -199,3 +199,36 @@ def test_planning_a_thousand_ranks_of_six_kinds():
         for i, k in enumerate(cost.rank_kinds):   # every rank is busy, or as full as its memory allows
             full = plan.local_batch_sizes[i] == plan.accum_steps[i] * cost.kinds[k].max_micro_batch
             assert full or pred.idle_s[i] < 0.15 * pred.step_s, (i, k, pred.idle_s[i], pred.step_s)
+
+
+def with_speeds(profile, speeds: dict[str, float]):
+    for kind, speed in speeds.items():
+        profile.devices[kind].speed = speed
+    return profile
+
+
+def test_whale_style_splits_by_rated_speed_and_misses_what_memory_costs():
+    # the V100S is rated at 0.4 of the A800 but holds only 20 samples a micro-batch: Whale's
+    # split gives it 0.4 / 1.4 of the batch whatever its curve says; the measured-peak split
+    # sees its throughput at the micro-batches it can hold
+    prof = with_speeds(make_profile(PAPER_CASES["both differ"], per_step=0.005), {"a800": 1.0, "v100s": 0.4})
+    cost = CostModel(prof, 1)
+    whale = proportional(cost, 254)
+    assert whale.local_batch_sizes == (181, 73)              # 1 + 252 / 1.4 and 1 + 252 * 0.4 / 1.4
+    measured = measured_proportional(cost, 254)
+    assert measured.local_batch_sizes != whale.local_batch_sizes
+    mine = cost.predict(allocate(cost, 254)).step_s
+    assert mine <= cost.predict(measured).step_s * (1 + 1e-9)
+    assert mine < 0.95 * cost.predict(whale).step_s
+
+
+def test_whale_style_reads_real_gpus_from_their_data_sheet_and_else_measures():
+    h100, a100 = "NVIDIA H100 80GB HBM3 (79.1 GiB, sm_90)", "NVIDIA A100-SXM4-40GB (39.4 GiB, sm_80)"
+    prof = make_profile({h100: (1, 0.004, 0.001, 64), a100: (1, 0.008, 0.002, 32)})
+    prof.model.dtype = "bf16"
+    plan = proportional(CostModel(prof, 0), 1303)                  # 989 : 312 bf16 TFLOP/s
+    assert plan.local_batch_sizes == (990, 313)
+    # a GPU without a known rating: every device's measured peak instead (units must not mix)
+    prof = make_profile({h100: (1, 0.004, 0.001, 64), "Some Future GPU (96.0 GiB, sm_100)": (1, 0.008, 0.002, 32)})
+    cost = CostModel(prof, 0)
+    assert proportional(cost, 300) == measured_proportional(cost, 300)

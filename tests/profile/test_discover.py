@@ -13,7 +13,7 @@ from poplar.emulate import parse_cluster
 from poplar.emulate.cluster import CudaProperties
 from poplar.launch import spawn
 from poplar.profile import Profile
-from poplar.profile.discover import discover_cluster, group_devices
+from poplar.profile.discover import discover_cluster, group_devices, peak_tflops
 from poplar.profile.profiler import cache_key
 from tests.profile.discover_workers import discover_on_every_rank
 
@@ -120,3 +120,11 @@ def test_profiles_the_real_gpu_without_a_cluster_file(tmp_path):
         assert len(times) == 3 and all(t > 0 for t in times)
         assert times[-1] > times[0], sp.points      # more samples take the GPU longer
     assert prof.comm.all_reduce_s > 0
+
+
+def test_peak_tflops_by_gpu_name_and_dtype():
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0      # the more specific name wins
+    assert peak_tflops("NVIDIA A100-SXM4-40GB", "fp32") == 19.5
+    assert peak_tflops("Tesla V100-SXM2-16GB", "bf16") is None   # no bf16 on a V100
+    assert peak_tflops("Some Future GPU", "bf16") is None        # unknown: the config's peak_tflops then

@@ -118,3 +118,18 @@ def test_cli_under_torchrun(tmp_path):
     prof = Profile.load(tmp_path / "p.json")
     assert prof.ranks == ["fast", "slow"]
     assert prof.stage("slow", 0).time(4) > 1.5 * prof.stage("fast", 0).time(4)
+
+
+def test_a_bf16_profile_is_its_own_and_holds_more_samples(tmp_path):
+    # the engine's bf16 mixed precision keeps activations in bf16: half the bytes a sample
+    # of fp32, so the same device holds a larger micro-batch, and the profile says which
+    # compute it measured (the planner must not read an fp32 profile for a bf16 run)
+    fp32, _ = profile_cluster("tiny", {"devices": [SMALL]}, stages=(0,), n_points=2, repeats=1, cache_dir=tmp_path)
+    bf16, summary = profile_cluster("tiny", {"devices": [SMALL]}, stages=(0,), n_points=2, repeats=1,
+                                    cache_dir=tmp_path, dtype="bf16")
+    assert summary["measured"] == [("small", 0)]              # not the fp32 profile read back
+    assert (fp32.model.dtype, bf16.model.dtype) == ("fp32", "bf16")
+    assert bf16.stage("small", 0).max_micro_batch > fp32.stage("small", 0).max_micro_batch
+    assert cache_key("tiny", SMALL, 0, 1, 1.0, dtype="bf16") != cache_key("tiny", SMALL, 0, 1, 1.0)
+    with pytest.raises(ValueError, match="fp16.*fp32, bf16"):
+        profile_cluster("tiny", {"devices": [SMALL]}, stages=(0,), cache_dir=tmp_path, dtype="fp16")

@@ -43,6 +43,7 @@ def test_tiny_llama_on_three_uneven_ranks_learns(tmp_path):
         assert len(r["busy_s"]) == len(r["idle_s"]) == 3
         assert r["samples_per_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 32)
         assert r["tflops"] > 0
+        assert "mfu" not in r          # no peak to divide by on emulated CPU ranks
     # the emulated devices calibrate their work in the first steps (5 runs of each piece,
     # no profile before), and the log says which: the report leaves those steps out
     flags = [r["calibrating"] for r in records]
@@ -64,6 +65,10 @@ def test_the_summary_leaves_out_the_first_and_the_calibrating_steps():
     for r in records:                 # everything calibrating: all but the first, rather than nothing
         r["calibrating"] = True
     assert summarize(records)["steady_steps"] == [1, 2, 3, 4, 5]
+    assert "mfu" not in summarize(records)
+    for r, mfu in zip(records, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]):   # real GPUs: the log's MFU, summarised too
+        r["mfu"] = mfu
+    assert summarize(records)["mfu"] == 0.4
 
 
 def test_resume_continues_exactly_and_refuses_another_plan(tmp_path):
