@@ -3,8 +3,8 @@
 Per cluster: profile the model (or reuse the cache), plan the global batch, then train
 Poplar's plan and the ``uniform`` (DeepSpeed-style), ``proportional`` (Whale-style, by
 rated speed) and ``measured-peak`` (by measured peak throughput) allocations of the same
-stage in one launch of the cluster, in alternating rounds (so a drift of the shared host falls
-on all three alike), and report measured samples/s and tokens/s, the ratios, and the
+stage in one launch of the cluster, in alternating rounds (so a drift of the shared host
+falls on all of them alike), and report measured samples/s and tokens/s, the ratios, and the
 share of the planner's ideal bound (every device at its own best, nobody waiting).
 
 The real peer takes part in the same launch and rounds where it can run: DeepSpeed

@@ -80,7 +80,7 @@ def profile(
 
     from poplar.emulate import load_cluster
     from poplar.profile.plot import plot_profile
-    from poplar.profile.profiler import profile_cluster
+    from poplar.profile.profiler import compute_dtype, profile_cluster
 
     console = Console()
     under_torchrun = "WORLD_SIZE" in os.environ
@@ -90,9 +90,7 @@ def profile(
         stage_list = sorted({int(s) for s in stages.split(",") if s.strip()})
         if not stage_list or any(s not in (0, 1, 2, 3) for s in stage_list):
             raise ValueError(f"--stages {stages!r}: give stages from 0, 1, 2, 3, e.g. 0,1,2,3")
-        dtype = {"none": "fp32", "fp32": "fp32", "bf16": "bf16"}.get(mixed_precision.strip().lower())
-        if dtype is None:
-            raise ValueError(f"--mixed-precision {mixed_precision!r}: give none (fp32) or bf16")
+        dtype = compute_dtype(mixed_precision)
         from pydantic import ValidationError
 
         from poplar.workload import Workload
@@ -286,7 +284,7 @@ def bench(
     no_cache: bool = typer.Option(False, "--no-cache", help="profile again"),
     no_peers: bool = typer.Option(False, "--no-peers", help="leave DeepSpeed out (measured where it is installed)"),
 ) -> None:
-    """Measure Poplar's plan against the uniform, proportional and measured-peak allocations, DeepSpeed, and the ideal bound."""
+    """Measure Poplar's plan against the uniform, proportional and measured-peak splits, DeepSpeed, the ideal bound."""
     import json
 
     from rich.console import Console

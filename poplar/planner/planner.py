@@ -3,10 +3,11 @@
 :func:`make_plan` plans every requested ZeRO stage with :func:`~poplar.planner.search.allocate`,
 computes the ``uniform`` (DeepSpeed-style) and ``proportional`` (Whale-style: by rated
 speed) baselines, the ``measured-peak`` split (by each device's measured peak samples/s, a
-stronger heuristic than Whale's) and the ``ideal`` bound on the same cost model, and picks the stage with the highest predicted throughput among those
-every device can run. A stage where some device cannot hold even one sample is left
-out, and said so; if that is every stage, those devices are left out of the plan (the
-job must then be launched without them), and said so.
+stronger heuristic than Whale's) and the ``ideal`` bound on the same cost model, and
+picks the stage with the highest predicted throughput among those every device can run.
+A stage where some device cannot hold even one sample is left out, and said so; if that
+is every stage, those devices are left out of the plan (the job must then be launched
+without them), and said so.
 """
 
 from __future__ import annotations

@@ -87,6 +87,14 @@ def cache_key(workload: str | Workload, kind: dict, stage: int, world_size: int,
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def compute_dtype(mixed_precision: str | None) -> str:
+    """The profile dtype of a training's ``mixed_precision``: ``none`` (or None, ``fp32``) is fp32, ``bf16`` bf16."""
+    dtype = {"none": "fp32", "fp32": "fp32", "bf16": "bf16"}.get((mixed_precision or "none").strip().lower())
+    if dtype is None:
+        raise ValueError(f"mixed precision {mixed_precision!r}: give none (fp32) or bf16")
+    return dtype
+
+
 def _mixed_precision(dtype: str) -> str | None:
     """The engine's ``mixed_precision`` for a profile's compute ``dtype``."""
     if dtype not in DTYPES:
@@ -96,10 +104,7 @@ def _mixed_precision(dtype: str) -> str | None:
 
 def _probe_model(wl: Workload, dtype: str, device: torch.device | None = None) -> torch.nn.Module:
     """The local model the memory probe runs: in the compute dtype, as the engine holds it (buffers too)."""
-    model = wl.build()
-    if device is not None:
-        model = model.to(device)
-    return model.to(DTYPES[dtype]) if dtype != "fp32" else model
+    return wl.build().to(device=device, dtype=DTYPES[dtype])
 
 
 def _probe_fits(device: EmulatedDevice, model, wl: Workload, micro_batch: int, state_bytes: int) -> bool:
@@ -466,7 +471,8 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
             if path.exists():
                 cached[ks] = StageProfile.model_validate_json(path.read_text())
     # the collectives and the ranks' synchronisation depend on the whole cluster
-    comm_path = cache_dir / f"comm-{cache_key(wl, spec.model_dump(), -1, world, slowdown, dtype=dtype, real=spec.is_real)}.json"
+    comm_key = cache_key(wl, spec.model_dump(), -1, world, slowdown, dtype=dtype, real=spec.is_real)
+    comm_path = cache_dir / f"comm-{comm_key}.json"
     comm = CommProfile.model_validate_json(comm_path.read_text()) if use_cache and comm_path.exists() else None
     todo = [s for s in stages if any((k, s) not in cached for k in kinds) or comm is None or s not in comm.sync_s]
     rank = dist.get_rank() if distributed else 0

@@ -50,10 +50,11 @@ def _peak_tflops(device, cfg: TrainConfig) -> float:
     """This rank's peak TFLOP/s for MFU (0: unknown, or not a real GPU)."""
     from poplar.engine.cuda_device import CudaDevice
     from poplar.profile.discover import peak_tflops
+    from poplar.profile.profiler import compute_dtype
 
     if not isinstance(device, CudaDevice):
         return 0.0
-    return cfg.peak_tflops or peak_tflops(device.properties.name, "bf16" if cfg.mixed_precision == "bf16" else "fp32") or 0.0
+    return cfg.peak_tflops or peak_tflops(device.properties.name, compute_dtype(cfg.mixed_precision)) or 0.0
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
@@ -168,7 +169,7 @@ def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, distributed: bool 
     from poplar.emulate import load_cluster
     from poplar.planner import make_plan
     from poplar.profile.discover import discover_cluster
-    from poplar.profile.profiler import profile_cluster
+    from poplar.profile.profiler import compute_dtype, profile_cluster
 
     if cfg.cluster:
         spec = load_cluster(cfg.cluster)
@@ -181,7 +182,7 @@ def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, distributed: bool 
     spec.check_world_size(world_size)
     profile, _ = profile_cluster(wl, spec.model_dump(), stages=tuple(cfg.stages), use_cache=cfg.profile_cache,
                                  max_micro_batch=min(256, cfg.global_batch), distributed=distributed,
-                                 dtype="bf16" if cfg.mixed_precision == "bf16" else "fp32")
+                                 dtype=compute_dtype(cfg.mixed_precision))
     result = make_plan(profile, cfg.global_batch, cfg.stages)
     if cfg.baseline == "poplar":
         return result.plan, result

@@ -124,9 +124,10 @@ def test_a_bf16_profile_is_its_own_and_holds_more_samples(tmp_path):
     # the engine's bf16 mixed precision keeps activations in bf16: half the bytes a sample
     # of fp32, so the same device holds a larger micro-batch, and the profile says which
     # compute it measured (the planner must not read an fp32 profile for a bf16 run)
-    fp32, _ = profile_cluster("tiny", {"devices": [SMALL]}, stages=(0,), n_points=2, repeats=1, cache_dir=tmp_path)
+    fp32, _ = profile_cluster("tiny", {"devices": [SMALL]}, stages=(0,), n_points=2, repeats=1, cache_dir=tmp_path,
+                              timeout_s=120)
     bf16, summary = profile_cluster("tiny", {"devices": [SMALL]}, stages=(0,), n_points=2, repeats=1,
-                                    cache_dir=tmp_path, dtype="bf16")
+                                    cache_dir=tmp_path, dtype="bf16", timeout_s=120)
     assert summary["measured"] == [("small", 0)]              # not the fp32 profile read back
     assert (fp32.model.dtype, bf16.model.dtype) == ("fp32", "bf16")
     assert bf16.stage("small", 0).max_micro_batch > fp32.stage("small", 0).max_micro_batch
