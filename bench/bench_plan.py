@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from poplar.bench import plan_and_measure
-from poplar.emulate import presets
+from poplar.cluster.spec import presets
 from poplar.workload import as_workload
 
 

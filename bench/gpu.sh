@@ -17,7 +17,7 @@ want() { [[ "$SECTIONS" == *" all "* || "$SECTIONS" == *" $1 "* ]]; }
 } 2>&1 | tee "$out/machine.txt"
 
 if want tests; then
-  timeout 300 python -m pytest -q -p no:cacheprovider tests/engine/test_cuda_device.py tests/profile/test_discover.py \
+  timeout 300 python -m pytest -q -p no:cacheprovider tests/devices/test_cuda.py tests/profile/test_discover.py \
     tests/profile/test_real_profiler.py tests/train/test_real_devices.py 2>&1 | tee "$out/tests.txt"
 fi
 if want probe; then

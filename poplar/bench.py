@@ -3,9 +3,12 @@
 Per cluster: profile the model (or reuse the cache), plan the global batch, then train
 Poplar's plan and the ``uniform`` (DeepSpeed-style), ``proportional`` (Whale-style, by
 rated speed) and ``measured-peak`` (by measured peak throughput) allocations of the same
-stage in one launch of the cluster, in alternating rounds (so a drift of the shared host
-falls on all of them alike), and report measured samples/s and tokens/s, the ratios, and the
-share of the planner's ideal bound (every device at its own best, nobody waiting).
+stage in one launch of the cluster, in alternating rounds, and report measured samples/s
+and tokens/s, the ratios, the share of the planner's ideal bound (every device at its own
+best, nobody waiting), each plan's predicted step time against the measured one, and the
+emulated devices' overruns (spans whose real work ran past their declared time: a figure
+measured with overruns is flagged, 0 on a quiet host). On an emulated cluster every
+figure is in the declared devices' time.
 
 The real peer takes part in the same launch and rounds where it can run: DeepSpeed
 ZeRO in Poplar's stage with the uniform plan's micro-batch and accumulation, under the
@@ -19,8 +22,8 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
-from poplar.emulate import load_cluster, presets
-from poplar.emulate.cluster import ClusterSpec
+from poplar.cluster.spec import load_cluster, presets
+from poplar.cluster.spec import ClusterSpec
 from poplar.measure import measure_plans
 from poplar.peers import PeerFailed
 from poplar.planner import PlanResult, make_plan
@@ -87,7 +90,7 @@ def measure_with_peer(workload: Workload, cluster: dict, plans: list, setup, ste
                 return measure_plans(workload, cluster, plans, steps=steps, rounds=rounds), failed[-1]
     row = {"version": version(setup.name), **setup.to_dict(), "global_batch": setup.global_batch_size,
            "samples_per_s": peer["samples_per_s"], "tokens_per_s": peer["samples_per_s"] * workload.seq_len,
-           "step_s": peer["step_s"], "busy_s": peer["busy_s"]}
+           "step_s": peer["step_s"], "busy_s": peer["busy_s"], "overruns": peer["overruns"]}
     if failed:
         row["failed_before"] = failed
     return figures, row
@@ -121,7 +124,9 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
         rows[alloc.name] = {"plan": alloc.plan.to_dict(), "predicted_samples_per_s": alloc.predicted.samples_per_s,
                             "samples_per_s": m["samples_per_s"],
                             "tokens_per_s": m["samples_per_s"] * workload.seq_len,
-                            "step_s": m["step_s"], "busy_s": m["busy_s"]}
+                            "step_s": m["step_s"], "busy_s": m["busy_s"], "overruns": m["overruns"],
+                            "predicted_step_s": alloc.predicted.step_s,
+                            "prediction_error": alloc.predicted.step_s / m["step_s"] - 1}
         if same_as[alloc.name] != alloc.name:
             rows[alloc.name]["same_plan_as"] = same_as[alloc.name]
     ideal = stage.ideal_samples_per_s
@@ -136,6 +141,9 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
     ds = notes.get("deepspeed")
     out["poplar_vs_deepspeed"] = pop / ds["samples_per_s"] if isinstance(ds, dict) else None
     out["poplar_of_ideal"] = pop / ideal
+    measured_once = [r for r in rows.values() if "same_plan_as" not in r]
+    out["overruns"] = (sum(r["overruns"] for r in measured_once)
+                       + (ds.get("overruns", 0) if isinstance(ds, dict) else 0))
     return out
 
 

@@ -1,9 +1,11 @@
-"""Training with given plans on an emulated cluster and measuring what they really do.
+"""Training with given plans on a cluster and measuring what they really do.
 
 One launch of the cluster's ranks measures several plans one after another, in
-alternating rounds (plan A, B, C, A, B, C, ...), so drifts of a shared, noisy host
-fall on every plan alike. Per plan: the step's wall time (median over the measured
-steps) and every rank's busy time (compute; waits for other ranks excluded).
+alternating rounds (plan A, B, C, A, B, C, ...). Per plan: the step's time on the
+devices' clock (median over the measured steps; on an emulated cluster, declared
+seconds) and every rank's busy time (compute; waits for other ranks excluded), and
+the emulated devices' overruns (spans whose real work ran past their declared time:
+0 on a quiet host).
 
 Peers (:mod:`poplar.peers`: DeepSpeed) take part in the same rounds, under the same
 emulated devices. They start first and run their warm-up steps before Poplar's engines
@@ -16,14 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 import poplar
-from poplar.emulate import EmulatedDevice, parse_cluster
+from poplar.cluster.spec import parse_cluster
+from poplar.devices import rank_device
 from poplar.peers import PeerFailed
 from poplar.workload import Workload, as_workload
 
@@ -31,10 +33,10 @@ from poplar.workload import Workload, as_workload
 class _Peer:
     """A started peer with this rank's batch; whatever fails in it is a :class:`PeerFailed` naming it."""
 
-    def __init__(self, setup, wl: Workload, device: EmulatedDevice, rank: int):
+    def __init__(self, setup, wl: Workload, device, rank: int):
         self.setup, self.rank = setup, rank
         with self._failing():
-            self.peer = setup.start(wl, device)
+            self.peer = setup.start(wl)
             self.batch = wl.random_batch(setup.local_batch_size(rank), seed=rank)
 
     @contextlib.contextmanager
@@ -50,56 +52,69 @@ class _Peer:
         with self._failing():
             return self.peer.train_batch(self.batch)
 
+    def held_state(self) -> tuple[int, set[int]]:
+        return self.peer.held_state()
+
 
 def _measure_rank(rank: int, world_size: int, workload: dict, cluster: dict, plans: list[dict], steps: int,
                   warmup: int, rounds: int, peers: list = ()) -> list[dict]:
-    wl = as_workload(workload)
     spec = parse_cluster(cluster)
-    device = EmulatedDevice(spec.device(rank), rank, spec.host_slowdown())
+    with rank_device(spec, rank, as_workload(workload)) as device:
+        return _measure(device, rank, as_workload(workload), plans, steps, warmup, rounds, peers)
+
+
+def _measure(device, rank: int, wl: Workload, plans: list[dict], steps: int, warmup: int, rounds: int,
+             peers) -> list[dict]:
     started = [_Peer(setup, wl, device, rank) for setup in peers]
+    runs: list[tuple[Callable[[], float], Callable]] = []   # one step of each contender, and what it holds
     for peer in started:     # warm-up, before Poplar's engines exist
         for _ in range(warmup):
-            peer.train_batch()
+            with device.step(peer.held_state):
+                peer.train_batch()
     optimizer = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
     engines = []
-    runs: list[Callable[[], float]] = []     # one optimizer step of each contender: the plans, then the peers
     for p in plans:
         plan = poplar.Plan.from_dict(p)
-        engine = poplar.initialize(wl.build(), optimizer, plan, device=device)
+        engine = poplar.initialize(wl.build(), optimizer, plan)
         batch = wl.random_batch(plan.local_batch_size(rank), seed=rank)
         engines.append(engine)
-        runs.append(lambda engine=engine, batch=batch: engine.train_batch(batch, wl.loss))
-    for run in runs:       # warm-up, every plan (the peers have had theirs)
+        runs.append((lambda engine=engine, batch=batch: engine.train_batch(batch, wl.loss), engine.held_state))
+    for run, held in runs:       # warm-up, every plan (the peers have had theirs)
         for _ in range(warmup):
-            run()
-    runs += [peer.train_batch for peer in started]
-    walls: list[list[float]] = [[] for _ in runs]
+            with device.step(held):
+                run()
+    runs += [(peer.train_batch, peer.held_state) for peer in started]
+    times: list[list[float]] = [[] for _ in runs]
     busy: list[list[float]] = [[] for _ in runs]
+    overruns = [0] * len(runs)
     per_round = max(1, steps // rounds)
     for _ in range(rounds):
-        for i, run in enumerate(runs):
+        for i, (run, held) in enumerate(runs):
             dist.barrier()
-            run()   # the first step after a switch realigns the ranks
+            with device.step(held):
+                run()   # the first step after a switch realigns the ranks
+            before = device.overruns
             for _ in range(per_round):
-                start = time.perf_counter()
-                run()
-                walls[i].append(time.perf_counter() - start)
+                with device.step(held):
+                    run()
+                times[i].append(device.step_s)
                 busy[i].append(device.compute_s)
+            overruns[i] += device.overruns - before
     for engine in engines:
         engine.close()
     for peer in started:
         peer.peer.close()
-    return [{"step_s": statistics.median(w), "busy_s": statistics.median(b), "steps": len(w)}
-            for w, b in zip(walls, busy)]
+    return [{"step_s": statistics.median(w), "busy_s": statistics.median(b), "steps": len(w), "overruns": o}
+            for w, b, o in zip(times, busy, overruns)]
 
 
-def measure_plans(workload: str | Workload, cluster: dict, plans: list[poplar.Plan], steps: int = 12, warmup: int = 4,
+def measure_plans(workload: str | Workload, cluster: dict, plans: list[poplar.Plan], steps: int = 12, warmup: int = 2,
                   rounds: int = 3, timeout_s: float = 900, peers: list = ()) -> list[dict]:
     """Train each plan, then each peer (a :mod:`poplar.peers` setup), on the emulated ``cluster`` and measure it.
 
-    Returns, per plan and then per peer: ``step_s`` (median wall time of a step, the
-    slowest rank's view), ``busy_s`` (each rank's median busy time) and
-    ``samples_per_s``. Raises :class:`poplar.peers.PeerFailed` when a peer cannot run.
+    Returns, per plan and then per peer: ``step_s`` (median time of a step on the
+    devices' clock, the slowest rank's view), ``busy_s`` (each rank's median busy time),
+    ``samples_per_s`` and ``overruns`` (summed over ranks). Raises :class:`poplar.peers.PeerFailed` when a peer cannot run.
     """
     from poplar.launch import RankFailed, spawn
 
@@ -116,5 +131,6 @@ def measure_plans(workload: str | Workload, cluster: dict, plans: list[poplar.Pl
     for i, what in enumerate([*plans, *peers]):
         step = max(r[i]["step_s"] for r in ranks)
         out.append({"step_s": step, "busy_s": [r[i]["busy_s"] for r in ranks],
-                    "samples_per_s": what.global_batch_size / step, "steps": ranks[0][i]["steps"]})
+                    "samples_per_s": what.global_batch_size / step, "steps": ranks[0][i]["steps"],
+                    "overruns": sum(r[i]["overruns"] for r in ranks)})
     return out

@@ -19,10 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-ZERO_STAGES = (0, 1, 2, 3)
-# Stages that communicate gradients on every micro-step: every rank must run the same
-# number of micro-steps, or the collectives of one rank would have no partner.
-STAGES_WITH_EQUAL_ACCUM = (2, 3)
+from poplar.stages import STAGES, stage
 
 
 def _positive_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
@@ -68,8 +65,7 @@ class Plan:
 
     def __init__(self, zero_stage: int, micro_batch_sizes: Sequence[int], accum_steps: Sequence[int] | int = 1,
                  local_batch_sizes: Sequence[int] | None = None):
-        if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
-            raise ValueError(f"zero_stage = {zero_stage!r}: choose one of 0, 1, 2, 3")
+        zs = stage(zero_stage)
         mbs = _positive_ints("micro_batch_sizes", micro_batch_sizes)
         if isinstance(accum_steps, int) and not isinstance(accum_steps, bool):
             accum_steps = [accum_steps] * len(mbs)
@@ -79,12 +75,14 @@ class Plan:
                 f"micro_batch_sizes has {len(mbs)} entries but accum_steps has {len(acc)}: "
                 "give exactly one of each per rank"
             )
-        if zero_stage in STAGES_WITH_EQUAL_ACCUM and len(set(acc)) > 1:
+        if zs.equal_accum_steps and len(set(acc)) > 1:
+            # the collectives of a rank's extra micro-steps would have no partner
+            free = " or ".join(str(n) for n, s in STAGES.items() if not s.equal_accum_steps)
             raise ValueError(
-                f"ZeRO stage {zero_stage} reduce-scatters gradients on every micro-step, so every rank "
+                f"ZeRO stage {zs.number} reduce-scatters gradients on every micro-step, so every rank "
                 f"must run the same number of accumulation steps; got accum_steps={list(acc)}. "
                 "Give every rank the same accum_steps and balance the work with micro_batch_sizes, "
-                "or use zero_stage 0 or 1, which synchronise once per step and allow unequal counts."
+                f"or use zero_stage {free}, which synchronise once per step and allow unequal counts."
             )
         if local_batch_sizes is None:
             local = tuple(m * a for m, a in zip(mbs, acc))
@@ -99,7 +97,7 @@ class Plan:
                            f"set micro_batch_sizes[{rank}] = {-(-b // a)}, the largest of {a} near-equal "
                            f"micro-batches of {b} samples")
                     raise ValueError(f"rank {rank}: {b} samples in {a} micro-batches of at most {m}: {fix}")
-        object.__setattr__(self, "zero_stage", int(zero_stage))
+        object.__setattr__(self, "zero_stage", zs.number)
         object.__setattr__(self, "micro_batch_sizes", mbs)
         object.__setattr__(self, "accum_steps", acc)
         object.__setattr__(self, "local_batch_sizes", local)

@@ -11,13 +11,14 @@ from tests.peers.workers import WORKLOAD
 
 @pytest.fixture
 def measured(monkeypatch):
-    """Plans handed to the measurement; each is measured at a speed of its own (100, 200, ... samples/s)."""
+    """Plans handed to the measurement; each is measured at a speed of its own (100, 200, ... samples/s),
+    with overruns of its own (0, 1, ...)."""
     seen = []
 
     def measure(workload, cluster, plans, steps=12, rounds=3, peers=()):
         seen.append([p.to_dict() for p in plans])
         return [{"step_s": p.global_batch_size / (100.0 * (i + 1)), "busy_s": [0.1] * p.world_size,
-                 "samples_per_s": 100.0 * (i + 1), "steps": steps} for i, p in enumerate(plans)]
+                 "samples_per_s": 100.0 * (i + 1), "steps": steps, "overruns": i} for i, p in enumerate(plans)]
 
     monkeypatch.setattr(poplar.bench, "profile_cluster", lambda *a, **k: (BOTH_DIFFER_PROFILE, {}))
     monkeypatch.setattr(poplar.bench, "measure_plans", measure)
@@ -53,4 +54,5 @@ def test_an_allocation_with_another_ones_plan_is_measured_once_and_says_so(measu
     assert rows["proportional"]["same_plan_as"] == "poplar" and "same_plan_as" not in rows["poplar"]
     assert rows["proportional"]["samples_per_s"] == rows["poplar"]["samples_per_s"] == 100.0
     assert rows["uniform"]["samples_per_s"] == 200.0
+    assert (rows["poplar"]["overruns"], rows["proportional"]["overruns"], rows["uniform"]["overruns"]) == (0, 0, 1)
     assert result["poplar_vs_proportional"] == 1.0 and result["poplar_vs_uniform"] == 0.5

@@ -22,8 +22,7 @@ def main() -> None:
 
 @app.command()
 def demo(
-    steps: int = typer.Option(12, min=2, help="training steps per allocation (medians over the steady ones: not the "
-                                                "first, nor any calibrating an emulated device's work)"),
+    steps: int = typer.Option(12, min=2, help="training steps per allocation (medians over all but the first)"),
     cluster: str = typer.Option("both-differ", help="emulated cluster: a preset or a YAML file"),
     out: Path = typer.Option(Path("runs/demo"), help="where the runs, the table and the plots go"),
     global_batch: int = typer.Option(96, min=1, help="samples per optimizer step, over all ranks"),
@@ -61,9 +60,9 @@ def profile(
     out: Path = typer.Option(Path("profile.json"), help="where to write the profile (JSON)"),
     plot: Path | None = typer.Option(None, help="also draw the fitted curves here (PNG)"),
     stages: str = typer.Option("0,1,2,3", help="ZeRO stages to profile, comma-separated"),
-    points: int = typer.Option(5, min=2, help="micro-batch sizes timed per stage"),
-    repeats: int = typer.Option(6, min=1, help="timed rounds (one step of each size per round, after one "
-                                               "warm-up round); the median counts"),
+    points: int = typer.Option(6, min=2, help="micro-batch sizes timed per stage"),
+    repeats: int | None = typer.Option(None, min=1, help="timed rounds after a warm-up round, the median counts "
+                                       "(default: 3 on GPUs, 1 on an emulated cluster, whose time is deterministic)"),
     no_cache: bool = typer.Option(False, "--no-cache", help="measure again even where a cached profile exists"),
     max_micro_batch: int = typer.Option(256, min=1, help="largest micro-batch the memory search tries"),
     mixed_precision: str = typer.Option("none", help="the compute of the training to plan: none (fp32) or bf16 "
@@ -78,7 +77,7 @@ def profile(
     from rich.progress import Progress
     from rich.table import Table
 
-    from poplar.emulate import load_cluster
+    from poplar.cluster.spec import load_cluster
     from poplar.profile.plot import plot_profile
     from poplar.profile.profiler import compute_dtype, profile_cluster
 
@@ -108,11 +107,10 @@ def profile(
                       + ", ".join(f"{d.count} x {d.kind}" for d in spec.devices))
     else:
         console.print(f"profiling [bold]{model}[/] on {spec.world_size} emulated ranks: "
-                      + ", ".join(f"{d.count} x {d.kind} (speed {d.speed}, {d.memory_gb} GiB)" for d in spec.devices)
-                      + (f"; whole cluster slowed {spec.host_slowdown():.2f}x to fit this host" if spec.host_slowdown() > 1 else ""))
+                      + spec.describe())
     start = time.perf_counter()
     with Progress(console=console, transient=True, disable=under_torchrun and os.environ.get("RANK") != "0") as bar:
-        task = bar.add_task("starting ranks", total=len(stage_list) * (repeats + 3))
+        task = bar.add_task("starting ranks", total=len(stage_list) * ((repeats or 3) + 3))
 
         class ToBar:   # progress events from rank 0 (in this process under torchrun)
             def put(self, event):
@@ -307,8 +305,8 @@ def bench(
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
     table = Table(title=f"{model}, global batch {global_batch}: measured, {steps} steps per allocation")
-    for col in ("cluster", "stage", "allocation", "samples/s", "tokens/s", "vs uniform", "vs proportional",
-                "vs measured-peak", "vs deepspeed", "of ideal"):
+    for col in ("cluster", "stage", "allocation", "samples/s", "vs uniform", "vs proportional",
+                "vs measured-peak", "vs deepspeed", "of ideal", "predicted", "overruns"):
         table.add_column(col, justify="right")
     notes = []
     for r in results:
@@ -324,13 +322,17 @@ def bench(
 
         for name, a in rows.items():
             label = f"{name} (= {a['same_plan_as']})" if a.get("same_plan_as") else name
+            error = f"{100 * a['prediction_error']:+.1f}%" if "prediction_error" in a else "-"
             table.add_row(r["cluster"], str(r["zero_stage"]), label, f"{a['samples_per_s']:.1f}",
-                          f"{a['tokens_per_s']:,.0f}", vs(a, "uniform"), vs(a, "proportional"),
-                          vs(a, "measured-peak"), vs(a, "deepspeed"),
-                          f"{100 * a['samples_per_s'] / r['ideal_samples_per_s']:.0f}%")
+                          vs(a, "uniform"), vs(a, "proportional"), vs(a, "measured-peak"), vs(a, "deepspeed"),
+                          f"{100 * a['samples_per_s'] / r['ideal_samples_per_s']:.0f}%", error,
+                          str(a.get("overruns", "-")))
         table.add_row(r["cluster"], str(r["zero_stage"]), "ideal", f"{r['ideal_samples_per_s']:.1f}",
-                      f"{r['ideal_tokens_per_s']:,.0f}", "-", "-", "-", "-", "100%")
+                      "-", "-", "-", "-", "100%", "-", "-")
     console.print(table)
+    console.print("samples/s: on an emulated cluster, in its devices' declared time; predicted: the plan's "
+                  "predicted step time against the measured one; overruns: spans whose real work ran past "
+                  "their declared time (0: the figures are the declared devices')", highlight=False)
     if any(a.get("same_plan_as") for r in results for a in r["allocations"].values()):
         console.print("(= name): the same plan as that allocation's, measured once", highlight=False)
     for note in notes:

@@ -1,6 +1,7 @@
-"""The emulated heterogeneous cluster: CPU ranks slowed down and memory-capped for real."""
+"""The emulated heterogeneous cluster: CPU ranks that keep the pace of declared GPUs and links."""
 
-from poplar.emulate.cluster import ClusterSpec, DeviceGroup, load_cluster, parse_cluster, presets
 from poplar.emulate.device import EmulatedDevice
+from poplar.emulate.model import GpuModel, WorkCounter
+from poplar.emulate.network import NetworkModel
 
-__all__ = ["ClusterSpec", "DeviceGroup", "EmulatedDevice", "load_cluster", "parse_cluster", "presets"]
+__all__ = ["EmulatedDevice", "GpuModel", "NetworkModel", "WorkCounter"]

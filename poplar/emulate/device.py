@@ -1,240 +1,201 @@
-"""One emulated GPU: real compute on the CPU, stretched to the device's speed, capped memory.
+"""One emulated GPU: real work on the CPU, at the pace of a declared device and network.
 
-Speed. Every piece of work the engine names (``span(key)`` around a micro-step,
-``step(key)`` for the rest of an optimizer step) takes the device ``cost / speed``,
-where ``cost`` is the host's CPU time for that work measured alone and kept in the
-host's calibration table (:mod:`poplar.emulate.calibration`). So the device runs at its
-declared speed whatever the host is doing: other ranks sharing its cores, a host that
-drifts slower over minutes. Work without a key costs its CPU time in this thread
-(``time.thread_time``, which does not count the time other ranks hold the core).
+Every rank runs the real forward, backward, optimizer update and gloo collectives, so
+the numbers it trains are real. Its *time* is the declared model's:
 
-Before every collective, and at the end of a step, the rank sleeps until the wall time
-it spent computing (waits for collectives excluded) equals the device time of its work
-so far. So a device of speed 0.5 takes twice the host's time for the same work, and the
-ranks of a cluster wait for each other at collectives as they would on the real
-devices. A device can only be slowed down, so every cluster runs slower than declared by one
-common factor (``ClusterSpec.host_slowdown``, at least 2: this shared host runs the
-same work 1.5-1.9x slower than calibrated alone when ranks sleep between micro-steps),
-which keeps every ratio between devices. The time of the work in progress between two
-spans is estimated at the rate the calibrated work has run lately, and settled when
-the span ends.
+- Compute. Inside a step, every operator adds its modelled GPU time
+  (:mod:`poplar.emulate.model`) to the rank's device clock ``T``.
+- Collectives. Each is launched at the rank's ``T``; a small all-reduce beside it tells
+  every rank the latest launch, and the collective completes at that moment plus its
+  time over the declared links (:mod:`poplar.emulate.network`). It overlaps compute as
+  on a GPU: a rank that waits for it later than that waits for nothing.
+- Pace. One time dilation ``D`` for the whole cluster maps device seconds to wall
+  seconds. Wherever the rank could be observed (a wait for a collective, a read of the
+  clock) it sleeps until the wall clock reads ``origin + D * T``. ``D`` is chosen at
+  start from the host (:func:`poplar.emulate.dilation.choose_dilation`), large enough
+  that the real work fits inside its declared time, so ranks sharing cores or a noisy
+  host change nothing. A span whose real work ran past its declared time is an
+  *overrun*: counted (``overruns``, ``overrun_s``) and reported with the results.
 
-Memory. The model-state bytes the engine holds plus the bytes autograd saves for the
-backward pass (counted by ``saved_tensors_hooks`` as they are saved) must fit the
-capacity; the allocation that would overflow it raises ``torch.OutOfMemoryError``,
-as the CUDA allocator does.
+Memory is measured as before: the model-state bytes the engine holds (its
+``held_state``) plus the bytes autograd saves for the backward pass, each storage once
+while it lives, against the (scaled) capacity; the allocation that would overflow it
+raises ``torch.OutOfMemoryError``, as the CUDA allocator does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import weakref
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from poplar.emulate.calibration import Calibration, calibration
-from poplar.emulate.cluster import DeviceGroup
-from poplar.engine.device import Device
+from poplar.cluster.spec import ClusterSpec
+from poplar.devices.base import Device, Held
+from poplar.emulate.model import GpuModel, op_cost
+from poplar.emulate.network import NetworkModel
+
+# the side all-reduce must bypass any wrapper a peer installs over torch.distributed (it would recurse)
+_side_all_reduce = dist.all_reduce
+OVERRUN_TOLERANCE = 0.01      # of the step's time so far: lateness below this is timer noise, not an overrun
+OVERRUN_FLOOR_S = 0.002       # wall seconds of lateness never counted as an overrun
+
+
+class _Clock(TorchDispatchMode):
+    """Adds every operator's modelled time to the device's clock."""
+
+    def __init__(self, device: EmulatedDevice):
+        super().__init__()
+        self.device, self.gpu = device, device.gpu
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        cost = op_cost(func, args, kwargs, out)
+        if cost is not None:
+            self.device.T += self.gpu.op_seconds(*cost)
+        return out
 
 
 class EmulatedDevice(Device):
-    tracks_memory = True
+    """Rank ``rank`` of the emulated ``cluster``. Enter it on every rank at once (it agrees a clock)."""
 
-    def __init__(self, spec: DeviceGroup, rank: int = 0, slowdown: float = 1.0,
-                 table: Calibration | None | bool = True):
-        """``slowdown``: a factor common to the whole cluster (``ClusterSpec.host_slowdown``).
+    def __init__(self, cluster: ClusterSpec, rank: int, dilation: float | None = None,
+                 probe: Callable[[int], Any] | None = None):
+        """``dilation``: a fixed one (default: chosen at start); ``probe(m)``: the work the rank will run,
+        a forward and backward of ``m`` samples, so the dilation fits it (see :mod:`poplar.emulate.dilation`)."""
+        super().__init__()
+        self.cluster, self.rank = cluster, rank
+        self.kind = cluster.device(rank)
+        self.gpu = GpuModel.of(self.kind)
+        self.network = NetworkModel(cluster.network, cluster.rank_nodes())
+        self.capacity = cluster.memory_bytes(self.kind)
+        self.fixed_dilation, self.probe = dilation, probe
+        self.dilation = dilation or 1.0
+        self.origin = time.time()
+        self.T = 0.0                   # the device clock, in declared seconds since origin
+        self._step_T = 0.0             # where the step in progress began
+        self.peak_state_bytes = 0
 
-        ``table``: the calibration table (True: this host's default; False: none, every
-        piece of work then costs its CPU time as measured).
-        """
-        if slowdown < 1.0:
-            raise ValueError(f"slowdown must be at least 1.0, got {slowdown}")
-        self.spec, self.rank = spec, rank
-        self.speed = spec.speed / slowdown
-        self.capacity = spec.memory_bytes
-        self.table = calibration() if table is True else (table or None)
-        self.names_work = self.table is not None
-        # figures of the last step, for tests and reports
-        self.compute_cpu_s = 0.0       # the host's CPU time of this rank's compute
-        self.compute_wall_s = 0.0      # the emulated device's compute time (after stretching)
-        self.target_s = 0.0            # what the device's work should take (compute_wall_s is more if the host lagged)
-        self.wait_s = 0.0              # time blocked in collectives
-        self.step_wall_s = 0.0         # the whole step, as the clock on the wall saw it
-        self.micro_s: list[float] = []       # the device time of each micro-step (span), in order
-        self.calibrating = False       # the last step ran work without a calibrated cost (see Device)
-        self.peak_bytes = 0            # model states + saved activations, at their highest
-        self.peak_state_bytes = 0      # model states alone at the start of a micro-step, at their highest
-        self._active = False
-        self._span_key: str | None = None
-        self._rest_key: str | None = None
-        self._rate = 1.0   # device work per CPU second of the work in progress (see _pay)
+    # -- start: one clock for the cluster -----------------------------------------------
+    def start(self) -> None:
+        from poplar.emulate.dilation import choose_dilation
 
-    # -- speed --------------------------------------------------------------------------
-    # Accounts run over the whole step, so that a sleep that overshot (the host was busy)
-    # is paid back by shorter sleeps later in the step.
-    @contextlib.contextmanager
-    def step(self, key: str | None = None):
-        """One optimizer step: everything inside runs at the device's speed.
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        dilation = self.fixed_dilation or choose_dilation(self, self.probe)
+        figures = torch.tensor([dilation, time.time()], dtype=torch.float64)
+        if world > 1:
+            dilation = figures[:1].clone()
+            dist.all_reduce(dilation, op=dist.ReduceOp.MAX)
+            dist.broadcast(figures, src=0)
+            figures[0] = dilation[0]
+        self.dilation, self.origin = float(figures[0]), float(figures[1])
+        self._follow_wall()
 
-        ``key`` names the step's work outside its spans (the update, the bookkeeping).
-        """
-        self.compute_cpu_s = self.compute_wall_s = self.wait_s = self.target_s = 0.0
-        self.micro_s = []
-        self.calibrating = False
-        self._wait_cpu = 0.0
-        self._spans_cpu = self._spans_target = 0.0
-        self._rest_key, self._span_key = key, None
-        self._alone = {False: True, True: True}    # the rest of the step, the span: run alone so far
-        self._start_wall, self._start_cpu = time.perf_counter(), time.thread_time()
-        self._active = True
-        self._hold()
-        ok = False
-        try:
-            yield self
-            ok = True
-        finally:
-            self._alone[False] &= ok       # a step that failed calibrates nothing
-            self._pay(final=True, calibrate=ok)
-            self._active = False
-            self._rest_key = None
-            self.step_wall_s = time.perf_counter() - self._start_wall
+    def _wall_T(self) -> float:
+        return (time.time() - self.origin) / self.dilation
 
-    def _cpu(self) -> float:
-        return time.thread_time() - self._start_cpu - self._wait_cpu
+    def _follow_wall(self) -> None:
+        """Outside a step the device idles: its clock is the wall's."""
+        self.T = max(self.T, self._wall_T())
 
-    def _calibrating(self) -> bool:
-        key = self._span_key if self._span_key is not None else self._rest_key
-        return self.table is not None and key is not None and self.table.cost(key) is None
-
-    def _hold(self) -> None:
-        """Computing from here on: hold the host's lock, exclusively while calibrating.
-
-        Time spent getting it counts as waiting: no real device would wait for it.
-        """
-        if self.table is None:
+    def _pace(self) -> None:
+        """Sleep until the wall clock reaches the device clock; count real work that ran past it."""
+        target = self.origin + self.dilation * self.T
+        now = time.time()
+        if now < target:
+            time.sleep(target - now)
             return
-        before, wall, cpu = self.table.lock.timeouts, time.perf_counter(), time.thread_time()
-        self.table.lock.hold(exclusive=self._calibrating())
-        if self._active:
-            self.wait_s += time.perf_counter() - wall
-            self._wait_cpu += time.thread_time() - cpu
-        if self.table.lock.timeouts != before:   # not had: whatever runs now is not alone
-            self._alone[self._span_key is not None] = False
+        # a small lag is timer noise, made up by the next sleeps; the clock stays the declared one
+        late = now - target
+        span = self.dilation * (self.T - self._step_T)   # judged against the step's time so far
+        if late > max(OVERRUN_FLOOR_S, OVERRUN_TOLERANCE * span):
+            self.overruns += 1
+            self.overrun_s += late / self.dilation
+            self.T = (now - self.origin) / self.dilation   # the real work ran past: the device is late
 
-    def _release(self) -> None:
-        if self.table is not None:
-            self.table.lock.release()
+    # -- the seam -----------------------------------------------------------------------
+    def launch(self, op: str, nbytes: int) -> Any:
+        if not self._in_step:
+            self._follow_wall()
+        launched = torch.tensor([self.T], dtype=torch.float64)
+        # launches meet in issue order on every rank, so this pairs with the same collective everywhere
+        side = _side_all_reduce(launched, op=dist.ReduceOp.MAX, async_op=True) if dist.is_initialized() else None
+        return side, launched, op, nbytes
 
-    def _cost(self, key: str | None, cpu: float, alone: bool) -> float:
-        """The host cost of one piece of work: calibrated, or calibrating it now, or its CPU time."""
-        if self.table is None or key is None:
-            return cpu
-        known = self.table.cost(key)
-        if known is not None:
-            return known
-        self.calibrating = True
-        return self.table.observe(key, cpu) if alone else cpu
-
-    def _pay(self, final: bool = False, calibrate: bool = True) -> None:
-        """Sleep off the device time of the work so far (the rest of the step at its end)."""
-        self._release()
-        cpu = self._cpu()
-        if final:
-            rest = cpu - self._spans_cpu
-            target = self._spans_target + (self._cost(self._rest_key, rest, self._alone[False]) if calibrate else rest)
-        else:   # the work since the last span, at the rate the calibrated work has been running lately,
-            # and never beyond the cost of the span in progress where that is known: a sleep
-            # cannot be taken back, and a span whose work (a whole micro-step before its
-            # gradients' collective) ran slower than that rate would leave the device behind
-            in_progress = (cpu - self._spans_cpu) * self._rate
-            known = self.table.cost(self._span_key) if self.table is not None and self._span_key else None
-            target = self._spans_target + (in_progress if known is None else min(in_progress, known))
-        target /= self.speed
-        compute_wall = time.perf_counter() - self._start_wall - self.wait_s
-        if target > compute_wall:
-            time.sleep(target - compute_wall)
-        self.compute_cpu_s = cpu
-        self.target_s = target
-        self.compute_wall_s = time.perf_counter() - self._start_wall - self.wait_s
-
-    def boundary(self) -> None:
-        """Pay the compute debt before anything other ranks can observe (a collective)."""
-        if not self._active:
+    def wait(self, token: Any, real_wait: Callable[[], Any]) -> None:
+        side, launched, op, nbytes = token
+        before = self.T
+        real_wait()
+        if side is not None:
+            side.wait()
+        ops = self.T - before    # operators the wait itself ran (a gloo work's copies): compute, after it
+        done = float(launched[0]) + self.network.seconds(op, nbytes)
+        if not self._in_step:
+            self._follow_wall()
             return
-        self._pay()
-        self._hold()
+        self.T = max(before, done) + ops
+        self._pace()
+        self.wait_s += self.T - before - ops
+
+    # -- time ---------------------------------------------------------------------------
+    def clock(self) -> float:
+        if self._in_step:
+            self._pace()
+        else:
+            self._follow_wall()
+        return self.T
 
     @contextlib.contextmanager
-    def waiting(self):
-        """A wait for a collective: neither compute nor stretched, and no lock held meanwhile."""
-        if not self._active:
+    def _step_context(self, held: Held | None):
+        self._step_T = self.T     # the step's clock() at its start has just followed the wall
+        with contextlib.ExitStack() as stack:
+            if held is not None:
+                stack.enter_context(self._memory(held))
+            stack.enter_context(_Clock(self))
             yield
-            return
-        self._pay()
-        wall, cpu = time.perf_counter(), time.thread_time()
-        try:
-            yield
-        finally:
-            self.wait_s += time.perf_counter() - wall
-            self._wait_cpu += time.thread_time() - cpu
-            self._hold()
-
-    @contextlib.contextmanager
-    def span(self, key: str | None = None):
-        """One whole micro-step, ``key`` naming its work: costs its calibrated time."""
-        if not self._active:
-            yield
-            return
-        self._span_key, self._alone[True] = key, True
-        self._hold()
-        start_cpu = self._cpu()
-        ok = False
-        try:
-            yield
-            ok = True
-        finally:
-            alone = self._alone[True]
-            cpu = self._cpu() - start_cpu
-            cost = self._cost(key, cpu, alone) if ok else cpu
-            if cpu > 0 and key is not None:   # calibrated cost per CPU second now: ~1/(how much slower the host runs)
-                self._rate = 0.7 * self._rate + 0.3 * min(1.0, cost / cpu)
-            self._spans_cpu += cpu
-            self._spans_target += cost
-            self.micro_s.append(cost / self.speed)
-            self._span_key = None
-            self._hold()
 
     # -- memory -------------------------------------------------------------------------
     @contextlib.contextmanager
-    def micro_step(self, state_bytes: int, state_storages: set[int]):
-        """Count what autograd saves in one micro-step against the capacity.
-
-        ``state_storages``: identities (``untyped_storage()._cdata``) of the engine's own
-        buffers, which autograd saves by reference and ``state_bytes`` already counts.
-        """
-        seen: set[int] = set(state_storages)
-        used = [state_bytes]
+    def _memory(self, held: Held):
+        state_bytes, storages = held()
         self.peak_state_bytes = max(self.peak_state_bytes, state_bytes)
+        live = [state_bytes]
+        self.peak_bytes = max(self.peak_bytes, state_bytes)
         self._check(state_bytes, 0)
+        seen: set[int] = set(storages)
+
+        def release(key: int, nbytes: int) -> None:
+            live[0] -= nbytes
+            seen.discard(key)
 
         def pack(t: torch.Tensor):
             st = t.untyped_storage()
-            key = st._cdata
-            if key not in seen and st.nbytes() > 0:
+            key, nbytes = st._cdata, st.nbytes()
+            if key not in seen and nbytes > 0:
+                self._check(live[0], nbytes)
                 seen.add(key)
-                self._check(used[0], st.nbytes())
-                used[0] += st.nbytes()
-                self.peak_bytes = max(self.peak_bytes, used[0])
+                live[0] += nbytes
+                self.peak_bytes = max(self.peak_bytes, live[0])
+                weakref.finalize(st, release, key, nbytes)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
 
+    def check_fits(self, held: Held, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` (a forward and backward) under this device's memory accounting only (no clock)."""
+        with self._memory(held):
+            fn()
+
     def _check(self, used: int, more: int) -> None:
-        self.peak_bytes = max(self.peak_bytes, used)
         if used + more > self.capacity:
             gib = 2**30
             raise torch.OutOfMemoryError(
-                f"emulated {self.spec.kind} (rank {self.rank}) out of memory: tried to allocate "
-                f"{more / gib:.3f} GiB with {used / gib:.3f} GiB in use of its {self.capacity / gib:.3f} GiB "
+                f"emulated {self.kind.kind} (rank {self.rank}) out of memory: tried to allocate "
+                f"{more / gib:.4f} GiB with {used / gib:.4f} GiB in use of its {self.capacity / gib:.4f} GiB "
                 "capacity; use a smaller micro-batch or a higher ZeRO stage")

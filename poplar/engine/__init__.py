@@ -1,5 +1,9 @@
-"""The heterogeneity-aware ZeRO engine."""
+"""The heterogeneity-aware ZeRO engine: :func:`initialize` wraps a model, :class:`Engine` trains it.
 
-from poplar.engine.engine import Engine, EngineConfig, initialize
+See :mod:`poplar.engine.engine` for how its files divide the work.
+"""
+
+from poplar.engine.config import EngineConfig
+from poplar.engine.engine import Engine, initialize
 
 __all__ = ["Engine", "EngineConfig", "initialize"]

@@ -1,4 +1,4 @@
-"""Cutting a rank's local batch into micro-batches.
+"""A rank's local batch: counting its samples, checking them against the plan, cutting micro-batches.
 
 A batch is a tensor, or a (nested) tuple/list/dict of tensors, all with the samples
 along the first dimension. Non-tensor leaves are passed to every micro-batch as is.
@@ -10,6 +10,9 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from poplar.engine import collectives as C
+from poplar.plan import Plan
 
 
 def batch_size(batch: Any) -> int:
@@ -46,3 +49,53 @@ def split_batch(batch: Any, sizes: int | list[int], device: torch.device | None 
         out.append(tree_unflatten(part, spec))
         start += size
     return out
+
+
+class BatchCheck:
+    """Every rank's local batch size against the plan, checked without a synchronisation of its own.
+
+    :meth:`start` shares this rank's size in a background all-reduce while the rank
+    computes; :meth:`confirm` awaits it before the step's first collective, so a correct
+    step pays no extra synchronisation and a wrong batch on one rank is a ``ValueError``
+    naming it on every rank, not a hang. A rank whose own batch is wrong fails at once.
+    """
+
+    def __init__(self, plan: Plan, rank: int, world_size: int, device: torch.device, enabled: bool = True):
+        self.plan, self.rank, self.world_size, self.device = plan, rank, world_size, device
+        self.enabled = enabled
+        self._pending = None   # (work or None, sizes, this rank's error) until confirmed
+
+    def start(self, local_batch) -> None:
+        try:
+            n, err = batch_size(local_batch), ""
+        except ValueError as e:
+            n, err = -1, str(e)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        sizes[self.rank] = n
+        if self.enabled and self.world_size > 1:
+            self._pending = (C.all_reduce(sizes, async_op=True), sizes, err)
+        else:
+            self._pending = (None, sizes, err)
+        if n != self.plan.local_batch_size(self.rank):
+            self.confirm()
+
+    def confirm(self) -> None:
+        """Raise if any rank's batch (only this rank's, when not shared) does not match the plan."""
+        if self._pending is None:
+            return
+        work, sizes, err = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        plan = self.plan
+        bad = [(r, int(n)) for r, n in enumerate(sizes.tolist())
+               if n != plan.local_batch_size(r) and (work is not None or r == self.rank)]
+        if not bad:
+            return
+        if err:
+            raise ValueError(f"rank {self.rank}: {err}")
+        what = "; ".join(f"rank {r} got {n if n >= 0 else 'an unreadable batch of'} samples, its plan slice is "
+                         f"{plan.local_batch_size(r)} (micro-batches {plan.micro_batches(r)})"
+                         for r, n in bad)
+        raise ValueError(f"local batch does not match the plan: {what}. Give each rank "
+                         "global_batch[plan.sample_range(rank)]")

@@ -1,14 +1,14 @@
-"""Another system's collectives, seen by an emulated device: wrapped for as long as the system computes.
+"""Another system's collectives, through Poplar's one seam for as long as that system computes.
 
-Poplar's engine tells its device when it launches a collective and when it waits for one
-(``boundary()``, ``waiting()``). A peer such as DeepSpeed launches its own, so while it
-runs, :func:`device_collectives` replaces the ``torch.distributed`` collectives (and
-any references the peer cached to them) with wrappers that do the same:
-``boundary()`` before the launch, ``waiting()`` around a blocking call, and an
-asynchronous call's work handed back wrapped so that its ``wait()`` is a wait too.
+Poplar's engine calls its collectives through :mod:`poplar.engine.collectives`, where a
+device observes them (a GPU timer, an emulated network). A peer such as DeepSpeed calls
+``torch.distributed`` itself, so while it runs, :func:`seam_collectives` replaces those
+functions (and any references the peer cached to them) with wrappers that issue the
+same call through that seam: the device sees the launch, the bytes and the wait, and an
+asynchronous call's work comes back wrapped so that its ``wait()`` goes through it too.
 
->>> with device_collectives(device):              # doctest: +SKIP
-...     deepspeed_engine.backward(loss)            # its all-reduce now pays the device's compute debt first
+>>> with seam_collectives():               # doctest: +SKIP
+...     deepspeed_engine.backward(loss)     # its all-reduce is timed as Poplar's would be
 """
 
 from __future__ import annotations
@@ -17,78 +17,107 @@ import contextlib
 import inspect
 from typing import Iterator
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from poplar.engine.device import Device
+from poplar.engine import collectives as C
 
-# Everything in torch.distributed that moves data between ranks or waits for them.
-COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-               "reduce_scatter_single", "_reduce_scatter_base", "all_gather", "all_gather_into_tensor",
-               "all_gather_single", "_all_gather_base", "all_gather_object", "broadcast", "broadcast_object_list",
-               "barrier", "all_to_all", "all_to_all_single", "gather", "scatter", "gather_object",
-               "scatter_object_list")
+# Everything in torch.distributed that moves data between ranks or waits for them, and the
+# collective whose network time it takes.
+COLLECTIVES = {
+    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "reduce": "all_reduce",
+    "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+    "all_gather": "all_gather", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+    "_all_gather_base": "all_gather", "all_gather_object": "all_gather", "broadcast": "broadcast",
+    "broadcast_object_list": "broadcast", "barrier": "barrier", "all_to_all": "all_gather",
+    "all_to_all_single": "all_gather", "gather": "all_gather", "scatter": "broadcast",
+    "gather_object": "all_gather", "scatter_object_list": "broadcast",
+}
 
 
-class DeviceWork:
-    """An asynchronous collective's work: ``wait()`` counts as a wait on the device."""
-
-    def __init__(self, work, device: Device):
-        self._work, self._device = work, device
-
-    def wait(self, *args, **kwargs):
-        with self._device.waiting():
-            return self._work.wait(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
+def _nbytes(op: str, args, kwargs) -> int:
+    """The full buffer's bytes: the largest tensor (or list of tensors) among the arguments."""
+    sizes = [0]
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, torch.Tensor):
+            sizes.append(value.numel() * value.element_size())
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(t, torch.Tensor) for t in value):
+            sizes.append(sum(t.numel() * t.element_size() for t in value))
+    return max(sizes)
 
 
 @contextlib.contextmanager
-def device_collectives(device: Device, cached: tuple[tuple[object, str], ...] = ()) -> Iterator[None]:
-    """Route every collective through ``device`` until the block ends; the originals come back after.
+def seam_collectives(cached: tuple[tuple[object, str], ...] = ()) -> Iterator[None]:
+    """Route every ``torch.distributed`` collective through the seam until the block ends.
 
     ``cached``: ``(object, attribute)`` pairs where the peer keeps its own reference to
     a collective (DeepSpeed's backend does, for all-gather and reduce-scatter).
     Collectives that call collectives (``all_gather_object`` gathers sizes, then
-    bytes) are one launch and one wait: only the outermost call is counted.
+    bytes) are one launch and one wait: only the outermost call is seen.
     """
     depth = [0]
 
-    def wrap(fn):
+    def wrap(fn, op: str):
         sig = inspect.signature(fn)
 
         def collective(*args, **kwargs):
             if depth[0]:
                 return fn(*args, **kwargs)
             try:
-                is_async = bool(sig.bind(*args, **kwargs).arguments.get("async_op", False))
+                bound = sig.bind(*args, **kwargs).arguments
             except TypeError:   # let the function itself report the bad call
-                is_async = False
-            depth[0] += 1
-            try:
-                if is_async:
-                    device.boundary()
-                    work = fn(*args, **kwargs)
-                    return None if work is None else DeviceWork(work, device)
-                with device.waiting():   # waiting() pays the compute debt (boundary) first
+                return fn(*args, **kwargs)
+            is_async = bool(bound.get("async_op", False))
+            takes_async = "async_op" in sig.parameters
+
+            def issue(async_op: bool):
+                depth[0] += 1
+                try:
+                    if takes_async:
+                        return fn(*args, **{**kwargs, "async_op": async_op})
                     return fn(*args, **kwargs)
-            finally:
-                depth[0] -= 1
+                finally:
+                    depth[0] -= 1
+
+            if not takes_async:   # object collectives: blocking, seen as one launch and wait (they return None)
+                C.run(op, _nbytes(op, args, kwargs), lambda _a: _Done(issue(False)), False)
+                return None
+            return C.run(op, _nbytes(op, args, kwargs), issue, is_async)
 
         collective.__wrapped__ = fn
         return collective
 
-    targets = [(module, name) for module in (dist, c10d) for name in COLLECTIVES if hasattr(module, name)]
-    targets += [pair for pair in cached if getattr(*pair, None) is not None]
-    originals = [(obj, name, getattr(obj, name)) for obj, name in targets]
+    names = {name: op for name, op in COLLECTIVES.items()}
+    targets = [(module, name, names[name]) for module in (dist, c10d) for name in names if hasattr(module, name)]
+    targets += [(obj, name, _op_of(getattr(obj, name))) for obj, name in cached if getattr(obj, name, None) is not None]
+    originals = [(obj, name, getattr(obj, name), op) for obj, name, op in targets]
     wrapped: dict[int, object] = {}    # one wrapper per function, whichever names it goes by
     try:
-        for obj, name, fn in originals:
+        for obj, name, fn, op in originals:
             if id(fn) not in wrapped:
-                wrapped[id(fn)] = wrap(fn)
+                wrapped[id(fn)] = wrap(fn, op)
             setattr(obj, name, wrapped[id(fn)])
         yield
     finally:
-        for obj, name, fn in reversed(originals):
+        for obj, name, fn, _ in reversed(originals):
             setattr(obj, name, fn)
+
+
+def _op_of(fn) -> str:
+    name = getattr(fn, "__name__", "")
+    return "reduce_scatter" if "reduce_scatter" in name else "all_gather" if "gather" in name else "all_reduce"
+
+
+class _Done:
+    """A blocking call's result, handed through the seam as already-finished work."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self) -> bool:
+        return True

@@ -20,25 +20,18 @@ calls ``setup.start(workload, device)`` and steps the :class:`DeepSpeedPeer`):
   to a small model. DeepSpeed's CPU accelerator is required (``DS_ACCELERATOR=cpu``);
   its shared-memory all-reduce extension, which serves only inference, is not built
   (that would JIT-compile C++ for a minute on the first start and hold a file lock).
-- Speed: one optimizer step runs inside ``device.step(key)``, every micro-step inside
-  ``device.span(key)`` (the last one's optimizer step, DeepSpeed's ``engine.step()`` at
-  the accumulation boundary, is the step's rest, as in Poplar's engine), and for as long
-  as the step runs every ``torch.distributed`` collective, and the references DeepSpeed's
-  backend caches to all-gather and reduce-scatter, go through the device
-  (:func:`poplar.peers.collectives.device_collectives`): DeepSpeed's compute is
-  stretched to the device's speed and its waits are waits, exactly as Poplar's.
-- Memory: every micro-step's forward and backward run inside
-  ``device.micro_step(state_bytes, storages)``. ``state_bytes`` are the bytes of every
-  tensor DeepSpeed holds for this rank (module parameters and gradients, ZeRO-3's
-  parameter shards, and every tensor reachable from its optimizer: flat fp32 partitions,
-  gradient buckets and partitions, Adam moments), each storage counted once, at the
-  highest level seen so far (gradients and moments exist only after the first step,
-  which is a warm-up in ``poplar bench``).
-- Keys: the device runs a piece of work it has seen before in its calibrated time, so
-  every micro-step is named (``span(key)``)
-  ``deepspeed|zero{stage}|m{m}|{first,mid,last,only}|{workload}`` and the rest of the
-  step (``step(key)``) ``deepspeed-rest|zero{stage}|m{m}|a{accum}|{workload}``, where
-  ``{workload}`` names the model and its shapes, the world size and DeepSpeed's version.
+- Time: the caller steps it inside its device's ``step(held)`` as it does Poplar's
+  engine, and for as long as the step runs every ``torch.distributed`` collective, and
+  the references DeepSpeed's backend caches to all-gather and reduce-scatter, go
+  through the collectives' one seam (:func:`poplar.peers.collectives.seam_collectives`):
+  on an emulated device DeepSpeed's operators take the modelled GPU's time and its
+  collectives the declared network's, exactly as Poplar's.
+- Memory: :meth:`DeepSpeedPeer.held_state` gives the device the bytes of every tensor
+  DeepSpeed holds for this rank (module parameters and gradients, ZeRO-3's parameter
+  shards, and every tensor reachable from its optimizer: flat fp32 partitions, gradient
+  buckets and partitions, Adam moments), each storage counted once, at the highest
+  level seen so far (gradients and moments exist only after the first step, which is a
+  warm-up in ``poplar bench``); the device adds the activations autograd saves.
 
 In ``poplar bench`` DeepSpeed runs in the same launch as Poplar's plans, in the same
 alternating rounds (:func:`poplar.measure.measure_plans`), so a drift of the shared host
@@ -56,9 +49,7 @@ otherwise it measures Poplar's plans again without it, saying why in one line.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
-import json
 import logging
 import os
 import warnings
@@ -66,8 +57,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from poplar.engine.device import Device
-from poplar.peers.collectives import device_collectives
+from poplar.peers.collectives import seam_collectives
 from poplar.plan import Plan
 from poplar.workload import Workload
 
@@ -144,8 +134,8 @@ class DeepSpeedSetup:
     def to_dict(self) -> dict:
         return {**asdict(self), "config": self.config()}
 
-    def start(self, workload: Workload, device: Device) -> DeepSpeedPeer:
-        return DeepSpeedPeer(self, workload, device)
+    def start(self, workload: Workload) -> DeepSpeedPeer:
+        return DeepSpeedPeer(self, workload)
 
 
 def _deepspeed():
@@ -164,20 +154,12 @@ def _deepspeed():
     return deepspeed
 
 
-def workload_signature(workload: Workload, world_size: int) -> str:
-    """What a key's computation also depends on: the model and its shapes, the ranks, DeepSpeed's release."""
-    from importlib.metadata import version
-
-    digest = hashlib.sha256(json.dumps(workload.cache_dict(), sort_keys=True).encode()).hexdigest()[:10]
-    return f"{workload.model}-{digest}-w{world_size}-ds{version('deepspeed')}"
-
-
 class DeepSpeedPeer:
-    """DeepSpeed training this rank's share of every global batch, under ``device``."""
+    """DeepSpeed training this rank's share of every global batch."""
 
-    def __init__(self, setup: DeepSpeedSetup, workload: Workload, device: Device):
+    def __init__(self, setup: DeepSpeedSetup, workload: Workload):
         deepspeed = _deepspeed()
-        self.setup, self.workload, self.device = setup, workload, device
+        self.setup, self.workload = setup, workload
         threads = torch.get_num_threads()
         with _quiet():
             deepspeed.init_distributed(dist_backend="gloo")   # adopts the group the rank has joined
@@ -189,10 +171,6 @@ class DeepSpeedPeer:
 
         backend = ds_comm.cdb   # keeps its own references to these two collectives
         self._cached = ((backend, "all_gather_function"), (backend, "reduce_scatter_function"))
-        sig = workload_signature(workload, setup.world_size)
-        m, a = setup.micro_batch_size, setup.accum_steps
-        self._span_keys = [f"deepspeed|zero{setup.zero_stage}|m{m}|{_position(i, a)}|{sig}" for i in range(a)]
-        self._step_key = f"deepspeed-rest|zero{setup.zero_stage}|m{m}|a{a}|{sig}"
         self.state_bytes = 0
 
     # -- memory -------------------------------------------------------------------------
@@ -224,20 +202,14 @@ class DeepSpeedPeer:
         return out
 
     def held_state(self) -> tuple[int, set[int]]:
-        """Bytes of the tensors DeepSpeed holds (each storage once) and those storages' identities."""
+        """Bytes of the tensors DeepSpeed holds (each storage once, at their highest so far) and their storages."""
         storages: dict[int, int] = {}
         for t in self.held_tensors():
             st = t.untyped_storage()
             if st.nbytes() > 0 and t.device.type != "meta":
                 storages[st._cdata] = st.nbytes()
-        return sum(storages.values()), set(storages)
-
-    def _memory(self):
-        if not self.device.tracks_memory:
-            return contextlib.nullcontext()
-        held, storages = self.held_state()
-        self.state_bytes = max(self.state_bytes, held)
-        return self.device.micro_step(self.state_bytes, storages)
+        self.state_bytes = max(self.state_bytes, sum(storages.values()))
+        return self.state_bytes, set(storages)
 
     # -- training -----------------------------------------------------------------------
     def train_batch(self, local_batch: tuple[torch.Tensor, torch.Tensor]) -> float:
@@ -248,14 +220,12 @@ class DeepSpeedPeer:
             raise ValueError(f"DeepSpeed takes {m * a} samples per rank ({a} micro-batches of {m}); "
                              f"got {inputs.shape[0]}")
         total = torch.zeros(())
-        with _quiet(), device_collectives(self.device, self._cached), self.device.step(self._step_key):
+        with _quiet(), seam_collectives(self._cached):
             for i in range(a):
-                with self.device.span(self._span_keys[i]):
-                    with self._memory():
-                        loss = self.workload.loss(self.engine, (inputs[i * m:(i + 1) * m], targets[i * m:(i + 1) * m]))
-                        self.engine.backward(loss)   # DeepSpeed divides by its accumulation steps itself
-                    if i < a - 1:
-                        self.engine.step()   # bookkeeping only: not at the accumulation boundary
+                loss = self.workload.loss(self.engine, (inputs[i * m:(i + 1) * m], targets[i * m:(i + 1) * m]))
+                self.engine.backward(loss)   # DeepSpeed divides by its accumulation steps itself
+                if i < a - 1:
+                    self.engine.step()   # bookkeeping only: not at the accumulation boundary
                 total += loss.detach()
             self.engine.step()   # the optimizer step
         return float(total) / a
@@ -270,9 +240,3 @@ def _quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
         yield
-
-
-def _position(i: int, n: int) -> str:
-    if n == 1:
-        return "only"
-    return "first" if i == 0 else "last" if i == n - 1 else "mid"

@@ -9,7 +9,8 @@ model reads ``g`` on whole micro-batch sizes ``1..max_micro_batch`` and makes it
 non-decreasing (a larger micro-batch never takes less time; a measured dip is noise).
 
 Communication. The profile times all-reduce, reduce-scatter and all-gather of the
-whole model; a bucket of ``n`` parameters takes its share ``n / numel``. The engine
+whole model and of a tiny buffer; a bucket of ``n`` parameters takes the tiny one's
+time (the latency) plus its share ``n / numel`` of the rest. The engine
 launches a unit's gradient collective as soon as backward has produced it, so it
 overlaps the backward of the units still to come; what is left exposed is the last
 bucket's collective (the root unit: embeddings and head finish last in backward).
@@ -43,6 +44,7 @@ import numpy as np
 
 from poplar.plan import Plan
 from poplar.profile.profile import Profile, StageProfile
+from poplar.stages import STAGES
 
 
 class KindCost:
@@ -136,7 +138,7 @@ class CostModel:
         comm = self.profile.comm
         if comm is None:
             return 0.0
-        return getattr(comm, f"{which}_s") * numel / comm.numel
+        return comm.seconds(which, numel)
 
     def _collectives_s(self, accum: int) -> float:
         """Exposed communication derived from the collectives' times (see the module's docstring)."""
@@ -163,8 +165,9 @@ class CostModel:
         comm = self.profile.comm
         if comm is None or self.stage not in comm.sync_s:
             return base
-        syncs = 1 if self.stage <= 1 else accum
-        measured = comm.sync_s[self.stage] / (1 if self.stage <= 1 else comm.sync_accum.get(self.stage, 1))
+        every_micro_step = STAGES[self.stage].reduces_every_micro_step
+        syncs = accum if every_micro_step else 1
+        measured = comm.sync_s[self.stage] / (comm.sync_accum.get(self.stage, 1) if every_micro_step else 1)
         drift = max(0.0, measured - self._collectives_s(1))
         return base + syncs * max(0.0, drift - slack / syncs)
 

@@ -31,7 +31,6 @@ import numpy as np
 
 from poplar.plan import Plan
 from poplar.planner.cost import CostModel, KindCost
-from poplar.profile.discover import peak_tflops
 
 EXTRA_ACCUM = 2        # accumulation counts tried above the fewest memory allows
 # More micro-steps than memory requires only where predicted at least this much faster.
@@ -201,12 +200,12 @@ def peak_throughput(kc: KindCost) -> float:
 
 
 def rated_speeds(cost: CostModel) -> dict[str, float] | None:
-    """Each kind's rated speed, as Whale reads it: an emulated device's declared speed, a real GPU's
-    data-sheet peak TFLOP/s in the profile's compute dtype. None where some kind has none."""
+    """Each kind's rated speed, as Whale reads it: its peak dense TFLOP/s in the profile's dtype (the data
+    sheet's, or a cluster file's declared figure; the profile holds it). None where some kind has none."""
     speeds = {}
     for k in cost.kinds:
         device = cost.profile.devices[k]
-        speeds[k] = device.speed if device.speed else peak_tflops(k, cost.profile.model.dtype)
+        speeds[k] = device.rated_tflops
         if not speeds[k]:
             return None
     return speeds
@@ -266,16 +265,36 @@ def _split_by_speed(cost: CostModel, global_batch: int, peak: dict[str, float]) 
 
 
 def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
-    """The bound: every device at its own best throughput, nobody waiting, no communication.
+    """The bound: the global batch shared so that every device finishes at the same moment, no communication.
 
-    A device's best: the most samples/s it reaches alone at any local batch up to the
-    global batch (every size up to 4,096, then 512 sizes spread up to the batch), in any
-    accumulation count the planner would consider.
+    Samples may be split into fractions (a device's time is interpolated between whole
+    sample counts), every device takes its fastest accumulation count for its share,
+    nobody waits and nothing is communicated: no allocation of whole samples can step
+    faster. (A device's throughput rises with its batch on a GPU, so "every device at
+    its own best" would count each at a batch it cannot have while the others have
+    theirs.)
     """
-    b = np.unique(np.concatenate([np.arange(1, min(global_batch, 4096) + 1),
-                                  np.round(np.geomspace(1, global_batch, 512)).astype(int)]))
-    per_kind = {}
+    b = np.arange(0, global_batch + 1)
+    busy = {}
     for k, kc in cost.kinds.items():
-        t, _ = _free_accum_table(kc, b)
-        per_kind[k] = float(np.max(b / t))
-    return sum(per_kind[k] for k in cost.rank_kinds)
+        t, _ = _free_accum_table(kc, np.maximum(b, 1))
+        t = np.maximum.accumulate(np.where(b == 0, 0.0, t))   # more samples never take less time
+        busy[k] = t
+
+    def samples_within(limit: float) -> float:
+        total = 0.0
+        for k in cost.rank_kinds:
+            t = busy[k]
+            whole = int(np.searchsorted(t, limit, side="right")) - 1     # most whole samples within the limit
+            if whole >= global_batch:
+                total += global_batch
+                continue
+            step = t[whole + 1] - t[whole]
+            total += whole + (min(1.0, (limit - t[whole]) / step) if step > 0 else 1.0)
+        return total
+
+    lo, hi = 0.0, float(max(t[-1] for t in busy.values()))
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if samples_within(mid) < global_batch else (lo, mid)
+    return global_batch / hi

@@ -3,8 +3,8 @@
 Every rank reads its own GPU's properties (name, memory, compute capability), the
 ranks gather them in rank order, and consecutive identical devices become one kind
 (named after the GPU, e.g. ``NVIDIA H100 80GB HBM3 (79.1 GiB, sm_90)``). The result
-is a :class:`~poplar.emulate.cluster.ClusterSpec` whose kinds carry their properties
-(``cuda``) instead of a speed, so the profiler measures the devices themselves.
+is a :class:`~poplar.cluster.spec.ClusterSpec` whose kinds carry their properties
+(``cuda``) instead of declared figures, so the profiler measures the devices themselves.
 
 >>> group_devices([CudaProperties(name="NVIDIA A100-SXM4-80GB", total_memory=85_899_345_920, major=8, minor=0),
 ...                CudaProperties(name="Tesla T4", total_memory=15_828_320_256, major=7, minor=5),
@@ -21,7 +21,9 @@ from itertools import groupby
 import torch
 import torch.distributed as dist
 
-from poplar.emulate.cluster import ClusterSpec, CudaProperties, DeviceGroup, presets
+# a discovered GPU's peak TFLOP/s come from the catalogue; re-exported for callers that import it from here
+from poplar.cluster.catalogue import peak_tflops as peak_tflops
+from poplar.cluster.spec import ClusterSpec, CudaProperties, DeviceGroup, presets
 
 
 def no_devices_message() -> str:
@@ -42,32 +44,6 @@ def local_properties(index: int | None = None) -> CudaProperties:
     return CudaProperties(name=props.name, total_memory=props.total_memory, major=props.major, minor=props.minor)
 
 
-# Peak dense TFLOP/s by GPU (the vendor's data sheets, no sparsity): (bf16 tensor cores, fp32 without
-# TF32, which PyTorch leaves off for matmuls by default). The most specific names first.
-PEAK_TFLOPS: list[tuple[tuple[str, ...], float, float]] = [
-    (("H100", "PCIe"), 756.0, 51.0),
-    (("H100", "NVL"), 835.0, 60.0),
-    (("H100",), 989.0, 67.0),            # SXM ("NVIDIA H100 80GB HBM3")
-    (("H200",), 989.0, 67.0),
-    (("GH200",), 989.0, 67.0),
-    (("A100",), 312.0, 19.5),
-    (("L40S",), 362.0, 91.6),
-    (("L4",), 121.0, 30.3),
-    (("A10",), 125.0, 31.2),
-    (("V100",), 0.0, 15.7),              # no bf16
-    (("T4",), 0.0, 8.1),                 # no bf16
-]
-
-
-def peak_tflops(name: str, dtype: str) -> float | None:
-    """The GPU's peak dense TFLOP/s for ``dtype`` ("bf16" or "fp32"); None where unknown (or not supported)."""
-    for words, bf16, fp32 in PEAK_TFLOPS:
-        if all(w in name for w in words):
-            peak = bf16 if dtype == "bf16" else fp32
-            return peak or None
-    return None
-
-
 def group_devices(records: Sequence[CudaProperties]) -> ClusterSpec:
     """Ranks' devices (in rank order) as a cluster: identical consecutive devices are one group.
 
@@ -76,7 +52,7 @@ def group_devices(records: Sequence[CudaProperties]) -> ClusterSpec:
     """
     if not records:
         raise ValueError("no devices to describe: at least one rank is needed")
-    groups = [DeviceGroup(kind=props.kind, count=len(list(same)), speed=None, memory_gb=props.total_memory / 2**30,
+    groups = [DeviceGroup(kind=props.kind, count=len(list(same)), memory_gb=props.total_memory / 2**30,
                           cuda=props)
               for props, same in groupby(records)]
     return ClusterSpec(devices=groups)

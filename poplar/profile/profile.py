@@ -56,7 +56,8 @@ class DeviceProfile(BaseModel):
 
     kind: str
     memory_gb: float
-    speed: float | None = Field(None, description="declared speed of an emulated device")
+    rated_tflops: float | None = Field(None, description="the data sheet's (or the cluster file's) peak dense "
+                                       "TFLOP/s in the profile's dtype: the rating a Whale-style split uses")
     stages: dict[int, StageProfile] = Field(default_factory=dict)
 
 
@@ -67,6 +68,8 @@ class CommProfile(BaseModel):
     all_reduce_s: float
     reduce_scatter_s: float
     all_gather_s: float
+    latency_s: dict[str, float] = Field(default_factory=dict, description="per collective: its time on a tiny "
+                                        "buffer (a few elements a rank), what every call pays however small")
     sync_s: dict[int, float] = Field(default_factory=dict, description="per stage: how much longer a step took "
                                      "than its slowest rank's compute, on a plan balanced by the profile")
     sync_accum: dict[int, int] = Field(default_factory=dict, description="per stage: the accumulation count of "
@@ -75,6 +78,17 @@ class CommProfile(BaseModel):
     def bandwidth_gbps(self, which: str) -> float:
         """Algorithm bandwidth in GB/s (bytes of the full buffer per second)."""
         return 4 * self.numel / getattr(self, f"{which}_s") / 1e9
+
+    def seconds(self, which: str, numel: float) -> float:
+        """Time of collective ``which`` on ``numel`` fp32 elements: its latency plus its share of the bandwidth.
+
+        >>> CommProfile(numel=1000, all_reduce_s=0.011, reduce_scatter_s=0.0, all_gather_s=0.0,
+        ...             latency_s={"all_reduce": 0.001}).seconds("all_reduce", 500)
+        0.006
+        """
+        full = getattr(self, f"{which}_s")
+        latency = min(self.latency_s.get(which, 0.0), full)
+        return latency + (full - latency) * numel / self.numel
 
 
 class ModelInfo(BaseModel):

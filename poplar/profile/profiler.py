@@ -1,4 +1,10 @@
-"""Measuring every device kind in every ZeRO stage, on an (emulated) cluster.
+"""Measuring every device kind in every ZeRO stage, on a cluster of real or emulated GPUs.
+
+Every rank's device (:func:`poplar.devices.rank_device`: its GPU, or an emulated one)
+times the work the same way: a step inside ``device.step()``, its busy time on the
+device's clock, its waits for collectives left out. The profiler never reads a device's
+declared figures: it measures, so on an emulated cluster the profile against the
+declared model is a real test of the profiler and the spline.
 
 Per stage, each rank
 1. builds the engine for that stage and takes two steps of two micro-batches of 1, so
@@ -9,23 +15,21 @@ Per stage, each rank
    device's memory accounting (the activations do not depend on the stage; the model
    states do and come from step 1). An out-of-memory is caught, cleaned up after, and
    never strands the other ranks, since this probe has no collectives;
-3. trains at ``n_points`` micro-batch sizes up to that limit, every rank at its own
-   sizes, one step of each size per round (so drifts of the host fall on all sizes
-   alike). Each step has two micro-batches: the first one's compute is what every
-   further micro-step costs; the rest of the step's compute (the step's wall time minus
-   its waits for collectives) is what a step costs once (synchronisation, the update).
-   A point is their sum: a step of one micro-batch. After warm-up rounds, the median
-   over ``repeats`` rounds.
-Then the collectives are timed at the model's size. Identical devices share one
-profile; profiles are cached on disk, keyed by what changes them.
+3. times ``n_points`` micro-batch sizes up to that limit (spaced geometrically), every
+   rank at its own sizes: at each size a step of one micro-batch (the point), and at
+   the smallest ``PER_STEP_SIZES`` also a step of two: their difference is what every
+   further micro-step costs, and the rest what a step costs once (the update, the same
+   at any size). After warm-up rounds, the median over ``repeats`` rounds.
+Then the collectives are timed at the model's size and at a tiny one (their latency).
+Identical devices share one profile; profiles are cached on disk, keyed by what changes
+them (an emulated device's are in its declared seconds, so nothing of the host is in
+the key).
 
-On real CUDA devices (a discovered cluster, see :mod:`poplar.profile.discover`) the same
-steps run on the GPUs themselves: the probe runs out of memory for real (the local model
-on the GPU, the stage's other model states held beside it as a reserved buffer), steps
-are timed by :class:`~poplar.engine.cuda_device.CudaDevice`, and the sizes are timed
-one after another rather than with every size's engine alive at once (a real GPU holds
-each engine's states for real, so at the limit only one fits; and a GPU's speed does not
-drift the way this host's shared vCPUs do, which is what the interleaving is for).
+On real CUDA devices (a discovered cluster, see :mod:`poplar.profile.discover`) the
+probe runs out of memory for real (the local model on the GPU, the stage's other model
+states held beside it as a reserved buffer), and the sizes are timed one after another
+rather than with every size's engine alive at once (a real GPU holds each engine's
+states for real, so at the limit only one fits).
 """
 
 from __future__ import annotations
@@ -44,16 +48,18 @@ import torch
 import torch.distributed as dist
 
 import poplar
-from poplar.emulate import EmulatedDevice, parse_cluster
-from poplar.emulate.calibration import calibration
+from poplar.cluster.catalogue import peak_tflops
+from poplar.cluster.spec import parse_cluster
+from poplar.devices.cuda import CudaDevice
+from poplar.emulate import EmulatedDevice
 from poplar.engine import collectives as C
-from poplar.engine.cuda_device import CudaDevice
 from poplar.engine.engine import EngineConfig
 from poplar.engine.units import build_units
 from poplar.workload import Workload, as_workload
 from poplar.profile.profile import CommProfile, DeviceProfile, ModelInfo, Profile, StageProfile
 
 _OPTIMIZER_LR = 1e-4
+PER_STEP_SIZES = 3   # the smallest sizes also timed with two micro-batches, for the once-per-step part
 HEADROOM = 0.01      # of a device's memory, left free by the largest micro-batch the profiler reports
 # on a real GPU more: the probe runs on a freshly emptied allocator, a training step on one
 # that earlier allocations have fragmented (an H100 at bf16 had 2.6 GiB reserved but unusable)
@@ -64,22 +70,19 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("POPLAR_CACHE_DIR", Path.home() / ".cache" / "poplar" / "profiles"))
 
 
-def cache_key(workload: str | Workload, kind: dict, stage: int, world_size: int, slowdown: float,
-              dtype: str = "fp32", max_micro_batch: int = 256, real: bool = False) -> str:
+def cache_key(workload: str | Workload, kind: dict, stage: int, world_size: int, dtype: str = "fp32",
+              max_micro_batch: int = 256, real: bool = False) -> str:
     """Everything that changes a device's stage profile: model, its shapes, device, stage, world, dtype.
 
-    ``real``: ``kind`` is a real CUDA device (its dict names the GPU, its memory and
-    capability); the host's calibration then means nothing, the software driving the
-    GPU does.
+    ``kind``: the device's declared figures (an emulated device), or the GPU's name,
+    memory and capability (``real``: the software driving it counts too). Nothing of
+    the host: an emulated device's profile is in its own declared seconds.
     """
     key = {"workload": as_workload(workload).cache_dict(), "device": kind, "stage": stage, "world_size": world_size,
-           "slowdown": round(slowdown, 6), "dtype": dtype, "max_micro_batch": max_micro_batch,
-           "poplar": poplar.__version__}
+           "dtype": dtype, "max_micro_batch": max_micro_batch, "poplar": poplar.__version__}
     if real:
         key["software"] = {"torch": torch.__version__, "cuda": torch.version.cuda,
                            "cudnn": torch.backends.cudnn.version()}
-    else:
-        key["calibration"] = calibration().id
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -112,8 +115,7 @@ def _probe_fits(device: EmulatedDevice, model, wl: Workload, micro_batch: int, s
     batch = wl.random_batch(micro_batch, seed=micro_batch)
     own = {p.untyped_storage()._cdata for p in model.parameters()}
     try:
-        with device.micro_step(state_bytes, own):
-            wl.loss(model, batch).backward()
+        device.check_fits(lambda: (state_bytes, own), lambda: wl.loss(model, batch).backward())
         return True
     except torch.OutOfMemoryError:
         return False
@@ -214,7 +216,7 @@ def _forward_backward(device: CudaDevice, model, wl: Workload, micro_batch: int)
     torch.cuda.synchronize(device.index)   # an asynchronous failure surfaces here, not in the next probe
 
 
-def _real_device(spec, rank: int) -> CudaDevice:
+def _check_real_device(spec, rank: int) -> None:
     """This rank's GPU, checked against the cluster's description on every rank alike (no rank left waiting)."""
     from poplar.engine.dist import context
     from poplar.profile.discover import local_properties
@@ -230,7 +232,6 @@ def _real_device(spec, rank: int) -> CudaDevice:
         raise ValueError(f"rank {rank} runs on {here.kind}, but the cluster describes {expected.kind}: {fix}")
     if not ok.item():
         raise ValueError(f"another rank's GPU differs from the cluster's description: {fix}")
-    return CudaDevice()
 
 
 def point_sizes(max_micro_batch: int, n_points: int) -> list[int]:
@@ -240,44 +241,61 @@ def point_sizes(max_micro_batch: int, n_points: int) -> list[int]:
     return [int(round(v)) for v in np.geomspace(1, max_micro_batch, n_points)]
 
 
-def _time_collectives(numel: int, repeats: int = 3, device: torch.device | None = None) -> CommProfile:
-    """``device``: where the buffers live (a GPU under NCCL, whose collectives return before they finish)."""
+def _time_collectives(device, numel: int, repeats: int = 3) -> CommProfile:
+    """The collectives at the model's size and at a tiny one, on the device's clock (a step each)."""
     world = dist.get_world_size()
+    here = _tensor_device(device)
     padded = -(-numel // world) * world
-    device = device or torch.device("cpu")
-    full, shard = torch.zeros(padded, device=device), torch.zeros(padded // world, device=device)
-    done = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    small = world * 64
 
-    def timed(fn) -> float:
-        fn()
-        done()
+    def timed(op: str, n: int) -> float:
+        full, shard = torch.zeros(n, device=here), torch.zeros(n // world, device=here)
+        run = {"all_reduce": lambda: C.all_reduce(full), "reduce_scatter": lambda: C.reduce_scatter(shard, full),
+               "all_gather": lambda: C.all_gather(full, shard)}[op]
         out = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            done()
-            out.append(time.perf_counter() - start)
+        for i in range(repeats + 1):
+            C.barrier()
+            with device.step():
+                run()
+            if i:
+                out.append(device.step_s)
         return statistics.median(out)
 
-    return CommProfile(numel=padded, all_reduce_s=timed(lambda: C.all_reduce(full)),
-                       reduce_scatter_s=timed(lambda: C.reduce_scatter(shard, full)),
-                       all_gather_s=timed(lambda: C.all_gather(full, shard)))
+    ops = ("all_reduce", "reduce_scatter", "all_gather")
+    return CommProfile(numel=padded, **{f"{op}_s": timed(op, padded) for op in ops},
+                       latency_s={op: timed(op, small) for op in ops})
 
 
-def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cluster: dict, stages: list[int], n_points: int = 5,
-                 warmup: int = 1, repeats: int = 6, progress=None, max_micro_batch: int = 256,
+def _timed_step(device, engine, batch, loss) -> float:
+    """Busy seconds of one step on the device's clock (its waits for collectives left out)."""
+    with device.step(engine.held_state):
+        engine.train_batch(batch, loss)
+    return device.compute_s
+
+
+def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cluster: dict, stages: list[int],
+                 n_points: int = 6, warmup: int = 1, repeats: int = 2, progress=None, max_micro_batch: int = 256,
                  dtype: str = "fp32") -> dict:
     """What each rank of the cluster runs. Returns its per-stage figures and the collectives' times."""
-    wl = as_workload(workload)
-    mixed = _mixed_precision(dtype)
+    from poplar.devices import rank_device
+
     spec = parse_cluster(cluster)
     spec.check_world_size(world_size)
+    with rank_device(spec, rank, as_workload(workload)) as device:
+        return _profile_rank(device, rank, world_size, as_workload(workload), spec, stages, n_points, warmup,
+                             repeats, progress, max_micro_batch, dtype)
+
+
+def _profile_rank(device, rank, world_size, wl: Workload, spec, stages, n_points, warmup, repeats, progress,
+                  max_micro_batch, dtype) -> dict:
+    mixed = _mixed_precision(dtype)
     real = spec.is_real
-    device = _real_device(spec, rank) if real else EmulatedDevice(spec.device(rank), rank, spec.host_slowdown())
+    if real:
+        _check_real_device(spec, rank)
     here = _tensor_device(device)   # NCCL's collectives take the GPU's tensors
     optimizer = lambda params: torch.optim.AdamW(params, lr=_OPTIMIZER_LR)  # noqa: E731
     out: dict = {"kind": spec.device(rank).kind, "stages": {}}
+
     def note(stage: int, what: str) -> None:
         if progress is not None and rank == 0:
             progress.put((stage, what))
@@ -287,7 +305,7 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
         # two micro-steps of one sample: the states held between micro-steps (accumulated
         # gradients) count too, as they will in any plan that accumulates
         engine = poplar.initialize(wl.build(), optimizer, poplar.Plan(stage, [1] * world_size, 2),
-                                   device=device, mixed_precision=mixed)
+                                   mixed_precision=mixed)
         state_before = engine.model_state_bytes()
         # a real GPU already holds the engine's tensors: the probe reserves only the rest
         held = state_before - engine.memory_report()["total"] if real else state_before
@@ -303,111 +321,59 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
                                     "note": "not timed: a device of this cluster does not fit micro-batch 1"}
             note(stage, "done")
             continue
-        engine.train_batch(wl.random_batch(2), wl.loss)   # optimizer states now exist
-        if not real:   # an emulated device also sees the states at the start of every micro-step
-            device.peak_state_bytes = 0
-        engine.train_batch(wl.random_batch(2), wl.loss)   # ... and so do gradients
-        state = max(engine.model_state_bytes(), 0 if real else device.peak_state_bytes)
+        batch = wl.random_batch(2)
+        for _ in range(2):    # optimizer states, then accumulated gradients, exist now
+            _timed_step(device, engine, batch, wl.loss)
+        state = max(engine.model_state_bytes(), getattr(device, "peak_state_bytes", 0))
         engine.close()
         engine = None
         if real:   # the probe holds the states itself (its model and a reserved buffer)
             _free_gpu()
-        # 1% of the capacity kept free: the whole local batch sits on the device during a
-        # step (the engine moves it there at once), so with accumulation the inputs take
-        # more than in the probe's single micro-batch (520 bytes a sample for `tiny`)
+        # some capacity kept free: the whole local batch sits on the device during a step
+        # (the engine moves it there at once), more than the probe's single micro-batch
         headroom = int((REAL_HEADROOM if real else HEADROOM) * device.capacity)
         limit = largest_micro_batch(device, wl, state + headroom, limit=max_micro_batch, dtype=dtype)
         sizes = torch.zeros(world_size, n_points, dtype=torch.int64, device=here)
         sizes[rank] = torch.tensor(point_sizes(limit, n_points))
         dist.all_reduce(sizes)
-        # every size's engine at once, timed in interleaved rounds (one step of each size per
-        # round), so a drift of the host's speed falls on every size alike. Each step has two
-        # micro-batches: the first one's time is what every further micro-step costs, and the
-        # rest of the step (the synchronisation, the update) is what a step costs once.
-        plans = [poplar.Plan(stage, [int(s) for s in sizes[:, i]], 2) for i in range(n_points)]
+        # At each size a step of one micro-batch (the point); at the smallest sizes also a
+        # step of two: their difference is what every further micro-step costs, the rest
+        # what a step costs once (the update, the same at any size)
+        twice = min(n_points, PER_STEP_SIZES)
+        plans = [poplar.Plan(stage, [int(s) for s in sizes[:, i]], 1) for i in range(n_points)]
+        plans += [poplar.Plan(stage, [int(s) for s in sizes[:, i]], 2) for i in range(twice)]
         times: list[list[float]] = [[] for _ in plans]
-        per_step = []
         # a real GPU holds every engine's states for real: there, one size at a time
-        for group in ([[i] for i in range(n_points)] if real else [range(n_points)]):
-            engines = {i: poplar.initialize(wl.build(), optimizer, plans[i], device=device, mixed_precision=mixed)
-                       for i in group}
+        per_size = [[i] + ([n_points + i] if i < twice else []) for i in range(n_points)]
+        for group in (per_size if real else [range(len(plans))]):
+            engines = {i: poplar.initialize(wl.build(), optimizer, plans[i], mixed_precision=mixed) for i in group}
             batches = {i: wl.random_batch(plans[i].local_batch_size(rank)) for i in group}
             for r in range(warmup + repeats):
                 note(stage, f"round {r + 1}/{warmup + repeats}")
                 for i, engine in engines.items():
-                    engine.train_batch(batches[i], wl.loss)     # back to this size: settle first
-                    if r < warmup:
-                        continue
-                    engine.train_batch(batches[i], wl.loss)
-                    if real:   # the GPU's own time: nothing to split
-                        micro = device.micro_s[0]
-                    else:      # the step's compute as measured, split as its calibrated work is (a lag of
-                        # the host behind the device's time falls on every part alike)
-                        micro = device.micro_s[0] * device.compute_s / device.target_s
-                    once = max(0.0, device.compute_s - 2 * micro)
-                    times[i].append(micro + once)              # a step of one micro-batch
-                    per_step.append(once)
+                    busy = _timed_step(device, engine, batches[i], wl.loss)
+                    if r >= warmup:
+                        times[i].append(busy)
             for engine in engines.values():
                 engine.close()
             engines = engine = None
             if real:
                 _free_gpu()
-        points = [(plan.micro_batch_sizes[rank], statistics.median(t)) for plan, t in zip(plans, times)]
+        one = [statistics.median(t) for t in times[:n_points]]
+        two = [statistics.median(t) for t in times[n_points:]]
+        per_step = [max(0.0, 2 * a - b) for a, b in zip(one, two)]
+        points = [(plans[i].micro_batch_sizes[rank], one[i]) for i in range(n_points)]
         out["stages"][stage] = {"max": limit, "state_bytes": state, "points": points, "note": "",
                                 "per_step": statistics.median(per_step)}
-        note(stage, "balanced plan")
-        out.setdefault("sync", {})[stage] = _calibrate_sync(rank, world_size, stage, wl, spec, device,
-                                                            optimizer, out["kind"], out["stages"][stage], repeats,
-                                                            mixed)
         note(stage, "done")
-    out["comm"] = _time_collectives(wl.n_params(), device=here).model_dump()
+    out["comm"] = _time_collectives(device, wl.n_params()).model_dump()
+    out["dilation"], out["overruns"] = device.dilation, device.overruns
     return out
 
 
 def _tensor_device(device) -> torch.device:
     """Where this rank's tensors for collectives live: its GPU if it is a real one."""
     return device.torch_device if isinstance(device, CudaDevice) else torch.device("cpu")
-
-
-def _calibrate_sync(rank: int, world_size: int, stage: int, wl: Workload, spec, device, optimizer, kind: str,
-                    mine: dict, repeats: int, mixed: str | None = None) -> tuple[float, int]:
-    """Time a step beyond the slowest rank's compute, on a plan balanced by what was just measured.
-
-    The ranks synchronise at collectives (in ZeRO-2/3 inside every micro-step, unit by
-    unit), so a step lasts longer than its slowest rank computes: collectives that are
-    not hidden, and the ranks' small drifts between sync points. Returns the median
-    excess per step and the plan's accumulation count it was measured at.
-    """
-    from poplar.planner.cost import CostModel
-    from poplar.planner.search import allocate
-
-    seen = [None] * world_size
-    dist.all_gather_object(seen, (kind, mine))
-    devices = {k: DeviceProfile(kind=k, memory_gb=1.0, stages={stage: _merge_stage([m for kk, m in seen if kk == k])})
-               for k in dict.fromkeys(x[0] for x in seen)}
-    interim = Profile(model=ModelInfo(name=wl.model, n_params=1, seq_len=1), ranks=[x[0] for x in seen],
-                      devices=devices)
-    cost = CostModel(interim, stage)
-    plan = allocate(cost, sum(kc.max_micro_batch * cost.rank_kinds.count(k) for k, kc in cost.kinds.items()))
-    engine = poplar.initialize(wl.build(), optimizer, plan, device=device, mixed_precision=mixed)
-    batch = wl.random_batch(plan.local_batch_size(rank))
-    walls, busy = [], []
-    for i in range(1 + 2 * repeats):
-        engine.train_batch(batch, wl.loss)
-        if i:
-            walls.append(device.step_wall_s)
-            busy.append(device.compute_s)
-    engine.close()
-    engine = None
-    if isinstance(device, CudaDevice):
-        _free_gpu()
-    figures = torch.tensor([statistics.median(walls), statistics.median(busy)], dtype=torch.float64,
-                           device=_tensor_device(device))
-    everyone = [torch.zeros_like(figures) for _ in range(world_size)]
-    dist.all_gather(everyone, figures)
-    step = statistics.median(float(f[0]) for f in everyone)
-    slowest = max(float(f[1]) for f in everyone)
-    return max(0.0, step - slowest), max(plan.accum_steps)
 
 
 # ---------------------------------------------------------------------------- the whole cluster
@@ -429,8 +395,8 @@ def _merge_points(point_lists: list[list[tuple[int, float]]]) -> list[tuple[int,
     return [(m, statistics.median(ts)) for m, ts in sorted(by_size.items())]
 
 
-def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3), n_points: int = 5, warmup: int = 1,
-                    repeats: int = 6, cache_dir: Path | None = None, use_cache: bool = True, progress=None,
+def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3), n_points: int = 6, warmup: int = 1,
+                    repeats: int | None = None, cache_dir: Path | None = None, use_cache: bool = True, progress=None,
                     on_poll=None, max_micro_batch: int = 256, timeout_s: float = 900,
                     distributed: bool = False, dtype: str = "fp32") -> tuple[Profile, dict]:
     """Profile ``workload`` (a model name, or a :class:`Workload`) on ``cluster``, launching its ranks.
@@ -439,8 +405,9 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
     running group (:func:`poplar.profile.discover.discover_cluster`); real devices are
     profiled only with ``distributed=True``.
 
-    The largest micro-batch searched is ``max_micro_batch`` (a plan never needs more
-    than its global batch). ``dtype``: the compute dtype of the training to plan (``bf16``:
+    ``repeats``: timed rounds after ``warmup`` (default: 3 on real GPUs, 1 on an
+    emulated cluster, whose time is deterministic). The largest micro-batch searched is
+    ``max_micro_batch`` (a plan never needs more than its global batch). ``dtype``: the compute dtype of the training to plan (``bf16``:
     the engine's bf16 mixed precision; time and memory differ from fp32's). Returns the
     :class:`Profile` and a summary of the cache
     (which (kind, stage) were measured, which were read back).
@@ -458,10 +425,11 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
         raise ValueError("real CUDA devices are profiled by the ranks that run on them: call with distributed=True "
                          "in a running process group (poplar profile does so under torchrun, or on one GPU)")
     world = spec.world_size
-    slowdown = spec.host_slowdown()
+    if repeats is None:   # an emulated device's time is its declared model's: one timed round is the figure
+        repeats = 3 if spec.is_real else 1
     cache_dir = Path(cache_dir or default_cache_dir())
     kinds = {d.kind: d for d in spec.devices}
-    keys = {(k, s): cache_key(wl, d.model_dump(), s, world, slowdown, dtype=dtype, max_micro_batch=max_micro_batch,
+    keys = {(k, s): cache_key(wl, _kind_key(spec, d), s, world, dtype=dtype, max_micro_batch=max_micro_batch,
                               real=spec.is_real)
             for k, d in kinds.items() for s in stages}
     cached = {}
@@ -471,10 +439,10 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
             if path.exists():
                 cached[ks] = StageProfile.model_validate_json(path.read_text())
     # the collectives and the ranks' synchronisation depend on the whole cluster
-    comm_key = cache_key(wl, spec.model_dump(), -1, world, slowdown, dtype=dtype, real=spec.is_real)
+    comm_key = cache_key(wl, spec.model_dump(), -1, world, dtype=dtype, real=spec.is_real)
     comm_path = cache_dir / f"comm-{comm_key}.json"
     comm = CommProfile.model_validate_json(comm_path.read_text()) if use_cache and comm_path.exists() else None
-    todo = [s for s in stages if any((k, s) not in cached for k in kinds) or comm is None or s not in comm.sync_s]
+    todo = [s for s in stages if any((k, s) not in cached for k in kinds)]
     rank = dist.get_rank() if distributed else 0
     if distributed:   # every rank must measure the same stages: rank 0's cache decides
         decided = [todo, comm is None]
@@ -492,12 +460,7 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
         else:
             ranks = spawn(profile_rank, world, wl.model_dump(), cluster, todo, n_points, warmup, repeats, progress,
                           max_micro_batch, dtype, timeout_s=timeout_s, on_poll=on_poll)
-        old = comm
         comm = CommProfile(**ranks[0]["comm"])
-        if old is not None:
-            comm.sync_s, comm.sync_accum = dict(old.sync_s), dict(old.sync_accum)
-        for s, (excess, accum) in ranks[0].get("sync", {}).items():
-            comm.sync_s[int(s)], comm.sync_accum[int(s)] = excess, accum
         for s in todo:
             for k in kinds:
                 measured[(k, s)] = _merge_stage([r["stages"][s] for r in ranks if r["kind"] == k])
@@ -509,15 +472,28 @@ def profile_cluster(workload: str | Workload, cluster: dict, stages=(0, 1, 2, 3)
     devices = {}
     for k, d in kinds.items():
         stage_profiles = {s: measured.get((k, s)) or cached[(k, s)] for s in stages}
-        devices[k] = DeviceProfile(kind=k, memory_gb=d.memory_gb, speed=d.speed, stages=stage_profiles)
+        rated = peak_tflops(d.cuda.name, dtype) if d.cuda is not None else d.peak_tflops(dtype)
+        devices[k] = DeviceProfile(kind=k, memory_gb=spec.memory_bytes(d) / 2**30, rated_tflops=rated,
+                                   stages=stage_profiles)
     model = wl.build()
     n_params = sum(p.numel() for p in model.parameters())
     units = [sum(p.numel() for p in u.params) for u in build_units(model, None, EngineConfig().unit_numel)]
     profile = Profile(model=ModelInfo(name=wl.model, n_params=n_params, unit_numels=units, seq_len=wl.seq_len,
                                       dtype=dtype),
                       ranks=[d.kind for d in spec.rank_devices()], devices=devices, comm=comm)
-    summary = {"measured": sorted(measured), "from_cache": sorted(ks for ks in cached if ks not in measured)}
+    summary = {"measured": sorted(measured), "from_cache": sorted(ks for ks in cached if ks not in measured),
+               "dilation": ranks[0].get("dilation") if todo or missing_comm else None,
+               "overruns": sum(r.get("overruns", 0) for r in ranks) if todo or missing_comm else 0}
     return profile, summary
+
+
+def _kind_key(spec, kind) -> dict:
+    """What sets a kind's profile: its figures (the catalogue's too) and its scaled memory; not its count or node."""
+    data = kind.model_dump(exclude={"count", "node"})
+    if kind.cuda is None:
+        data["resolved"] = {"memory_bytes": spec.memory_bytes(kind), "bandwidth_gbs": kind.bandwidth_gbs,
+                            "tflops": {d: kind.peak_tflops(d) for d in ("fp32", "bf16")}}
+    return data
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -14,12 +14,9 @@ def read_log(path: str | Path) -> list[dict]:
 def summarize(records: list[dict], skip: int = 1) -> dict:
     """Medians over the steady steps, and the loss at both ends.
 
-    Steady: after the first ``skip`` (warm-up), and not calibrating (an emulated device
-    measuring work it had no fixed time for yet: the allocation trained first would pay
-    for work every later one reuses). ``steady_steps`` names them (log step numbers).
+    Steady: after the first ``skip`` (warm-up). ``steady_steps`` names them (log step numbers).
     """
-    after = records[skip:] or records
-    steady = [r for r in after if not r.get("calibrating")] or after
+    steady = records[skip:] or records
     ranks = len(steady[0]["busy_s"])
     mfu = {"mfu": statistics.median(r["mfu"] for r in steady)} if all("mfu" in r for r in steady) else {}
     return {

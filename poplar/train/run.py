@@ -13,9 +13,12 @@ continues from the newest one exactly where an uninterrupted run would be.
 Model FLOPs per token, as counted here: ``6 * N + 12 * L * d * s`` for a training step
 (forward and backward), with ``N`` the parameters outside the input embedding, ``L``
 layers, ``d`` the hidden size and ``s`` the sequence length (the attention scores).
-On real GPUs the log also holds the model FLOPs utilisation (MFU): that rate over the
-sum of every GPU's peak dense TFLOP/s in the compute dtype
-(:func:`poplar.profile.discover.peak_tflops`, or ``peak_tflops`` in the config).
+On real and emulated GPUs the log also holds the model FLOPs utilisation (MFU): that
+rate over the sum of every GPU's peak dense TFLOP/s in the compute dtype (the
+catalogue's, :mod:`poplar.cluster.catalogue`, a cluster file's declared figures, or
+``peak_tflops`` in the config). Times are on the devices' clock: an emulated cluster's
+are its declared seconds, and a step where an emulated device's real work ran past its
+declared time says so (``overruns``).
 """
 
 from __future__ import annotations
@@ -47,14 +50,18 @@ def flops_per_token(model: torch.nn.Module, wl: Workload) -> float:
 
 
 def _peak_tflops(device, cfg: TrainConfig) -> float:
-    """This rank's peak TFLOP/s for MFU (0: unknown, or not a real GPU)."""
-    from poplar.engine.cuda_device import CudaDevice
-    from poplar.profile.discover import peak_tflops
+    """This rank's peak TFLOP/s for MFU (0: unknown, or the host's CPU)."""
+    from poplar.cluster.catalogue import peak_tflops
+    from poplar.devices.cuda import CudaDevice
+    from poplar.emulate import EmulatedDevice
     from poplar.profile.profiler import compute_dtype
 
+    dtype = compute_dtype(cfg.mixed_precision)
+    if isinstance(device, EmulatedDevice):
+        return device.kind.peak_tflops(dtype)
     if not isinstance(device, CudaDevice):
         return 0.0
-    return cfg.peak_tflops or peak_tflops(device.properties.name, compute_dtype(cfg.mixed_precision)) or 0.0
+    return cfg.peak_tflops or peak_tflops(device.properties.name, dtype) or 0.0
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
@@ -76,25 +83,31 @@ def prepare_data(cfg: TrainConfig):
 
 def _train_rank(rank: int, world_size: int, cfg_dict: dict, plan_dict: dict, wl_dict: dict,
                 return_state: bool = False) -> dict:
-    from poplar.emulate import EmulatedDevice, load_cluster
-    from poplar.engine.cuda_device import CudaDevice
-    from poplar.engine.device import Device
-    from poplar.engine.dist import context
+    from poplar.cluster.spec import load_cluster
+    from poplar.devices import Device, rank_device
+    from poplar.devices.cuda import CudaDevice
 
-    cfg, plan, wl = TrainConfig(**cfg_dict), poplar.Plan.from_dict(plan_dict), Workload(**wl_dict)
+    cfg = TrainConfig(**cfg_dict)
     if cfg.cluster:
-        spec = load_cluster(cfg.cluster)
-        device = EmulatedDevice(spec.device(rank), rank, spec.host_slowdown())
+        device = rank_device(load_cluster(cfg.cluster), rank, Workload(**wl_dict))
     elif _on_cuda():   # a real GPU: its steps timed on the GPU, so busy and idle times mean what they say
         device = CudaDevice()
     else:
         device = Device()
+    with device:
+        return _train(device, rank, world_size, cfg, poplar.Plan.from_dict(plan_dict), Workload(**wl_dict),
+                      return_state)
+
+
+def _train(device, rank: int, world_size: int, cfg: TrainConfig, plan, wl: Workload, return_state: bool) -> dict:
+    from poplar.engine.dist import context
+
     _, batches = prepare_data(cfg)
     model = wl.build(seed=cfg.seed)
     fpt = flops_per_token(model, wl)
     peak = _peak_tflops(device, cfg)
     optimizer = lambda params: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # noqa: E731
-    engine = poplar.initialize(model, optimizer, plan, device=device, clip_grad_norm=cfg.clip_grad_norm,
+    engine = poplar.initialize(model, optimizer, plan, clip_grad_norm=cfg.clip_grad_norm,
                                mixed_precision=None if cfg.mixed_precision == "none" else cfg.mixed_precision)
     out_dir = Path(cfg.out)
     ckpt_root = out_dir / "checkpoints"
@@ -110,43 +123,44 @@ def _train_rank(rank: int, world_size: int, cfg_dict: dict, plan_dict: dict, wl_
     losses = []
     last = min(cfg.steps, cfg.stop_at or cfg.steps)
     try:
-        dist.barrier()                       # the ranks start the clock together
-        previous = time.perf_counter()
+        dist.barrier()                       # the ranks start together
         for step in range(start, last):
             for group in engine.optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, step)
-            loss = engine.train_batch(batches.local(step, plan, rank), wl.loss)
-            period = time.perf_counter() - previous     # waits for the other ranks included
+            local = batches.local(step, plan, rank)
+            overruns = device.overruns
+            with device.step(engine.held_state):   # waits for the other ranks included
+                loss = engine.train_batch(local, wl.loss)
             losses.append(loss)
             logging = step % cfg.log_every == 0 or step == last - 1
             if logging:                              # every rank: the figures are gathered
-                figures = torch.tensor([period, device.compute_s, float(device.calibrating), peak],
+                figures = torch.tensor([device.step_s, device.compute_s, device.overruns - overruns, peak],
                                        dtype=torch.float64, device=context().device)   # NCCL: on the GPU
                 every = [torch.zeros_like(figures) for _ in range(world_size)]
                 dist.all_gather(every, figures)
                 step_s = max(float(f[0]) for f in every)
                 busy = [float(f[1]) for f in every]
-                calibrating = any(float(f[2]) > 0 for f in every)
+                overran = int(sum(float(f[2]) for f in every))
                 peaks = [float(f[3]) for f in every]
             if logging and log is not None:
                 record = {"step": step, "loss": loss, "lr": learning_rate(cfg, step), "step_s": step_s,
                           "samples_per_s": plan.global_batch_size / step_s, "tokens_per_s": tokens / step_s,
                           "tflops": fpt * tokens / step_s / 1e12, "busy_s": busy,
                           "idle_s": [max(0.0, step_s - b) for b in busy], "grad_norm": engine.last_grad_norm,
-                          "calibrating": calibrating}
+                          "overruns": overran}
                 if all(p > 0 for p in peaks):
                     record["mfu"] = record["tflops"] / sum(peaks)
                 log.write(json.dumps(record) + "\n")
                 log.flush()
-                print(f"step {step + 1}/{cfg.steps}  loss {loss:.4f}  {record['samples_per_s']:.1f} samples/s  "
-                      f"{record['tokens_per_s']:,.0f} tokens/s  {record['tflops']:.1f} TFLOP/s"
+                print(f"step {step + 1}/{cfg.steps}  loss {loss:.4f}  {record['samples_per_s']:,.0f} samples/s  "
+                      f"{record['tflops']:.1f} TFLOP/s"
                       + (f" (MFU {100 * record['mfu']:.1f}%)" if "mfu" in record else "")
-                      + f"  idle {max(record['idle_s']) * 1000:.0f} ms",
+                      + f"  most idle {100 * max(record['idle_s']) / step_s:.0f}%"
+                      + (f"  {overran} overruns" if overran else ""),
                       flush=True)
             done = step + 1
             if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == last:
                 save_checkpoint(engine, ckpt_root, done, expect)
-            previous = time.perf_counter()           # logging and checkpoints are not the step's time
     finally:
         if log is not None:
             log.close()
@@ -166,7 +180,7 @@ def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, distributed: bool 
         plan = poplar.Plan.load(previous)
         plan.check_world_size(world_size)
         return plan, None
-    from poplar.emulate import load_cluster
+    from poplar.cluster.spec import load_cluster
     from poplar.planner import make_plan
     from poplar.profile.discover import discover_cluster
     from poplar.profile.profiler import compute_dtype, profile_cluster
@@ -237,7 +251,7 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     gpus = cuda_devices_here()
     if not cfg.cluster and nproc is None and gpus == 1:   # the one GPU here: this process is its rank
         return _run_under_torchrun(cfg, return_state)
-    from poplar.emulate import load_cluster
+    from poplar.cluster.spec import load_cluster
     from poplar.launch import spawn
 
     out_dir = _check_out(cfg)

@@ -2,48 +2,61 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from poplar.emulate import EmulatedDevice, parse_cluster
+from poplar.cluster.spec import parse_cluster
+from poplar.emulate import EmulatedDevice, GpuModel, WorkCounter
 from poplar.workload import Workload
 
 WORKLOAD = Workload(model="llama-tiny", seq_len=32, vocab_size=512)
 
 
-def deepspeed_speed_and_memory(rank: int, world_size: int, cluster: dict, stage: int, steps: int,
-                               slowdown: float) -> dict:
-    """DeepSpeed under this rank's emulated device: its step times; then a device too small for a micro-step."""
+def deepspeed_time_and_memory(rank: int, world_size: int, cluster: dict, stage: int, steps: int,
+                              dilation: float) -> dict:
+    """DeepSpeed under this rank's emulated device: its step times; then a device too small for a micro-step.
+
+    Each step also counts what the same operators take on every kind of the cluster
+    (``declared``), so a rank's busy time can be held against the work it ran.
+    """
     from poplar.peers.deepspeed import DeepSpeedSetup
 
     spec = parse_cluster(cluster)
-    device = EmulatedDevice(spec.device(rank), rank, slowdown)
+    gpus = {d.kind: GpuModel.of(d) for d in spec.devices}
     batch = WORKLOAD.random_batch(16, seed=rank)
-    peer = DeepSpeedSetup(stage, micro_batch_size=8, accum_steps=2, world_size=world_size, hidden_size=64).start(
-        WORKLOAD, device)
     times = []
-    for _ in range(steps):
-        peer.train_batch(batch)
-        times.append({"compute": device.step_wall_s - device.wait_s, "wait": device.wait_s})
-    peer.close()
+    with EmulatedDevice(spec, rank, dilation=dilation) as device:
+        peer = DeepSpeedSetup(stage, micro_batch_size=8, accum_steps=2, world_size=world_size,
+                              hidden_size=64).start(WORKLOAD)
+        for _ in range(steps):
+            with device.step(peer.held_state), contextlib.ExitStack() as counting:
+                counters = {kind: counting.enter_context(WorkCounter(gpu)) for kind, gpu in gpus.items()}
+                peer.train_batch(batch)
+            times.append({"compute": device.compute_s, "wait": device.wait_s,
+                          "declared": {kind: c.seconds for kind, c in counters.items()}})
+        peer.close()
+        overruns = device.overruns
 
     # Room for ZeRO-1's model state and 1 KiB more: the first activation saved overflows.
     # (ZeRO-1's forward launches no collective, so every rank fails at the same place.)
     zero1 = DeepSpeedSetup(1, micro_batch_size=8, accum_steps=2, world_size=world_size, hidden_size=64)
-    probe = zero1.start(WORKLOAD, device)
+    probe = zero1.start(WORKLOAD)
     state, _ = probe.held_state()
     probe.close()
-    small = EmulatedDevice(parse_cluster({"devices": [{"kind": "small", "speed": 1.0,
-                                                       "memory_gb": (state + 1024) / 2**30}]}).device(0), rank)
-    peer = zero1.start(WORKLOAD, small)
+    small = {"devices": [{"kind": "small", "count": world_size, "memory_gb": (state + 1024) / 2**30,
+                          "tflops": 10.0, "memory_bandwidth_gbs": 500.0}]}
     error = None
-    try:
-        peer.train_batch(batch)
-    except torch.OutOfMemoryError as e:
-        error = str(e)
-    return {"times": times, "state_bytes": state, "capacity": small.capacity,
-            "peak_state_bytes": small.peak_state_bytes, "oom": error}
+    with EmulatedDevice(parse_cluster(small), rank, dilation=dilation) as device:
+        peer = zero1.start(WORKLOAD)
+        try:
+            with device.step(peer.held_state):
+                peer.train_batch(batch)
+        except torch.OutOfMemoryError as e:
+            error = str(e)
+    return {"kind": spec.device(rank).kind, "times": times, "overruns": overruns, "state_bytes": state,
+            "capacity": device.capacity, "peak_state_bytes": device.peak_state_bytes, "oom": error}
 
 
 @dataclass(frozen=True)
@@ -59,5 +72,5 @@ class BrokenSetup:
     def local_batch_size(self, rank: int) -> int:
         return 4
 
-    def start(self, workload, device):
+    def start(self, workload):
         raise RuntimeError("this peer does not start")

@@ -14,16 +14,19 @@ def affine_stage(alpha: float, beta: float, max_mbs: int, per_step: float = 0.0)
 
 
 def make_profile(kinds: dict[str, tuple[int, float, float, int]], stages=(0, 1, 2, 3), per_step: float = 0.0,
-                 comm: CommProfile | None = None, seq_len: int = 16, max_by_stage=None) -> Profile:
+                 comm: CommProfile | None = None, seq_len: int = 16, max_by_stage=None, dtype: str = "fp32",
+                 rated_tflops: dict[str, float | None] | None = None) -> Profile:
     """``kinds[name] = (count, alpha, beta, max_micro_batch)``; ranks in the dict's order.
 
-    ``max_by_stage[name][stage]`` overrides a kind's limit in one stage.
+    ``max_by_stage[name][stage]`` overrides a kind's limit in one stage; ``rated_tflops[name]``
+    is a kind's rating (what the profiler stores from the data sheet; default None: unrated).
     """
     devices, ranks = {}, []
     for name, (count, alpha, beta, max_mbs) in kinds.items():
         limits = {s: (max_by_stage or {}).get(name, {}).get(s, max_mbs) for s in stages}
-        devices[name] = DeviceProfile(kind=name, memory_gb=1.0, stages={
-            s: affine_stage(alpha, beta, limits[s], per_step) for s in stages})
+        devices[name] = DeviceProfile(kind=name, memory_gb=1.0, rated_tflops=(rated_tflops or {}).get(name),
+                                      stages={s: affine_stage(alpha, beta, limits[s], per_step) for s in stages})
         ranks += [name] * count
-    return Profile(model=ModelInfo(name="synthetic", n_params=1000, seq_len=seq_len, unit_numels=[400, 300, 300]),
+    return Profile(model=ModelInfo(name="synthetic", n_params=1000, seq_len=seq_len, unit_numels=[400, 300, 300],
+                                   dtype=dtype),
                    ranks=ranks, devices=devices, comm=comm)

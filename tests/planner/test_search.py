@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from poplar.cluster.catalogue import peak_tflops
 from poplar.plan import Plan
 from poplar.planner import CostModel, allocate, measured_proportional, proportional, uniform
 from poplar.profile.profile import CommProfile
@@ -125,7 +126,6 @@ def test_paper_cases_beat_both_baselines(name, stage):
             # never worse; proportional can be as good where the speed ratio alone splits the batch well
             assert mine <= cost.predict(baseline(cost, global_batch)).step_s * (1 + 1e-9)
         # uniform waits for the slowest card: clearly worse where compute differs; where only
-        # memory does, it pays one more micro-step's fixed cost on the big card
         # memory does, it pays one more micro-step's fixed cost on the big card (ZeRO-0/1; in
         # ZeRO-2/3 every card runs as many micro-steps, so an even split is already the best)
         theirs = cost.predict(uniform(cost, global_batch)).step_s
@@ -201,17 +201,11 @@ def test_planning_a_thousand_ranks_of_six_kinds():
             assert full or pred.idle_s[i] < 0.15 * pred.step_s, (i, k, pred.idle_s[i], pred.step_s)
 
 
-def with_speeds(profile, speeds: dict[str, float]):
-    for kind, speed in speeds.items():
-        profile.devices[kind].speed = speed
-    return profile
-
-
-def test_whale_style_splits_by_rated_speed_and_misses_what_memory_costs():
+def test_whale_style_splits_by_rated_tflops_and_misses_what_memory_costs():
     # the V100S is rated at 0.4 of the A800 but holds only 20 samples a micro-batch: Whale's
     # split gives it 0.4 / 1.4 of the batch whatever its curve says; the measured-peak split
     # sees its throughput at the micro-batches it can hold
-    prof = with_speeds(make_profile(PAPER_CASES["both differ"], per_step=0.005), {"a800": 1.0, "v100s": 0.4})
+    prof = make_profile(PAPER_CASES["both differ"], per_step=0.005, rated_tflops={"a800": 50.0, "v100s": 20.0})
     cost = CostModel(prof, 1)
     whale = proportional(cost, 254)
     assert whale.local_batch_sizes == (181, 73)              # 1 + 252 / 1.4 and 1 + 252 * 0.4 / 1.4
@@ -222,13 +216,23 @@ def test_whale_style_splits_by_rated_speed_and_misses_what_memory_costs():
     assert mine < 0.95 * cost.predict(whale).step_s
 
 
-def test_whale_style_reads_real_gpus_from_their_data_sheet_and_else_measures():
+def test_whale_style_follows_the_data_sheet_and_else_measures():
+    # the profiler stores a real GPU's data-sheet peak in its profile's dtype as its rating
     h100, a100 = "NVIDIA H100 80GB HBM3 (79.1 GiB, sm_90)", "NVIDIA A100-SXM4-40GB (39.4 GiB, sm_80)"
-    prof = make_profile({h100: (1, 0.004, 0.001, 64), a100: (1, 0.008, 0.002, 32)})
-    prof.model.dtype = "bf16"
-    plan = proportional(CostModel(prof, 0), 1303)                  # 989 : 312 bf16 TFLOP/s
-    assert plan.local_batch_sizes == (990, 313)
-    # a GPU without a known rating: every device's measured peak instead (units must not mix)
-    prof = make_profile({h100: (1, 0.004, 0.001, 64), "Some Future GPU (96.0 GiB, sm_100)": (1, 0.008, 0.002, 32)})
+    rated = {h100: peak_tflops("NVIDIA H100 80GB HBM3", "bf16"), a100: peak_tflops("NVIDIA A100-SXM4-40GB", "bf16")}
+    assert rated == {h100: 989.0, a100: 312.0}
+    prof = make_profile({h100: (1, 0.004, 0.001, 64), a100: (1, 0.008, 0.002, 32)}, dtype="bf16", rated_tflops=rated)
+    plan = proportional(CostModel(prof, 0), 1303)
+    assert plan.local_batch_sizes == (990, 313)                    # 1 + 1301 * 989 / 1301 and 1 + 1301 * 312 / 1301
+    # in fp32 the same GPUs are rated 67 : 19.5, and the split follows
+    rated = {h100: peak_tflops("NVIDIA H100 80GB HBM3", "fp32"), a100: peak_tflops("NVIDIA A100-SXM4-40GB", "fp32")}
+    prof = make_profile({h100: (1, 0.004, 0.001, 64), a100: (1, 0.008, 0.002, 32)}, rated_tflops=rated)
+    plan = proportional(CostModel(prof, 0), 867)
+    assert plan.local_batch_sizes == (671, 196)                    # 1 + 865 * 67 / 86.5 and 1 + 865 * 19.5 / 86.5
+    # a GPU without a known rating (None): every device's measured peak instead (units must not mix)
+    future = "Some Future GPU (96.0 GiB, sm_100)"
+    assert peak_tflops(future, "bf16") is None
+    prof = make_profile({h100: (1, 0.004, 0.001, 64), future: (1, 0.008, 0.002, 32)}, dtype="bf16",
+                        rated_tflops={h100: 989.0, future: None})
     cost = CostModel(prof, 0)
     assert proportional(cost, 300) == measured_proportional(cost, 300)

@@ -9,8 +9,7 @@ import pytest
 import torch
 import yaml
 
-from poplar.emulate import parse_cluster
-from poplar.emulate.cluster import CudaProperties
+from poplar.cluster.spec import CudaProperties, parse_cluster
 from poplar.launch import spawn
 from poplar.profile import Profile
 from poplar.profile.discover import discover_cluster, group_devices, peak_tflops
@@ -23,7 +22,8 @@ without_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the 
 
 H100 = CudaProperties(name="NVIDIA H100 80GB HBM3", total_memory=int(79.1 * 2**30), major=9, minor=0)
 A100 = CudaProperties(name="NVIDIA A100-SXM4-40GB", total_memory=40 * 2**30, major=8, minor=0)
-EMULATED = {"devices": [{"kind": "big-fast", "count": 1, "speed": 1.0, "memory_gb": 0.04}]}
+EMULATED = {"devices": [{"kind": "big-fast", "count": 2, "memory_gb": 0.04, "tflops": 10.0,
+                         "memory_bandwidth_gbs": 500.0}]}
 
 
 def test_identical_consecutive_devices_are_one_kind_in_rank_order():
@@ -33,9 +33,8 @@ def test_identical_consecutive_devices_are_one_kind_in_rank_order():
         ("NVIDIA H100 80GB HBM3 (79.1 GiB, sm_90)", 1)]
     assert [d.cuda for d in spec.rank_devices()] == [H100, A100, A100, H100]
     assert spec.world_size == 4 and spec.is_real
-    assert spec.device(1).memory_bytes == 40 * 2**30 and spec.device(1).memory_gb == 40.0
-    assert spec.device(0).speed is None             # a real device runs at its own speed
-    assert spec.host_slowdown() == 1.0               # nothing emulated, nothing slowed down
+    assert spec.memory_bytes(spec.device(1)) == 40 * 2**30 and spec.device(1).memory_gib == 40.0
+    assert all(d.is_real and d.gpu is None and d.tflops is None for d in spec.devices)   # its own, none declared
     # the same GPU with other memory or another capability is another kind
     other = [H100, H100.model_copy(update={"total_memory": 94 * 2**30}), H100.model_copy(update={"minor": 1})]
     assert len({d.kind for d in group_devices(other).devices}) == 3
@@ -47,16 +46,19 @@ def test_a_discovered_cluster_survives_the_trip_to_the_ranks_and_emulated_ones_a
     spec = group_devices([A100, A100])
     assert parse_cluster(spec.model_dump()) == spec                          # as profile_rank receives it
     assert parse_cluster(yaml.safe_load(spec.to_yaml())) == spec
-    # an emulated device dumps as before (its dict is part of the profile cache's keys)
-    assert parse_cluster(EMULATED).model_dump() == EMULATED
-    assert "cuda" not in parse_cluster(EMULATED).to_yaml()
+    # an emulated device dumps as it was written (its dict is part of the profile cache's keys)
+    emulated = parse_cluster(EMULATED)
+    assert emulated.model_dump()["devices"] == EMULATED["devices"] and not emulated.is_real
+    assert parse_cluster(emulated.model_dump()) == emulated
+    assert "cuda" not in emulated.to_yaml()
 
 
 @pytest.mark.parametrize("devices, words", [
-    ([dict(EMULATED["devices"][0], speed=None)], "devices.0: an emulated device needs a speed"),
-    ([{"kind": "x", "speed": 1.0, "memory_gb": 40.0, "cuda": A100.model_dump()}],
-     "devices.0: a real CUDA device runs at its own speed"),
-    ([EMULATED["devices"][0], {"kind": "x", "speed": None, "memory_gb": 40.0, "cuda": A100.model_dump()}],
+    ([{"kind": "x", "memory_gb": 0.04}], "devices.0: kind 'x': give gpu: NAME (a catalogue GPU) or declare tflops, "
+                                         "memory_bandwidth_gbs"),
+    ([{"kind": "x", "speed": 1.0, "memory_gb": 40.0, "cuda": A100.model_dump()}], "devices.0.speed: a device is no "
+                                                                                  "longer a speed"),
+    ([EMULATED["devices"][0], {"kind": "x", "memory_gb": 40.0, "cuda": A100.model_dump()}],
      "mixes real CUDA devices with emulated ones"),
 ])
 def test_real_and_emulated_kinds_are_told_apart_strictly(devices, words):
@@ -67,7 +69,7 @@ def test_real_and_emulated_kinds_are_told_apart_strictly(devices, words):
 
 def test_cache_keys_of_real_devices_name_the_gpu():
     def key(props: CudaProperties) -> str:
-        return cache_key("tiny", group_devices([props]).devices[0].model_dump(), 0, 1, 1.0, real=True)
+        return cache_key("tiny", group_devices([props]).devices[0].model_dump(), 0, 1, real=True)
 
     assert key(H100) == key(H100)
     assert len({key(H100), key(A100), key(H100.model_copy(update={"total_memory": 94 * 2**30})),
@@ -99,7 +101,8 @@ def test_discovers_this_gpu():
     spec = discover_cluster()
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     assert spec.world_size == 1 and spec.is_real
-    assert spec.device(0).memory_bytes == props.total_memory
+    assert spec.memory_bytes(spec.device(0)) == props.total_memory and spec.device(0).is_real
+    assert spec.device(0).cuda.name == props.name
     assert spec.device(0).kind.startswith(props.name) and f"sm_{props.major}{props.minor}" in spec.device(0).kind
 
 
@@ -112,7 +115,10 @@ def test_profiles_the_real_gpu_without_a_cluster_file(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     prof = Profile.load(tmp_path / "p.json")
     kind = prof.ranks[0]
-    assert len(prof.ranks) == 1 and "sm_" in kind and prof.devices[kind].speed is None
+    assert len(prof.ranks) == 1 and "sm_" in kind
+    # its rating is the data sheet's fp32 peak, or None for a GPU the catalogue does not know
+    name = torch.cuda.get_device_properties(0).name
+    assert prof.devices[kind].rated_tflops == peak_tflops(name, "fp32")
     for stage in (0, 3):
         sp = prof.stage(kind, stage)
         assert 0 < sp.max_micro_batch <= 64 and sp.state_bytes > 0
@@ -127,4 +133,4 @@ def test_peak_tflops_by_gpu_name_and_dtype():
     assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0      # the more specific name wins
     assert peak_tflops("NVIDIA A100-SXM4-40GB", "fp32") == 19.5
     assert peak_tflops("Tesla V100-SXM2-16GB", "bf16") is None   # no bf16 on a V100
-    assert peak_tflops("Some Future GPU", "bf16") is None        # unknown: the config's peak_tflops then
+    assert peak_tflops("Some Future GPU", "bf16") is None        # unknown: unrated

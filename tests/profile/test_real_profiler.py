@@ -10,7 +10,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 def test_the_largest_micro_batch_fits_and_one_more_runs_out_of_memory():
-    from poplar.engine.cuda_device import CudaDevice
+    from poplar.devices.cuda import CudaDevice
     from poplar.profile.profiler import _drop_grad, _forward_backward, _free_gpu, largest_micro_batch
 
     device, wl = CudaDevice(), as_workload("small")

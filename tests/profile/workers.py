@@ -3,18 +3,44 @@
 import torch
 
 import poplar
-from poplar.emulate import EmulatedDevice, parse_cluster
+from poplar.cluster.spec import parse_cluster
+from poplar.emulate import EmulatedDevice
 from poplar.models import build_model, causal_lm_loss, random_token_batch
 
 
-def train_at(rank, world_size, device: dict, micro_batch: int, stage: int = 0, accum: int = 1):
-    """Two steps at ``micro_batch`` on one emulated device: None, or the out-of-memory message."""
-    dev = EmulatedDevice(parse_cluster({"devices": [device]}).device(0))
-    engine = poplar.initialize(build_model("tiny"), lambda p: torch.optim.AdamW(p, lr=1e-4),
-                               poplar.Plan(stage, [micro_batch], accum), device=dev)
-    try:
-        for _ in range(2):
-            engine.train_batch(random_token_batch("tiny", micro_batch * accum), causal_lm_loss)
-    except torch.OutOfMemoryError as e:
-        return str(e)
+def train_at(rank, world_size, cluster: dict, micro_batch: int, stage: int = 0, accum: int = 1):
+    """Two steps at ``micro_batch`` on rank ``rank``'s emulated device: None, or the out-of-memory message."""
+    with EmulatedDevice(parse_cluster(cluster), rank) as device:
+        engine = poplar.initialize(build_model("tiny"), lambda p: torch.optim.AdamW(p, lr=1e-4),
+                                   poplar.Plan(stage, [micro_batch] * world_size, accum))
+        try:
+            for _ in range(2):
+                with device.step(engine.held_state):
+                    engine.train_batch(random_token_batch("tiny", micro_batch * accum), causal_lm_loss)
+        except torch.OutOfMemoryError as e:
+            return str(e)
     return None
+
+
+def declared_step_times(rank, world_size, cluster: dict, stage: int, sizes: list[list[int]]):
+    """The declared compute of a step of one micro-batch, per size: the model the profile must match.
+
+    ``sizes[i]``: every rank's micro-batch in round ``i``. Counted by the device model
+    itself (a WorkCounter around the step, not paced), after a warm-up step that creates
+    the optimizer's states, as the profiler's warm-up round does.
+    """
+    from poplar.emulate import WorkCounter
+    from poplar.workload import as_workload
+
+    wl = as_workload("tiny")
+    with EmulatedDevice(parse_cluster(cluster), rank, dilation=1.0) as device:
+        out = []
+        for row in sizes:
+            engine = poplar.initialize(wl.build(), lambda p: torch.optim.AdamW(p, lr=1e-4), poplar.Plan(stage, row, 1))
+            batch = wl.random_batch(row[rank])
+            engine.train_batch(batch, wl.loss)
+            with WorkCounter(device.gpu) as counter:
+                engine.train_batch(batch, wl.loss)
+            out.append((row[rank], counter.seconds))
+            engine.close()
+        return out

@@ -1,20 +1,9 @@
-"""One unit's parameters as flat buffers, and its shards.
+"""One unit's parameters as flat buffers and shards: :class:`FlatUnit` and its explicit states.
 
 The unit's parameters are laid end to end in one flat buffer, padded to a multiple of
 the world size; rank ``r`` owns the ``r``-th equal slice (its shard). What is kept in
-full and what only as a shard is the ZeRO stage:
-
-=====  ===================  ================================  ==========================
-stage  model parameters      fp32 master + optimizer states    gradients
-=====  ===================  ================================  ==========================
-0      full                 full                              full, all-reduced
-1      full                 shard                             full, reduce-scattered once
-2      full                 shard                             shard, reduce-scattered
-                                                                every micro-step
-3      shard, gathered for  shard                             shard, as stage 2
-       the unit's forward
-       and backward
-=====  ===================  ================================  ==========================
+full and what only as a shard is the ZeRO stage's (see :mod:`poplar.stages`); this one
+class serves all four.
 
 The model's own ``nn.Parameter`` objects stay registered on their modules; their data
 are views into ``full_param``. ZeRO-3 frees ``full_param``'s storage (resizes it to
@@ -31,6 +20,7 @@ import torch
 from torch import nn
 
 from poplar.engine import collectives as C
+from poplar.stages import ZeroStage
 
 
 class ParamState(Enum):
@@ -50,13 +40,15 @@ class Slot:
 
 
 class FlatUnit:
-    def __init__(self, index: int, module: nn.Module, name: str, params: list[nn.Parameter], *, zero_stage: int,
+    """One unit's flat parameter, master and gradient buffers, sharded as ``stage`` says."""
+
+    def __init__(self, index: int, module: nn.Module, name: str, params: list[nn.Parameter], *, stage: ZeroStage,
                  rank: int, world_size: int, compute_dtype: torch.dtype, device: torch.device):
         self.index, self.module, self.name = index, module, name
-        self.zero_stage, self.rank, self.world_size = zero_stage, rank, world_size
-        self.shard_optim = zero_stage >= 1
-        self.shard_grads = zero_stage >= 2
-        self.shard_params = zero_stage >= 3
+        self.rank, self.world_size = rank, world_size
+        # what this unit keeps only as its shard
+        self.shard_optim, self.shard_grads, self.shard_params = (
+            stage.shards_optimizer, stage.shards_gradients, stage.shards_parameters)
         self.compute_dtype = compute_dtype
         offset, slots = 0, []
         for i, p in enumerate(params):

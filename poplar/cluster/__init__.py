@@ -1,0 +1,1 @@
+"""Cluster descriptions: the GPU catalogue, cluster files and presets."""

@@ -1,0 +1,267 @@
+"""The cluster file: which devices the ranks are, on which nodes, joined by which links.
+
+```yaml
+memory_scale: 0.0005        # every device's memory times this (tiny models meet real limits)
+network:                    # optional; these are the defaults
+  intra_node: {bandwidth_gbs: 25, latency_us: 10}     # PCIe 4.0 between unlike cards
+  inter_node: {bandwidth_gbs: 12.5, latency_us: 20}   # 100 Gb/s
+devices:
+  - kind: big               # a name for this kind
+    gpu: A100-80GB          # figures from the catalogue (poplar.cluster.catalogue) ...
+    count: 1
+    node: 0                 # which node the ranks sit on (default 0)
+  - kind: custom
+    count: 2
+    memory_gb: 24           # ... or declared here (these also override a catalogue entry's)
+    tflops: {fp32: 20, bf16: 80}
+    memory_bandwidth_gbs: 900
+    node: 1
+```
+
+Ranks take the devices in file order (rank 0 is ``big``, ranks 1-2 ``custom``). An
+emulated device is a model of a GPU (:mod:`poplar.emulate`): it computes for real and
+takes the time its figures say. A cluster of real CUDA devices is not written by hand:
+it is discovered from the launched ranks (:mod:`poplar.profile.discover`), and each of
+its kinds carries the GPU's properties (``cuda``) instead of figures.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+
+from poplar.cluster.catalogue import gpu as catalogue_gpu
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+KERNEL_OVERHEAD_US = 5.0     # launch cost of one eager kernel, host side included
+FLOPS_EFFICIENCY = 0.7       # of the data sheet's peak, what dense matrix work reaches
+BANDWIDTH_EFFICIENCY = 0.8   # of the data sheet's memory bandwidth, what streaming work reaches
+
+
+class CudaProperties(BaseModel):
+    """What tells one real CUDA device from another (``torch.cuda.get_device_properties``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, description="the GPU's name, e.g. 'NVIDIA H100 80GB HBM3'")
+    total_memory: int = Field(gt=0, description="its memory, in bytes")
+    major: int = Field(ge=0, description="compute capability, major")
+    minor: int = Field(ge=0, description="compute capability, minor")
+
+    @property
+    def kind(self) -> str:
+        """The kind's name: devices of one name, memory and capability are one kind."""
+        return f"{self.name} ({self.total_memory / 2**30:.1f} GiB, sm_{self.major}{self.minor})"
+
+
+class Link(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bandwidth_gbs: float = Field(gt=0, description="GB/s one way, per rank")
+    latency_us: float = Field(ge=0, description="microseconds per message")
+
+
+class Network(BaseModel):
+    """Links inside a node and between nodes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    intra_node: Link = Link(bandwidth_gbs=25.0, latency_us=10.0)
+    inter_node: Link = Link(bandwidth_gbs=12.5, latency_us=20.0)
+
+
+class DeviceGroup(BaseModel):
+    """``count`` identical devices of one kind, on one node."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: str = Field(min_length=1, description="a name for this kind of device")
+    count: int = Field(1, gt=0, description="how many ranks are devices of this kind")
+    gpu: str | None = Field(None, description="a catalogue GPU whose figures this kind takes")
+    memory_gb: float | None = Field(None, gt=0, description="memory of one device in GiB, before memory_scale")
+    tflops: dict[str, float] | float | None = Field(
+        None, description="peak dense TFLOP/s per dtype (fp32, bf16), or one figure for every dtype")
+    memory_bandwidth_gbs: float | None = Field(None, gt=0, description="memory bandwidth, GB/s")
+    kernel_overhead_us: float = Field(KERNEL_OVERHEAD_US, ge=0, description="fixed cost of every kernel")
+    flops_efficiency: float = Field(FLOPS_EFFICIENCY, gt=0, le=1, description="of peak TFLOP/s, what is reached")
+    bandwidth_efficiency: float = Field(BANDWIDTH_EFFICIENCY, gt=0, le=1,
+                                        description="of peak bandwidth, what is reached")
+    node: int = Field(0, ge=0, description="the node these ranks sit on")
+    cuda: CudaProperties | None = Field(None, description="a real CUDA device, as discovered; None: emulated")
+
+    @model_validator(mode="after")
+    def _figures(self) -> DeviceGroup:
+        if self.cuda is not None:
+            declared = [f for f in ("gpu", "tflops", "memory_bandwidth_gbs") if getattr(self, f) is not None]
+            if declared:
+                raise ValueError(f"kind {self.kind!r} is a real CUDA device: it has no declared {', '.join(declared)}")
+            return self
+        if self.gpu is not None:
+            catalogue_gpu(self.gpu)   # an unknown name fails here, naming the known ones
+            return self
+        missing = [f for f in ("memory_gb", "tflops", "memory_bandwidth_gbs") if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"kind {self.kind!r}: give gpu: NAME (a catalogue GPU) or declare "
+                             f"{', '.join(missing)}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        data = handler(self)   # only what was given: a dumped file reads like the one written
+        return {k: v for k, v in data.items() if v is not None and not (k in _DEFAULTS and v == _DEFAULTS[k])}
+
+    # -- resolved figures (the catalogue's, overridden by the file's) --------------------
+    @property
+    def is_real(self) -> bool:
+        return self.cuda is not None
+
+    @property
+    def memory_gib(self) -> float:
+        """Memory before scaling: the file's, the catalogue's or the real device's."""
+        if self.cuda is not None:
+            return self.cuda.total_memory / 2**30
+        return self.memory_gb if self.memory_gb is not None else catalogue_gpu(self.gpu).memory_gb
+
+    def peak_tflops(self, dtype: str) -> float:
+        """Peak dense TFLOP/s for ``dtype``; a dtype the GPU lacks runs at its fp32 rate."""
+        if self.tflops is not None:
+            if isinstance(self.tflops, (int, float)):
+                return float(self.tflops)
+            table = self.tflops
+        else:
+            table = catalogue_gpu(self.gpu).peak_tflops if self.gpu else {}
+        if dtype in table:
+            return float(table[dtype])
+        if "fp32" in table:
+            return float(table["fp32"])
+        raise ValueError(f"kind {self.kind!r}: no TFLOP/s for {dtype} or fp32")
+
+    @property
+    def bandwidth_gbs(self) -> float:
+        if self.memory_bandwidth_gbs is not None:
+            return self.memory_bandwidth_gbs
+        return catalogue_gpu(self.gpu).memory_bandwidth_gbs
+
+
+_DEFAULTS = {name: f.default for name, f in DeviceGroup.model_fields.items()}
+
+
+class ClusterSpec(BaseModel):
+    """The devices of a heterogeneous cluster in rank order, their nodes and the links between them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    devices: list[DeviceGroup] = Field(min_length=1, description="device kinds, in rank order")
+    memory_scale: float = Field(1.0, gt=0, description="every emulated device's memory times this")
+    network: Network = Network()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterSpec:
+        if len({d.cuda is None for d in self.devices}) > 1:
+            raise ValueError("mixes real CUDA devices with emulated ones: a cluster is either discovered or "
+                             "emulated, not both")
+        seen: dict[str, DeviceGroup] = {}
+        for d in self.devices:
+            if d.kind in seen and seen[d.kind].model_copy(update={"count": d.count, "node": d.node}) != d:
+                raise ValueError(f"kind {d.kind!r} is declared twice with different figures: give the second "
+                                 "another name")
+            seen[d.kind] = d
+        return self
+
+    @property
+    def is_real(self) -> bool:
+        """Real CUDA devices (discovered), not emulated ones."""
+        return self.devices[0].cuda is not None
+
+    @property
+    def world_size(self) -> int:
+        return sum(d.count for d in self.devices)
+
+    def rank_devices(self) -> list[DeviceGroup]:
+        """One entry per rank: the device that rank is."""
+        return [d for d in self.devices for _ in range(d.count)]
+
+    def rank_nodes(self) -> list[int]:
+        return [d.node for d in self.rank_devices()]
+
+    def device(self, rank: int) -> DeviceGroup:
+        ranks = self.rank_devices()
+        if not 0 <= rank < len(ranks):
+            raise ValueError(f"rank {rank} is outside this cluster's {len(ranks)} devices")
+        return ranks[rank]
+
+    def memory_bytes(self, kind: DeviceGroup) -> int:
+        """A device's capacity: a real one's own; an emulated one's scaled by ``memory_scale``."""
+        if kind.cuda is not None:
+            return kind.cuda.total_memory
+        return int(kind.memory_gib * self.memory_scale * 2**30)
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            counts = ", ".join(f"{d.count} x {d.kind}" for d in self.devices)
+            raise ValueError(f"the cluster file describes {self.world_size} devices ({counts}) but {world_size} "
+                             f"ranks were launched: launch {self.world_size} ranks or change the devices' counts")
+
+    def describe(self) -> str:
+        """One line a person reads: the kinds, their nodes and the links."""
+        kinds = ", ".join(f"{d.count} x {d.kind}" + (f" ({d.gpu})" if d.gpu else "")
+                          + (f" on node {d.node}" if len({x.node for x in self.devices}) > 1 else "")
+                          for d in self.devices)
+        net = self.network
+        links = f"intra-node {net.intra_node.bandwidth_gbs:g} GB/s"
+        if len(set(self.rank_nodes())) > 1:
+            links += f", inter-node {net.inter_node.bandwidth_gbs:g} GB/s"
+        return f"{kinds}; {links}" + (f"; memory x{self.memory_scale:g}" if self.memory_scale != 1 else "")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(), sort_keys=False)
+
+
+def _field_errors(e: ValidationError) -> str:
+    lines = []
+    allowed = ", ".join(f for f in DeviceGroup.model_fields if f != "cuda")
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbid" or err["type"] == "extra_forbidden":
+            if where.endswith(".speed"):
+                lines.append(f"{where}: a device is no longer a speed relative to this host: give gpu: NAME "
+                             "(see poplar.cluster.catalogue) or tflops and memory_bandwidth_gbs")
+            else:
+                lines.append(f"{where}: unknown field (allowed under devices: {allowed}; at the top: devices, "
+                             "memory_scale, network)")
+        else:   # a validator's own message reads as it was written
+            lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+    return "; ".join(lines)
+
+
+def parse_cluster(data, source: str = "cluster") -> ClusterSpec:
+    """Validate a cluster description (the YAML's content); errors name the field."""
+    if isinstance(data, ClusterSpec):
+        return data
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a mapping with a 'devices' list, got {type(data).__name__}")
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(f"{source}: {_field_errors(e)}") from None
+
+
+def load_cluster(path_or_preset: str | Path) -> ClusterSpec:
+    """Load a cluster file, or a preset by name (see :func:`presets`)."""
+    path = Path(path_or_preset)
+    if not path.exists() and (PRESETS_DIR / f"{path_or_preset}.yaml").exists():
+        path = PRESETS_DIR / f"{path_or_preset}.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"no cluster file {str(path_or_preset)!r}; give a YAML path or one of the presets: "
+                                f"{', '.join(presets())}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    return parse_cluster(data, str(path))
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))

@@ -1,0 +1,33 @@
+"""The device a rank computes on, as the loops that time it see it: the host, a real GPU, an emulated GPU."""
+
+from __future__ import annotations
+
+from poplar.devices.base import Device
+
+
+def rank_device(cluster, rank: int, workload=None) -> Device:
+    """Rank ``rank``'s device in ``cluster`` (a :class:`~poplar.cluster.spec.ClusterSpec`): its GPU, or an emulated one.
+
+    ``workload`` (a :class:`~poplar.workload.Workload`): what the rank will train, so an
+    emulated cluster's time dilation fits it.
+
+    Enter it on every rank (``with rank_device(spec, rank) as device:``): it then
+    observes the collectives, and an emulated device agrees its clock with the others.
+    """
+    if cluster.is_real:
+        from poplar.devices.cuda import CudaDevice
+
+        return CudaDevice()
+    from poplar.emulate import EmulatedDevice
+
+    probe = None
+    if workload is not None:
+        model = workload.build()
+
+        def probe(m: int) -> None:
+            workload.loss(model, workload.random_batch(m)).backward()
+            model.zero_grad(set_to_none=True)
+    return EmulatedDevice(cluster, rank, probe=probe)
+
+
+__all__ = ["Device", "rank_device"]

@@ -1,0 +1,97 @@
+"""Rank functions that measure how faithfully an emulated cluster keeps its declared pace.
+
+Used by ``bench/bench_emulation.py`` (the figures in docs/devices.md) and by
+``tests/emulate``: each compares a wall-clock measurement over the dilation with the
+declared time of the same work. Run them on every rank (``poplar.launch.spawn``).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import torch
+
+import poplar
+from poplar.cluster.spec import parse_cluster
+from poplar.emulate.device import EmulatedDevice
+from poplar.emulate.model import WorkCounter
+from poplar.engine import collectives as C
+from poplar.workload import as_workload
+
+_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-4)
+
+
+def micro_steps(rank: int, world_size: int, cluster: dict, sizes: list[int], steps: int = 2) -> dict:
+    """Per size, a ZeRO-0 step of one micro-batch of ``tiny``: its declared compute and its measured one.
+
+    Measured: the step's wall time over the dilation, less its waits for the other ranks.
+    Declared: the same step's operators counted by the device model (after a first step
+    that creates the optimizer's states).
+    """
+    spec = parse_cluster(cluster)
+    wl = as_workload("tiny")
+    model = wl.build()
+    with EmulatedDevice(spec, rank, probe=lambda m: wl.loss(model, wl.random_batch(m)).backward()) as device:
+        rows = []
+        for m in sizes:
+            engine = poplar.initialize(wl.build(), _OPTIMIZER, poplar.Plan(0, [m] * world_size, 1))
+            batch = wl.random_batch(m, seed=rank)
+            engine.train_batch(batch, wl.loss)
+            with WorkCounter(device.gpu) as counter:      # not paced: no device step
+                engine.train_batch(batch, wl.loss)
+            measured = []
+            for _ in range(steps):
+                C.barrier()
+                start = time.perf_counter()
+                with device.step(engine.held_state):
+                    engine.train_batch(batch, wl.loss)
+                measured.append((time.perf_counter() - start) / device.dilation - device.wait_s)
+            rows.append({"m": m, "declared": counter.seconds, "measured": statistics.median(measured)})
+            engine.close()
+        return {"kind": device.kind.kind, "sizes": rows, "overruns": device.overruns, "dilation": device.dilation}
+
+
+def collective_times(rank: int, world_size: int, cluster: dict, sizes: list[int], repeats: int = 2) -> dict:
+    """Per size (bytes), an all-reduce from launch to completion on the wall clock over the dilation, and declared."""
+    spec = parse_cluster(cluster)
+    with EmulatedDevice(spec, rank) as device:
+        rows = []
+        for nbytes in sizes:
+            t = torch.zeros(nbytes // 4)
+            runs = []
+            for _ in range(repeats):
+                with device.step():
+                    C.barrier()                   # both ranks launch at the same device time
+                    start = device.origin + device.dilation * device.T    # that time, on the wall clock
+                    C.all_reduce(t)
+                    runs.append((time.time() - start) / device.dilation)
+            rows.append({"bytes": nbytes, "measured": min(runs),
+                         "declared": device.network.seconds("all_reduce", nbytes)})
+        return {"sizes": rows, "overruns": device.overruns}
+
+
+def overlapped_collective(rank: int, world_size: int, cluster: dict, nbytes: int) -> dict:
+    """A step that launches an all-reduce, computes for longer than it takes, then waits for it."""
+    spec = parse_cluster(cluster)
+    a = torch.randn(256, 256)
+
+    def compute():
+        b = a
+        for _ in range(400):
+            b = torch.tanh(b @ b)
+
+    with EmulatedDevice(spec, rank, probe=lambda m: [torch.tanh(a @ a) for _ in range(m)]) as device:
+        t = torch.zeros(nbytes // 4)
+        with WorkCounter(device.gpu) as counter:
+            compute()
+        with device.step():
+            C.barrier()
+            work = C.all_reduce(t, async_op=True)
+            compute()
+            before_wait = device.T
+            work.wait()
+        return {"step": device.step_s, "wait": device.wait_s, "compute": counter.seconds,
+                "network": device.network.seconds("all_reduce", nbytes), "overruns": device.overruns,
+                "waited_for": device.T - before_wait}

@@ -1,0 +1,124 @@
+"""The declared device model: what a piece of work takes on a GPU, counted from the work itself.
+
+Every operator the rank runs (forward, backward, the optimizer update, the engine's
+own copies) is seen as it runs, by a ``TorchDispatchMode``, and costs on the modelled
+GPU what a roofline says:
+
+    time = kernel overhead + max(FLOPs / achievable FLOP/s, bytes moved / achievable bandwidth)
+
+FLOPs come from ``torch.utils.flop_counter``'s formulas (matrix products, attention,
+convolutions); bytes are the operator's inputs and outputs. So a small micro-batch is
+bound by reading the weights and by kernel launches, a large one by arithmetic, and
+throughput rises with the micro-batch and saturates, as on a real GPU. Views cost
+nothing; collectives are the network's (:mod:`poplar.emulate.network`), not compute.
+Nothing here reads the host's speed.
+
+>>> import torch
+>>> from poplar.cluster.spec import DeviceGroup
+>>> gpu = GpuModel.of(DeviceGroup(kind="a100", gpu="A100-80GB"))
+>>> a, b = torch.randn(512, 512), torch.randn(512, 512)
+>>> with WorkCounter(gpu) as work:
+...     c = a @ b
+>>> round(work.seconds * 1e6, 1)    # 2*512^3 FLOPs at 70% of 19.5 TFLOP/s, plus 5 us to launch
+24.7
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.utils.flop_counter as flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from poplar.cluster.spec import DeviceGroup
+
+_aten = torch.ops.aten
+# Operators that launch no kernel: allocation without a fill, storage bookkeeping.
+_FREE = {getattr(_aten, name) for name in (
+    "empty", "empty_strided", "empty_like", "set_", "resize_", "lift_fresh", "_local_scalar_dense", "sym_size",
+    "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "record_stream") if hasattr(_aten, name)}
+_NOT_COMPUTE = ("c10d", "_c10d_functional", "profiler", "prims")
+
+
+def _cpu_attention_flops(fwd: bool):
+    """CPU's flash-attention kernels are missing from flop_counter's table: the GPU kernels' formulas."""
+    def count(*args, out_val=None, **kwargs):
+        if fwd:
+            q, k, v = args[0], args[1], args[2]
+            return flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape)
+        grad_out, q, k, v = args[0], args[1], args[2], args[3]
+        return flop_counter.sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+    return count
+
+
+_FLOPS = dict(flop_counter.flop_registry)
+for _name, _fwd in (("_scaled_dot_product_flash_attention_for_cpu", True),
+                    ("_scaled_dot_product_flash_attention_for_cpu_backward", False)):
+    if hasattr(_aten, _name):
+        _FLOPS[getattr(_aten, _name)] = _cpu_attention_flops(_fwd)
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """The figures of one modelled GPU that set its compute time."""
+
+    name: str
+    tflops: dict[str, float]        # achievable-before-efficiency peak per dtype
+    bandwidth_gbs: float
+    kernel_overhead_s: float
+    flops_efficiency: float
+    bandwidth_efficiency: float
+
+    @classmethod
+    def of(cls, kind: DeviceGroup) -> GpuModel:
+        return cls(name=kind.kind, tflops={d: kind.peak_tflops(d) for d in ("fp32", "bf16", "fp16")},
+                   bandwidth_gbs=kind.bandwidth_gbs, kernel_overhead_s=kind.kernel_overhead_us * 1e-6,
+                   flops_efficiency=kind.flops_efficiency, bandwidth_efficiency=kind.bandwidth_efficiency)
+
+    def flops_per_s(self, dtype: torch.dtype) -> float:
+        key = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+        return self.tflops[key] * 1e12 * self.flops_efficiency
+
+    def op_seconds(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
+        compute = flops / self.flops_per_s(dtype) if flops else 0.0
+        memory = nbytes / (self.bandwidth_gbs * 1e9 * self.bandwidth_efficiency)
+        return self.kernel_overhead_s + max(compute, memory)
+
+
+def op_cost(func, args, kwargs, out) -> tuple[float, float, torch.dtype] | None:
+    """(FLOPs, bytes moved, compute dtype) of one operator that ran; None if it launches no kernel."""
+    if func.is_view or func._overloadpacket in _FREE or func.namespace in _NOT_COMPUTE:
+        return None
+    nbytes, dtype = 0, None
+    for t in tree_leaves((args, kwargs, out)):
+        if isinstance(t, torch.Tensor):
+            nbytes += t.numel() * t.element_size()
+            if dtype is None and t.is_floating_point():
+                dtype = t.dtype
+    counter = _FLOPS.get(func._overloadpacket)
+    flops = counter(*args, **kwargs, out_val=out) if counter is not None else 0
+    return float(flops), float(nbytes), dtype or torch.float32
+
+
+class WorkCounter(TorchDispatchMode):
+    """Adds up the modelled GPU's seconds for every operator run inside it (``seconds``)."""
+
+    def __init__(self, gpu: GpuModel):
+        super().__init__()
+        self.gpu = gpu
+        self.seconds = 0.0
+        self.ops = 0
+        self.flops = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        cost = op_cost(func, args, kwargs, out)
+        if cost is not None:
+            flops, nbytes, dtype = cost
+            self.seconds += self.gpu.op_seconds(flops, nbytes, dtype)
+            self.ops += 1
+            self.flops += flops
+        return out

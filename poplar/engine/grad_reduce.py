@@ -1,0 +1,101 @@
+"""Gradient reduction: the hooks that collect each unit's gradient and the collectives that reduce it.
+
+Post-accumulate-grad hooks add every parameter's gradient into its unit's fp32 flat
+gradient. Once every parameter of a unit has its gradient, the unit's collective
+(all-reduce in stage 0, reduce-scatter otherwise) is launched asynchronously and
+overlaps the rest of the backward pass. Collectives are launched in one fixed unit
+order, so every rank issues the same sequence whatever order its autograd finishes
+units in. Stages that reduce every micro-step keep at most ``max_inflight`` full-size
+gradient buckets alive; older ones are waited for and freed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from poplar.engine.flat_unit import FlatUnit, Slot
+from poplar.stages import ZeroStage
+
+
+class GradReducer:
+    """Collects the units' gradients in backward and reduces them across ranks.
+
+    ``before_launch`` runs before the first collective is issued (the engine's batch
+    check); ``on_unit_done`` runs when a unit's backward is done (peak memory sampling).
+    """
+
+    def __init__(self, units: list[FlatUnit], stage: ZeroStage, max_inflight: int,
+                 before_launch: Callable[[], None], on_unit_done: Callable[[], None] | None = None):
+        self.units, self.stage, self.max_inflight = units, stage, max_inflight
+        self._before_launch, self._on_unit_done = before_launch, on_unit_done
+        self._order = list(reversed(range(len(units))))   # ~ the order backward finishes them
+        self._next = 0         # position in _order of the next unit to launch this micro-step
+        self._pending: deque[tuple[FlatUnit, Any, torch.Tensor | None]] = deque()
+        self.sync = False      # whether this micro-step reduces (else it only accumulates)
+
+    def register_hooks(self) -> list[RemovableHandle]:
+        return [slot.param.register_post_accumulate_grad_hook(self._grad_hook(unit, slot))
+                for unit in self.units for slot in unit.slots]
+
+    def _grad_hook(self, unit: FlatUnit, slot: Slot):
+        def hook(param: torch.Tensor) -> None:
+            unit.add_grad(slot, param.grad)
+            param.grad = None
+            unit.pending_grads -= 1
+            if unit.pending_grads == 0:
+                self._unit_done(unit)
+        return hook
+
+    def _unit_done(self, unit: FlatUnit) -> None:
+        unit.grads_ready = True
+        if self._on_unit_done is not None:
+            self._on_unit_done()
+        unit.reshard()
+        if self.sync:
+            self._launch_ready()
+
+    # -- one step ---------------------------------------------------------------------
+    def reset(self) -> None:
+        """Clean gradient state, whatever an earlier (possibly failed) step left behind."""
+        self._pending.clear()
+        for unit in self.units:
+            unit.reset_grads()
+
+    def begin_micro_step(self, sync: bool) -> None:
+        self.sync = sync
+        self._next = 0
+
+    def end_micro_step(self) -> None:
+        """Units none of whose parameters were used take part too; a syncing micro-step finishes every reduce."""
+        for unit in self.units:
+            if not unit.grads_ready:
+                unit.grads_ready = True
+                unit.reshard()
+        if self.sync:
+            self._launch_ready(force=True)
+            while self._pending:
+                self._finish_oldest()
+
+    # -- the collectives ----------------------------------------------------------------
+    def _launch_ready(self, force: bool = False) -> None:
+        """Launch gradient collectives in the fixed unit order, as far as units are ready."""
+        self._before_launch()
+        while self._next < len(self._order):
+            unit = self.units[self._order[self._next]]
+            if not (unit.grads_ready or force):
+                return
+            work, out = unit.reduce_grads()
+            self._pending.append((unit, work, out))
+            self._next += 1
+            if self.stage.shards_gradients:   # full-size buckets are transient: bound how many are alive
+                while len(self._pending) > self.max_inflight:
+                    self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        unit, work, out = self._pending.popleft()
+        work.wait()
+        unit.finish_reduce(out)

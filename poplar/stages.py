@@ -1,0 +1,73 @@
+"""The four ZeRO stages, defined once: what each one shards and what follows from it.
+
+Every unit of the model is one flat buffer; rank ``r`` owns the ``r``-th equal slice
+(its shard). A stage decides which of the training state is kept only as a shard:
+
+=====  ===================  ================================  ==========================
+stage  model parameters     fp32 master + optimizer states    gradients
+=====  ===================  ================================  ==========================
+0      full                 full                              full, all-reduced once
+1      full                 shard                             full, reduce-scattered once
+2      full                 shard                             shard, reduce-scattered
+                                                              every micro-step
+3      shard, gathered for  shard                             shard, as stage 2
+       the unit's forward
+       and backward
+=====  ===================  ================================  ==========================
+
+The plan, the engine and the cost model read these facts from here.
+
+>>> stage(2).reduces_every_micro_step, stage(1).equal_accum_steps
+(True, False)
+>>> stage(4)
+Traceback (most recent call last):
+...
+ValueError: zero_stage = 4: choose one of 0, 1, 2, 3
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ZeroStage:
+    """One ZeRO stage: which training state each rank holds only its shard of."""
+
+    number: int
+    shards_optimizer: bool    # fp32 master weights and optimizer states
+    shards_gradients: bool
+    shards_parameters: bool   # the model's (compute-precision) parameters
+    description: str
+
+    @property
+    def reduces_every_micro_step(self) -> bool:
+        """Gradients are reduced in every micro-step, not once per optimizer step.
+
+        A sharded gradient has no full accumulator to sum micro-steps into, so each
+        micro-step's full gradient is reduce-scattered into the shard right away.
+        """
+        return self.shards_gradients
+
+    @property
+    def equal_accum_steps(self) -> bool:
+        """Every rank must run the same number of micro-steps: a collective in each needs every rank."""
+        return self.reduces_every_micro_step
+
+    def __str__(self) -> str:
+        return f"ZeRO-{self.number}"
+
+
+STAGES: dict[int, ZeroStage] = {s.number: s for s in (
+    ZeroStage(0, False, False, False, "replicate everything; all-reduce gradients once per step"),
+    ZeroStage(1, True, False, False, "shard optimizer states and fp32 master; reduce-scatter gradients once per step"),
+    ZeroStage(2, True, True, False, "also shard gradients: reduce-scatter them in every micro-step"),
+    ZeroStage(3, True, True, True, "also shard parameters: all-gather each unit for its forward and backward"),
+)}
+
+
+def stage(number: int) -> ZeroStage:
+    """The stage numbered ``number`` (0-3); a clear ``ValueError`` for anything else."""
+    if isinstance(number, bool) or number not in tuple(STAGES):   # a tuple: unhashable input fails clearly too
+        raise ValueError(f"zero_stage = {number!r}: choose one of {', '.join(map(str, STAGES))}")
+    return STAGES[int(number)]

@@ -1,0 +1,150 @@
+"""Cluster files: the presets resolve to their GPUs' figures, and a wrong file gets one line naming the field."""
+
+import pytest
+import yaml
+
+from poplar.cluster.catalogue import CATALOGUE, gpu
+from poplar.cluster.spec import ClusterSpec, CudaProperties, load_cluster, parse_cluster, presets
+from poplar.emulate import NetworkModel
+
+PRESETS = ["both-differ", "compute-differs", "memory-differs", "two-node", "uneven-quantity"]
+DECLARED = {"kind": "custom", "memory_gb": 24.0, "tflops": {"fp32": 20.0, "bf16": 80.0}, "memory_bandwidth_gbs": 900.0}
+
+
+def kinds(name: str):
+    return load_cluster(name).devices
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_loads_resolves_and_round_trips(name):
+    assert name in presets()
+    spec = load_cluster(name)
+    assert spec.world_size >= 2 and not spec.is_real and 0 < spec.memory_scale < 1
+    for d in spec.devices:
+        catalogue = gpu(d.gpu)                                  # every preset names catalogue GPUs
+        assert d.memory_gib == catalogue.memory_gb and d.bandwidth_gbs == catalogue.memory_bandwidth_gbs
+        assert d.peak_tflops("fp32") == catalogue.peak_tflops["fp32"]
+        assert spec.memory_bytes(d) == int(catalogue.memory_gb * spec.memory_scale * 2**30)
+    # what the profiler and the ranks receive is the same cluster
+    assert parse_cluster(spec.model_dump()) == spec
+    assert parse_cluster(yaml.safe_load(spec.to_yaml())) == spec
+    assert spec.describe().startswith(f"{spec.devices[0].count} x {spec.devices[0].kind}")
+
+
+def test_the_presets_differ_where_their_names_say():
+    big, small = kinds("both-differ")
+    assert big.memory_gib > small.memory_gib and big.bandwidth_gbs > small.bandwidth_gbs
+    assert big.peak_tflops("fp32") > small.peak_tflops("fp32")
+    big, small = kinds("memory-differs")
+    assert big.memory_gib == 2 * small.memory_gib
+    assert all(big.peak_tflops(dt) == small.peak_tflops(dt) for dt in ("fp32", "bf16"))
+    fast, slow = kinds("compute-differs")
+    assert fast.memory_gib == slow.memory_gib and fast.peak_tflops("fp32") > 1.5 * slow.peak_tflops("fp32")
+    spec = load_cluster("uneven-quantity")
+    assert [d.count for d in spec.devices] == [1, 3] and spec.world_size == 4
+    assert [d.kind for d in spec.rank_devices()] == ["a100-80gb"] + ["t4-16gb"] * 3
+
+
+def test_two_nodes_are_joined_by_a_slower_link():
+    spec = load_cluster("two-node")
+    assert spec.rank_nodes() == [0, 1]
+    net = spec.network
+    assert net.inter_node.bandwidth_gbs < net.intra_node.bandwidth_gbs
+    assert net.inter_node.latency_us > net.intra_node.latency_us
+    # a ring over both nodes moves every chunk over the slow link
+    across, within = NetworkModel(net, spec.rank_nodes()), NetworkModel(net, [0, 0])
+    assert across.link.bandwidth_gbs == net.inter_node.bandwidth_gbs
+    assert across.seconds("all_reduce", 100e6) > 10 * within.seconds("all_reduce", 100e6)
+    assert "inter-node 1.25 GB/s" in spec.describe() and "on node 1" in spec.describe()
+
+
+def test_declared_figures_stand_alone_or_override_the_catalogues():
+    spec = parse_cluster({"devices": [DECLARED, {"kind": "smaller-a100", "gpu": "A100-80GB", "memory_gb": 40}],
+                          "memory_scale": 0.5})
+    custom, a100 = spec.devices
+    assert (custom.memory_gib, custom.bandwidth_gbs) == (24.0, 900.0)
+    assert (custom.peak_tflops("fp32"), custom.peak_tflops("bf16")) == (20.0, 80.0)
+    assert custom.peak_tflops("fp16") == 20.0                   # a dtype it lacks: its fp32 rate
+    assert spec.memory_bytes(custom) == 12 * 2**30
+    assert a100.memory_gib == 40 and a100.bandwidth_gbs == 2039 and a100.peak_tflops("bf16") == 312.0
+    one = parse_cluster({"devices": [dict(DECLARED, tflops=50)]}).devices[0]
+    assert one.peak_tflops("fp32") == one.peak_tflops("bf16") == 50.0
+    # a dumped file reads like the one written: only what was given
+    assert spec.model_dump()["devices"] == [DECLARED, {"kind": "smaller-a100", "gpu": "A100-80GB", "memory_gb": 40.0}]
+    # the same kind may appear twice (on two nodes, say) when its figures are the same
+    twice = parse_cluster({"devices": [DECLARED, dict(DECLARED, count=2, node=1)]})
+    assert twice.world_size == 3 and twice.rank_nodes() == [0, 1, 1]
+
+
+def test_a_real_devices_memory_is_its_own():
+    props = CudaProperties(name="Tesla T4", total_memory=15 * 2**30, major=7, minor=5)
+    spec = ClusterSpec(devices=[{"kind": props.kind, "cuda": props}], memory_scale=0.001)
+    assert spec.is_real and spec.memory_bytes(spec.devices[0]) == 15 * 2**30   # not scaled
+
+
+def error(data) -> str:
+    with pytest.raises(ValueError) as e:
+        parse_cluster(data)
+    message = str(e.value)
+    assert "\n" not in message, message                          # one line
+    return message
+
+
+def test_an_unknown_gpu_names_the_ones_the_catalogue_knows():
+    message = error({"devices": [{"kind": "x", "gpu": "Z100"}]})
+    assert message.startswith("cluster: devices.0: unknown GPU 'Z100'")
+    assert all(name in message for name in CATALOGUE)
+
+
+def test_a_speed_is_refused_saying_to_give_a_gpu():
+    message = error({"devices": [{"kind": "x", "speed": 0.5, "memory_gb": 1}]})
+    assert "devices.0.speed" in message and "gpu: NAME" in message and "tflops" in message
+
+
+@pytest.mark.parametrize("device, missing", [
+    ({"kind": "x"}, "memory_gb, tflops, memory_bandwidth_gbs"),
+    ({"kind": "x", "memory_gb": 1, "tflops": 10}, "memory_bandwidth_gbs"),
+])
+def test_a_kind_without_a_gpu_names_the_figures_it_lacks(device, missing):
+    message = error({"devices": [device]})
+    assert "devices.0: kind 'x': give gpu: NAME" in message and message.endswith(f"declare {missing}")
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"devices": [{"kind": "x", "gpu": "T4-16GB", "count": 0}]}, "devices.0.count: Input should be greater than 0"),
+    ({"devices": [{"kind": "x", "gpu": "T4-16GB"}], "memory_scale": 0}, "memory_scale: Input should be greater than 0"),
+    ({"devices": [{"kind": "x", "gpu": "T4-16GB"}], "memory_scale": -1}, "memory_scale: Input should be greater"),
+    ({"devices": [{"kind": "x", "gpu": "T4-16GB"}, {"kind": "x", "gpu": "A10"}]},
+     "kind 'x' is declared twice with different figures: give the second another name"),
+    ({"devices": [{"kind": "x", "gpu": "T4-16GB", "colour": "red"}]}, "devices.0.colour: unknown field"),
+    ({"devices": []}, "devices: List should have at least 1 item"),
+    ({"devices": [{"kind": "x", "gpu": "T4-16GB"}], "network": {"intra_node": {"bandwidth_gbs": 0, "latency_us": 1}}},
+     "network.intra_node.bandwidth_gbs: Input should be greater than 0"),
+    ([{"kind": "x"}], "expected a mapping with a 'devices' list, got list"),
+])
+def test_errors_are_one_line_naming_the_field(data, words):
+    assert words in error(data)
+
+
+def test_the_world_size_must_match_the_devices():
+    spec = load_cluster("uneven-quantity")
+    spec.check_world_size(4)
+    with pytest.raises(ValueError) as e:
+        spec.check_world_size(2)
+    assert str(e.value) == ("the cluster file describes 4 devices (1 x a100-80gb, 3 x t4-16gb) but 2 ranks were "
+                            "launched: launch 4 ranks or change the devices' counts")
+    with pytest.raises(ValueError, match="rank 4 is outside this cluster's 4 devices"):
+        spec.device(4)
+
+
+def test_files_that_are_not_there_or_not_yaml(tmp_path):
+    with pytest.raises(FileNotFoundError, match="one of the presets: " + ", ".join(PRESETS)):
+        load_cluster(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("devices: [\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_cluster(bad)
+    speed = tmp_path / "old.yaml"
+    speed.write_text("devices:\n  - kind: x\n    speed: 1.0\n    memory_gb: 1\n")
+    with pytest.raises(ValueError, match=f"{speed}: devices.0.speed"):   # the error names the file too
+        load_cluster(speed)

@@ -1,0 +1,64 @@
+"""The declared device and network models: work counted from the work itself, no host timing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from poplar.cluster.spec import DeviceGroup, Link, Network
+from poplar.emulate import GpuModel, NetworkModel, WorkCounter
+from poplar.workload import as_workload
+
+
+def _declared(gpu: str, m: int, model: str = "tiny") -> float:
+    wl = as_workload(model)
+    net = wl.build()
+    with WorkCounter(GpuModel.of(DeviceGroup(kind=gpu, gpu=gpu))) as counter:
+        wl.loss(net, wl.random_batch(m)).backward()
+    return counter.seconds
+
+
+def test_throughput_rises_with_the_micro_batch_and_saturates():
+    sizes = [1, 4, 16, 64, 256, 1024]
+    per_s = [m / _declared("A100-80GB", m) for m in sizes]
+    assert all(b > a for a, b in zip(per_s, per_s[1:]))               # rises ...
+    gains = [b / a for a, b in zip(per_s, per_s[1:])]
+    assert gains[0] > 3 and gains[-1] < 1.3                            # ... and saturates
+
+
+def test_a_slower_card_is_slower_where_the_work_is_large_and_alike_where_launches_dominate():
+    assert _declared("T4-16GB", 1) == pytest.approx(_declared("A100-80GB", 1), rel=0.1)
+    assert _declared("T4-16GB", 256) > 3 * _declared("A100-80GB", 256)
+
+
+def test_a_matrix_product_is_compute_bound_and_a_copy_memory_bound():
+    gpu = GpuModel.of(DeviceGroup(kind="x", memory_gb=1, tflops=10.0, memory_bandwidth_gbs=1000,
+                                  kernel_overhead_us=0, flops_efficiency=1.0, bandwidth_efficiency=1.0))
+    a = torch.randn(1024, 1024)
+    with WorkCounter(gpu) as mm:
+        a @ a
+    assert mm.seconds == pytest.approx(2 * 1024**3 / 10e12)
+    with WorkCounter(gpu) as copy:
+        a.clone()
+    assert copy.seconds == pytest.approx(2 * 4 * 1024**2 / 1000e9)    # read and write
+    with WorkCounter(gpu) as views:
+        a.view(-1).t() if a.dim() == 1 else a.t().view(-1, 1024)
+    assert views.seconds == 0 and views.ops == 0
+
+
+def test_bf16_runs_at_the_bf16_peak_and_a_card_without_it_at_fp32():
+    a100 = GpuModel.of(DeviceGroup(kind="a", gpu="A100-80GB"))
+    v100 = GpuModel.of(DeviceGroup(kind="v", gpu="V100-16GB"))
+    assert a100.flops_per_s(torch.bfloat16) == pytest.approx(16 * a100.flops_per_s(torch.float32))
+    assert v100.flops_per_s(torch.bfloat16) == v100.flops_per_s(torch.float32)
+
+
+def test_ring_collectives_on_one_node_and_across_two():
+    net = Network(intra_node=Link(bandwidth_gbs=100, latency_us=5), inter_node=Link(bandwidth_gbs=10, latency_us=20))
+    one, two = NetworkModel(net, [0, 0, 0, 0]), NetworkModel(net, [0, 0, 1, 1])
+    assert one.seconds("all_reduce", 8e9) == pytest.approx(6 * 5e-6 + 1.5 * 8e9 / 100e9)
+    assert one.seconds("all_gather", 8e9) == pytest.approx(3 * 5e-6 + 0.75 * 8e9 / 100e9)
+    assert two.seconds("reduce_scatter", 8e9) == pytest.approx(3 * 20e-6 + 0.75 * 8e9 / 10e9)
+    assert NetworkModel(net, [0]).seconds("all_reduce", 1e9) == 0.0
+    with pytest.raises(ValueError, match="no network model"):
+        one.seconds("gossip", 1)
