@@ -58,8 +58,9 @@ def run_demo(steps: int = 12, cluster: str = "both-differ", out: str | Path = "r
                       f"{s['first_loss']:.2f} -> {s['last_loss']:.2f}")
     table.add_row("ideal", f"{ideal:,.0f}", "-", "100%", "-", "-")
     console.print(table)
-    console.print("samples/s in the emulated GPUs' declared time; ideal: every device at its best, nobody waiting; "
-                  "predicted: the planner's figure against the measured one", highlight=False)
+    console.print("samples/s in the emulated GPUs' declared time; ideal: the batch shared so that every device "
+                  "finishes together, nothing communicated; predicted: the planner's figure against the measured one",
+                  highlight=False)
     plot = plot_runs(logs, out / "comparison.png", title=f"llama-tiny on {cluster}")
     console.print(f"planner's choice: {result.reason}")
     console.print(f"plots: {plot} (all three), {out}/<allocation>/report.png; logs: {out}/<allocation>/log.jsonl")

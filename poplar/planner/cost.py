@@ -24,13 +24,6 @@ bucket's collective (the root unit: embeddings and head finish last in backward)
   gradient reduce-scattered last (both exposed); the other units' gathers are prefetched
   behind compute. Parameters stay sharded after the step.
 
-What the collectives' times cannot show is how ranks that finish at slightly different
-moments meet at every synchronisation (in ZeRO-3, unit by unit inside every
-micro-step). So the profiler also runs a plan balanced by its own measurements and
-records how much longer the step took than its slowest rank computed; where that
-figure exists it stands for the exposed communication (per step in ZeRO-0/1, per
-micro-step in ZeRO-2/3).
-
 A rank waits for the slowest at the step's synchronisation (and in ZeRO-2/3 at every
 micro-step, where every rank runs the same number), so the step takes the slowest
 rank's busy time plus the exposed communication.
@@ -44,7 +37,6 @@ import numpy as np
 
 from poplar.plan import Plan
 from poplar.profile.profile import Profile, StageProfile
-from poplar.stages import STAGES
 
 
 class KindCost:
@@ -153,23 +145,9 @@ class CostModel:
             return accum * self._coll("reduce_scatter", last) + self._coll("all_gather", full)
         return accum * (self._coll("all_gather", last) + self._coll("reduce_scatter", last))
 
-    def comm_s(self, accum: int, slack: float = 0.0) -> float:
-        """Exposed communication and synchronisation of one step.
-
-        ``accum``: micro-steps (ZeRO-2/3 synchronise on each); ``slack``: how much less
-        the second-slowest rank computes than the slowest. The collectives' own exposed
-        time is always paid; the drift between ranks measured on the profiler's balanced
-        plan is paid only as far as the slack (per synchronisation) does not absorb it.
-        """
-        base = self._collectives_s(accum)
-        comm = self.profile.comm
-        if comm is None or self.stage not in comm.sync_s:
-            return base
-        every_micro_step = STAGES[self.stage].reduces_every_micro_step
-        syncs = accum if every_micro_step else 1
-        measured = comm.sync_s[self.stage] / (comm.sync_accum.get(self.stage, 1) if every_micro_step else 1)
-        drift = max(0.0, measured - self._collectives_s(1))
-        return base + syncs * max(0.0, drift - slack / syncs)
+    def comm_s(self, accum: int) -> float:
+        """Exposed communication of one step of ``accum`` micro-steps (ZeRO-2/3 communicate on each)."""
+        return self._collectives_s(accum)
 
     # -- a whole plan -------------------------------------------------------------------
     def predict(self, plan: Plan) -> Prediction:
@@ -188,7 +166,6 @@ class CostModel:
                                  f"its stage-{self.stage} limit {kc.max_micro_batch}")
             busy_arr[idx] = kc.busy(samples[idx], accum[idx])
         busy = busy_arr.tolist()
-        top2 = np.sort(busy_arr)[-2:]
-        comm = self.comm_s(int(accum.max()), float(top2[-1] - top2[0]) if len(busy) > 1 else 0.0)
+        comm = self.comm_s(int(accum.max()))
         return Prediction(step_s=max(busy) + comm, busy_s=busy, comm_s=comm, global_batch=plan.global_batch_size,
                           seq_len=self.profile.model.seq_len)

@@ -115,9 +115,9 @@ def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int]
             out.allocations[name] = Allocation(name, plan, cost.predict(plan))
         except Infeasible as e:
             out.allocations[name] = Allocation(name, None, None, why_not=str(e))
-    # The search fills every rank to the least busy time; the cost model also rewards a
-    # little imbalance (slack absorbs the ranks' drift at a synchronisation), which a
-    # baseline's split can happen to have. Poplar runs the best plan it has seen.
+    # The search fills every rank to the least busy time in whole samples; a baseline's
+    # split can still be predicted a little faster (its accumulation counts, its
+    # rounding). Poplar runs the best plan it has seen.
     for name in ALLOCATIONS:
         a = out.allocations[name]
         if a.plan is not None and out.poplar.plan is not None and a.predicted.step_s < out.poplar.predicted.step_s:

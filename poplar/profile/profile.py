@@ -70,10 +70,6 @@ class CommProfile(BaseModel):
     all_gather_s: float
     latency_s: dict[str, float] = Field(default_factory=dict, description="per collective: its time on a tiny "
                                         "buffer (a few elements a rank), what every call pays however small")
-    sync_s: dict[int, float] = Field(default_factory=dict, description="per stage: how much longer a step took "
-                                     "than its slowest rank's compute, on a plan balanced by the profile")
-    sync_accum: dict[int, int] = Field(default_factory=dict, description="per stage: the accumulation count of "
-                                       "that balanced plan")
 
     def bandwidth_gbps(self, which: str) -> float:
         """Algorithm bandwidth in GB/s (bytes of the full buffer per second)."""
