@@ -265,14 +265,16 @@ def _split_by_speed(cost: CostModel, global_batch: int, peak: dict[str, float]) 
 
 
 def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
-    """The bound: the global batch shared so that every device finishes at the same moment, no communication.
+    """The bound: the global batch shared so that every device finishes at the same moment.
 
     Samples may be split into fractions (a device's time is interpolated between whole
     sample counts), every device takes its fastest accumulation count for its share,
-    nobody waits and nothing is communicated: no allocation of whole samples can step
-    faster. (A device's throughput rises with its batch on a GPU, so "every device at
-    its own best" would count each at a batch it cannot have while the others have
-    theirs.)
+    nobody waits, and the only communication is what the stage exposes in a step of a
+    single micro-step (the last gradient bucket's collective, which nothing can hide;
+    over a slow link it is a real share of the step): no allocation of whole samples
+    can step faster. (A device's throughput rises with its batch on a GPU, so "every
+    device at its own best" would count each at a batch it cannot have while the others
+    have theirs.)
     """
     b = np.arange(0, global_batch + 1)
     busy = {}
@@ -297,4 +299,4 @@ def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
     for _ in range(100):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if samples_within(mid) < global_batch else (lo, mid)
-    return global_batch / hi
+    return global_batch / (hi + cost.comm_s(1))
