@@ -4,7 +4,7 @@ All take flat, contiguous tensors whose length is a multiple of the world size (
 are padded for that), so they map onto the even-sized collectives every backend has.
 
 This module is also the one seam where anything that wants to observe or pace the
-communication plugs in (a GPU timer separating compute from waiting, an emulated
+communication plugs in (a GPU timer separating compute from waiting, a modelled
 cluster's network): :func:`observe` installs an observer for this process. Every
 collective then tells it ``launch(op, nbytes)`` before it is issued, and its wait goes
 through ``wait(token, real_wait)``. With no observer, a collective is the plain
