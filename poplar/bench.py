@@ -4,8 +4,8 @@ Per cluster: profile the model (or reuse the cache), plan the global batch, then
 Poplar's plan and the ``uniform`` (DeepSpeed-style), ``proportional`` (Whale-style, by
 rated speed) and ``measured-peak`` (by measured peak throughput) allocations of the same
 stage in one launch of the cluster, in alternating rounds, and report measured samples/s
-and tokens/s, the ratios, the share of the planner's ideal bound (every device at its own
-best, nobody waiting), each plan's predicted step time against the measured one, and the
+and tokens/s, the ratios, the share of the planner's ideal bound (the batch shared so
+that every device finishes together, only the communication no plan hides), each plan's predicted step time against the measured one, and the
 emulated devices' overruns (spans whose real work ran past their declared time: a figure
 measured with overruns is flagged, 0 on a quiet host). On an emulated cluster every
 figure is in the declared devices' time.
@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
-from poplar.cluster.spec import load_cluster, presets
-from poplar.cluster.spec import ClusterSpec
+from poplar.cluster.spec import ClusterSpec, load_cluster, presets
 from poplar.measure import measure_plans
 from poplar.peers import PeerFailed
 from poplar.planner import PlanResult, make_plan

@@ -59,7 +59,7 @@ def run_demo(steps: int = 12, cluster: str = "both-differ", out: str | Path = "r
     table.add_row("ideal", f"{ideal:,.0f}", "-", "100%", "-", "-")
     console.print(table)
     console.print("samples/s in the emulated GPUs' declared time; ideal: the batch shared so that every device "
-                  "finishes together, nothing communicated; predicted: the planner's figure against the measured one",
+                  "finishes together, only the communication no plan hides; predicted: the planner's figure against the measured one",
                   highlight=False)
     plot = plot_runs(logs, out / "comparison.png", title=f"llama-tiny on {cluster}")
     console.print(f"planner's choice: {result.reason}")

@@ -33,7 +33,7 @@ from poplar.workload import Workload, as_workload
 class _Peer:
     """A started peer with this rank's batch; whatever fails in it is a :class:`PeerFailed` naming it."""
 
-    def __init__(self, setup, wl: Workload, device, rank: int):
+    def __init__(self, setup, wl: Workload, rank: int):
         self.setup, self.rank = setup, rank
         with self._failing():
             self.peer = setup.start(wl)
@@ -58,14 +58,14 @@ class _Peer:
 
 def _measure_rank(rank: int, world_size: int, workload: dict, cluster: dict, plans: list[dict], steps: int,
                   warmup: int, rounds: int, peers: list = ()) -> list[dict]:
-    spec = parse_cluster(cluster)
-    with rank_device(spec, rank, as_workload(workload)) as device:
-        return _measure(device, rank, as_workload(workload), plans, steps, warmup, rounds, peers)
+    wl = as_workload(workload)
+    with rank_device(parse_cluster(cluster), rank, wl) as device:
+        return _measure(device, rank, wl, plans, steps, warmup, rounds, peers)
 
 
 def _measure(device, rank: int, wl: Workload, plans: list[dict], steps: int, warmup: int, rounds: int,
              peers) -> list[dict]:
-    started = [_Peer(setup, wl, device, rank) for setup in peers]
+    started = [_Peer(setup, wl, rank) for setup in peers]
     runs: list[tuple[Callable[[], float], Callable]] = []   # one step of each contender, and what it holds
     for peer in started:     # warm-up, before Poplar's engines exist
         for _ in range(warmup):
@@ -114,7 +114,8 @@ def measure_plans(workload: str | Workload, cluster: dict, plans: list[poplar.Pl
 
     Returns, per plan and then per peer: ``step_s`` (median time of a step on the
     devices' clock, the slowest rank's view), ``busy_s`` (each rank's median busy time),
-    ``samples_per_s`` and ``overruns`` (summed over ranks). Raises :class:`poplar.peers.PeerFailed` when a peer cannot run.
+    ``samples_per_s`` and ``overruns`` (summed over ranks). Raises
+    :class:`poplar.peers.PeerFailed` when a peer cannot run.
     """
     from poplar.launch import RankFailed, spawn
 

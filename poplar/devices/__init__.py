@@ -20,14 +20,17 @@ def rank_device(cluster, rank: int, workload=None) -> Device:
         return CudaDevice()
     from poplar.emulate import EmulatedDevice
 
-    probe = None
-    if workload is not None:
-        model = workload.build()
+    return EmulatedDevice(cluster, rank, probe=None if workload is None else _workload_probe(workload))
 
-        def probe(m: int) -> None:
-            workload.loss(model, workload.random_batch(m)).backward()
-            model.zero_grad(set_to_none=True)
-    return EmulatedDevice(cluster, rank, probe=probe)
+
+def _workload_probe(workload):
+    """A step of ``workload``'s own model at ``m`` samples, for the dilation's probes."""
+    model = workload.build()
+
+    def probe(m: int) -> None:
+        workload.loss(model, workload.random_batch(m)).backward()
+        model.zero_grad(set_to_none=True)
+    return probe
 
 
 __all__ = ["Device", "rank_device"]

@@ -42,7 +42,6 @@ class Device:
         self.wait_s = 0.0
         self.peak_bytes = 0
         self.overruns = 0
-        self.overrun_s = 0.0
         self._in_step = False
         self._seam: contextlib.ExitStack | None = None
 
@@ -54,7 +53,11 @@ class Device:
     def __enter__(self) -> Device:
         self._seam = contextlib.ExitStack()
         self._seam.enter_context(C.observe(self))
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.__exit__()   # a device that could not start observes nothing
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -72,17 +75,9 @@ class Device:
         if not self._in_step:
             real_wait()
             return
-        start = self.clock()
-        self._before_wait()
+        start = self.clock()      # a GPU's clock first finishes the compute queued before the wait
         real_wait()
-        self._after_wait()
         self.wait_s += self.clock() - start
-
-    def _before_wait(self) -> None:
-        pass
-
-    def _after_wait(self) -> None:
-        pass
 
     # -- time ---------------------------------------------------------------------------
     def synchronize(self) -> None:

@@ -44,16 +44,11 @@ class CudaDevice(Device):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)
 
-    # Only this stream around a wait: a device-wide synchronize would also wait for the
-    # collectives in flight on NCCL's streams, which finish when the slowest rank joins them.
-    def _before_wait(self) -> None:
-        torch.cuda.current_stream(self.index).synchronize()
-
-    def _after_wait(self) -> None:
-        torch.cuda.current_stream(self.index).synchronize()   # work.wait() made this stream wait
-
     def clock(self) -> float:
-        if self._in_step:   # inside a step only this stream: collectives in flight are not its work yet
+        # Inside a step only this stream: a device-wide synchronize would also wait for the
+        # collectives in flight on NCCL's streams, which finish when the slowest rank joins
+        # them (after a wait, work.wait() has made this stream wait for its collective).
+        if self._in_step:
             torch.cuda.current_stream(self.index).synchronize()
             return time.perf_counter()
         return super().clock()

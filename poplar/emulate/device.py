@@ -15,7 +15,7 @@ the numbers it trains are real. Its *time* is the declared model's:
   start from the host (:func:`poplar.emulate.dilation.choose_dilation`), large enough
   that the real work fits inside its declared time, so ranks sharing cores or a noisy
   host change nothing. A span whose real work ran past its declared time is an
-  *overrun*: counted (``overruns``, ``overrun_s``) and reported with the results.
+  *overrun*: counted (``overruns``) and reported with the results.
 
 Memory is measured as before: the model-state bytes the engine holds (its
 ``held_state``) plus the bytes autograd saves for the backward pass, each storage once
@@ -32,33 +32,16 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from poplar.cluster.spec import ClusterSpec
 from poplar.devices.base import Device, Held
-from poplar.emulate.model import GpuModel, op_cost
+from poplar.emulate.model import GpuModel, WorkCounter
 from poplar.emulate.network import NetworkModel
 
 # the side all-reduce must bypass any wrapper a peer installs over torch.distributed (it would recurse)
 _side_all_reduce = dist.all_reduce
 OVERRUN_TOLERANCE = 0.01      # of the step's time so far: lateness below this is timer noise, not an overrun
 OVERRUN_FLOOR_S = 0.002       # wall seconds of lateness never counted as an overrun
-
-
-class _Clock(TorchDispatchMode):
-    """Adds every operator's modelled time to the device's clock."""
-
-    def __init__(self, device: EmulatedDevice):
-        super().__init__()
-        self.device, self.gpu = device, device.gpu
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        cost = op_cost(func, args, kwargs, out)
-        if cost is not None:
-            self.device.T += self.gpu.op_seconds(*cost)
-        return out
 
 
 class EmulatedDevice(Device):
@@ -115,7 +98,6 @@ class EmulatedDevice(Device):
         span = self.dilation * (self.T - self._step_T)   # judged against the step's time so far
         if late > max(OVERRUN_FLOOR_S, OVERRUN_TOLERANCE * span):
             self.overruns += 1
-            self.overrun_s += late / self.dilation
             self.T = (now - self.origin) / self.dilation   # the real work ran past: the device is late
 
     # -- the seam -----------------------------------------------------------------------
@@ -156,8 +138,11 @@ class EmulatedDevice(Device):
         with contextlib.ExitStack() as stack:
             if held is not None:
                 stack.enter_context(self._memory(held))
-            stack.enter_context(_Clock(self))
+            stack.enter_context(WorkCounter(self.gpu, add=self._advance))
             yield
+
+    def _advance(self, seconds: float) -> None:
+        self.T += seconds
 
     # -- memory -------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -31,6 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from poplar.emulate.model import WorkCounter
+
 MARGIN = 2.5
 
 
@@ -47,10 +49,8 @@ def ranks_per_core() -> float:
     return max(1.0, local / _cores())
 
 
-def _ratio(device, work, repeats: int = 5) -> float:
-    """Real seconds of ``work()`` on this host over its declared seconds on ``device``."""
-    from poplar.emulate.model import WorkCounter
-
+def _timed(device, work, repeats: int = 5) -> tuple[float, float]:
+    """Real seconds of ``work()`` on this host (median) and its declared seconds on ``device``."""
     real, declared = [], 0.0
     for i in range(repeats + 1):
         counter = WorkCounter(device.gpu)
@@ -60,7 +60,12 @@ def _ratio(device, work, repeats: int = 5) -> float:
         if i:   # the first run warms the allocator and caches
             real.append(time.perf_counter() - start)
             declared = counter.seconds
-    return statistics.median(real) / max(declared, 1e-12)
+    return statistics.median(real), max(declared, 1e-12)
+
+
+def _ratio(device, work, repeats: int = 5) -> float:
+    real, declared = _timed(device, work, repeats)
+    return real / declared
 
 
 def _mlp_step(batch: int):
@@ -102,19 +107,9 @@ def _comm_ratio(device) -> float:
 
 def _probe_ratios(device, probe) -> list[float]:
     """The fixed and the per-sample cost of the caller's own work, host against device."""
-    real, declared = [], []
-    for m in (1, 8):
-        work = lambda m=m: probe(m)  # noqa: E731
-        ratio = _ratio(device, work, repeats=3)
-        from poplar.emulate.model import WorkCounter
-
-        counter = WorkCounter(device.gpu)
-        with counter:
-            work()
-        declared.append(counter.seconds)
-        real.append(ratio * counter.seconds)
-    per_sample = max(real[1] - real[0], 0.0) / max(declared[1] - declared[0], 1e-12)
-    return [real[0] / declared[0], per_sample]
+    (real_1, declared_1), (real_8, declared_8) = (_timed(device, lambda m=m: probe(m), repeats=3) for m in (1, 8))
+    per_sample = max(real_8 - real_1, 0.0) / max(declared_8 - declared_1, 1e-12)
+    return [real_1 / declared_1, per_sample]
 
 
 def choose_dilation(device, probe=None) -> float:

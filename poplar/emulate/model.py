@@ -26,6 +26,7 @@ Nothing here reads the host's speed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.utils.flop_counter as flop_counter
@@ -103,11 +104,15 @@ def op_cost(func, args, kwargs, out) -> tuple[float, float, torch.dtype] | None:
 
 
 class WorkCounter(TorchDispatchMode):
-    """Adds up the modelled GPU's seconds for every operator run inside it (``seconds``)."""
+    """Adds up the modelled GPU's seconds for every operator run inside it (``seconds``).
 
-    def __init__(self, gpu: GpuModel):
+    ``add(seconds)``, where given, receives each operator's time as it runs instead (an
+    emulated device's clock).
+    """
+
+    def __init__(self, gpu: GpuModel, add: Callable[[float], None] | None = None):
         super().__init__()
-        self.gpu = gpu
+        self.gpu, self.add = gpu, add
         self.seconds = 0.0
         self.ops = 0
         self.flops = 0.0
@@ -118,7 +123,11 @@ class WorkCounter(TorchDispatchMode):
         cost = op_cost(func, args, kwargs, out)
         if cost is not None:
             flops, nbytes, dtype = cost
-            self.seconds += self.gpu.op_seconds(flops, nbytes, dtype)
-            self.ops += 1
-            self.flops += flops
+            seconds = self.gpu.op_seconds(flops, nbytes, dtype)
+            if self.add is None:
+                self.seconds += seconds
+                self.ops += 1
+                self.flops += flops
+            else:
+                self.add(seconds)
         return out

@@ -89,8 +89,7 @@ def seam_collectives(cached: tuple[tuple[object, str], ...] = ()) -> Iterator[No
         collective.__wrapped__ = fn
         return collective
 
-    names = {name: op for name, op in COLLECTIVES.items()}
-    targets = [(module, name, names[name]) for module in (dist, c10d) for name in names if hasattr(module, name)]
+    targets = [(module, name, op) for module in (dist, c10d) for name, op in COLLECTIVES.items() if hasattr(module, name)]
     targets += [(obj, name, _op_of(getattr(obj, name))) for obj, name in cached if getattr(obj, name, None) is not None]
     originals = [(obj, name, getattr(obj, name), op) for obj, name, op in targets]
     wrapped: dict[int, object] = {}    # one wrapper per function, whichever names it goes by
@@ -106,8 +105,10 @@ def seam_collectives(cached: tuple[tuple[object, str], ...] = ()) -> Iterator[No
 
 
 def _op_of(fn) -> str:
+    """The network collective of a function a peer cached (by its torch.distributed name)."""
     name = getattr(fn, "__name__", "")
-    return "reduce_scatter" if "reduce_scatter" in name else "all_gather" if "gather" in name else "all_reduce"
+    return COLLECTIVES.get(name) or ("reduce_scatter" if "reduce_scatter" in name else
+                                     "all_gather" if "gather" in name else "all_reduce")
 
 
 class _Done:

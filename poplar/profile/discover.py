@@ -21,8 +21,6 @@ from itertools import groupby
 import torch
 import torch.distributed as dist
 
-# a discovered GPU's peak TFLOP/s come from the catalogue; re-exported for callers that import it from here
-from poplar.cluster.catalogue import peak_tflops as peak_tflops
 from poplar.cluster.spec import ClusterSpec, CudaProperties, DeviceGroup, presets
 
 

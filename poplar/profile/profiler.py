@@ -39,7 +39,6 @@ import hashlib
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -324,7 +323,7 @@ def _profile_rank(device, rank, world_size, wl: Workload, spec, stages, n_points
         batch = wl.random_batch(2)
         for _ in range(2):    # optimizer states, then accumulated gradients, exist now
             _timed_step(device, engine, batch, wl.loss)
-        state = max(engine.model_state_bytes(), getattr(device, "peak_state_bytes", 0))
+        state = engine.model_state_bytes()
         engine.close()
         engine = None
         if real:   # the probe holds the states itself (its model and a reserved buffer)

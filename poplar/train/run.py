@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -87,16 +86,15 @@ def _train_rank(rank: int, world_size: int, cfg_dict: dict, plan_dict: dict, wl_
     from poplar.devices import Device, rank_device
     from poplar.devices.cuda import CudaDevice
 
-    cfg = TrainConfig(**cfg_dict)
+    cfg, wl = TrainConfig(**cfg_dict), Workload(**wl_dict)
     if cfg.cluster:
-        device = rank_device(load_cluster(cfg.cluster), rank, Workload(**wl_dict))
+        device = rank_device(load_cluster(cfg.cluster), rank, wl)
     elif _on_cuda():   # a real GPU: its steps timed on the GPU, so busy and idle times mean what they say
         device = CudaDevice()
     else:
         device = Device()
     with device:
-        return _train(device, rank, world_size, cfg, poplar.Plan.from_dict(plan_dict), Workload(**wl_dict),
-                      return_state)
+        return _train(device, rank, world_size, cfg, poplar.Plan.from_dict(plan_dict), wl, return_state)
 
 
 def _train(device, rank: int, world_size: int, cfg: TrainConfig, plan, wl: Workload, return_state: bool) -> dict:

@@ -12,7 +12,8 @@ import yaml
 from poplar.cluster.spec import CudaProperties, parse_cluster
 from poplar.launch import spawn
 from poplar.profile import Profile
-from poplar.profile.discover import discover_cluster, group_devices, peak_tflops
+from poplar.cluster.catalogue import peak_tflops
+from poplar.profile.discover import discover_cluster, group_devices
 from poplar.profile.profiler import cache_key
 from tests.profile.discover_workers import discover_on_every_rank
 
