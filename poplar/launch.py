@@ -13,29 +13,63 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
+import threading
 import time
 import traceback
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from poplar.engine.dist import free_port, init_distributed, shutdown
+from poplar.engine.dist import init_distributed, shutdown
 
 
 class RankFailed(RuntimeError):
-    """A spawned rank raised; the message carries that rank's traceback."""
+    """A spawned rank raised or died; the message carries that rank's traceback or how it ended."""
+
+    def __init__(self, message: str, rank: int | None = None, error: str | None = None, line: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.error = error    # the exception's type name; None: the rank died
+        self.line = line or message.splitlines()[0]   # the failure in one line
+
+
+def exit_reason(code: int | None) -> str:
+    """How a process ended, in words: 'was killed by SIGKILL', 'exited with code 3'."""
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _forward_sigterm(procs):
+    """Pass SIGTERM on to the ranks while they run; returns the handler to restore (None: not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+    return signal.signal(signal.SIGTERM, forward)
 
 
 def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float, threads: int, results, args, kwargs):
+    # The launcher hosts the rendezvous store, as torchrun's agent does: it outlives any rank.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(threads)
     try:
         init_distributed(timeout_s=timeout_s, backend="gloo")
         out = fn(rank, world_size, *args, **kwargs)
     except BaseException as e:  # report, then let the parent stop the others
-        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        results.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc())))
         raise
     # Plain pickle copies tensors: shared-memory handles would die with this process.
     results.put((rank, "ok", pickle.dumps(out)))
@@ -53,15 +87,20 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
     ``fn`` must be importable (a module-level function). Raises :class:`RankFailed` with
     the first failing rank's traceback, or :class:`TimeoutError` after ``timeout_s``.
     ``on_poll`` is called while waiting (e.g. to show progress the ranks report).
+
+    A rank that dies stops the others at once. SIGTERM sent to this process is passed on
+    to every rank (a rank that handles it, as training does, can save and return).
     """
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    port = store.port
     coll_timeout = collective_timeout_s or max(10.0, timeout_s / 2)
     pc = mp.start_processes(_entry, args=(fn, world_size, port, coll_timeout, threads, results, args, kwargs),
                             nprocs=world_size, join=False, start_method="spawn")
     outputs: dict[int, Any] = {}
-    errors: dict[int, str] = {}
+    errors: dict[int, tuple[str | None, str, str]] = {}   # rank: (exception type, message, details)
     deadline = time.monotonic() + timeout_s
 
     def drain():
@@ -73,6 +112,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
                 errors[rank] = payload
 
     procs = pc.processes
+    previous = _forward_sigterm(procs)
     try:
         while len(outputs) < world_size:
             drain()
@@ -85,7 +125,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
                 drain()
                 dead = [r for r in dead if r not in outputs]
                 if dead and not errors:
-                    errors[dead[0]] = f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} before returning"
+                    how = f"rank {dead[0]} {exit_reason(procs[dead[0]].exitcode)} before returning"
+                    errors[dead[0]] = (None, how, how)
                 if errors:
                     break
             if time.monotonic() > deadline:
@@ -94,6 +135,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
                 on_poll()
             time.sleep(0.02)
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         # With every result in, the ranks only leave the group: give them a moment.
         grace = time.monotonic() + (10.0 if len(outputs) == world_size else 0.0)
         for p in procs:
@@ -102,9 +145,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+    del store
     if errors:
         rank = next(iter(errors))   # the first to fail: the others may only have lost it
-        raise RankFailed(f"rank {rank} failed:\n{errors[rank]}")
+        error, message, details = errors[rank]
+        line = message.strip().splitlines()[0] if message.strip() else error
+        raise RankFailed(f"rank {rank} failed:\n{details}", rank=rank, error=error,
+                         line=line if error is None else f"rank {rank}: {error}: {line}")
     missing = [r for r in range(world_size) if r not in outputs]
     if missing:
         raise RankFailed(f"ranks {missing} returned no result")

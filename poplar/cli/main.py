@@ -15,6 +15,13 @@ app = typer.Typer(help="Poplar: ZeRO data parallelism for clusters of different 
                   add_completion=False)
 
 
+def _error(console, message) -> None:
+    """One line on what went wrong; the message printed as it is (no markup read in it)."""
+    from rich.markup import escape
+
+    console.print(f"[red]error:[/] {escape(str(message))}", soft_wrap=True)
+
+
 @app.callback()
 def main() -> None:
     """Poplar: ZeRO data parallelism for clusters of different GPUs."""
@@ -100,7 +107,7 @@ def profile(
         if discover:
             spec = _discover_devices("profile")
     except (ValueError, FileNotFoundError) as e:
-        console.print(f"[red]error:[/] {e}")
+        _error(console, e)
         raise typer.Exit(2) from None
     if spec.is_real:
         console.print(f"profiling [bold]{model}[/] on {spec.world_size} CUDA ranks: "
@@ -211,7 +218,7 @@ def plan(
             raise ValueError(f"--profile {profile}: not a Poplar profile: {str(e).splitlines()[0]}") from None
         result = make_plan(prof, global_batch, stage_list)
     except (ValueError, PlanningError) as e:
-        console.print(f"[red]error:[/] {e}")
+        _error(console, e)
         raise typer.Exit(2) from None
     for s, sp in result.stages.items():
         if not sp.excluded and (all_stages or s == result.stage):
@@ -220,6 +227,19 @@ def plan(
     console.print(f"[bold]chosen:[/] {result.reason}")
     result.save(out)
     console.print(f"wrote {out} ({result.plan})")
+
+
+BAD_INPUT_ERRORS = ("ValueError", "FileNotFoundError", "CheckpointError", "ValidationError", "TypeError")
+
+
+def _where_run_stands(cfg) -> str:
+    from poplar.train.checkpoint import latest_checkpoint
+
+    if cfg is None:
+        return ""
+    last = latest_checkpoint(Path(cfg.out) / "checkpoints")
+    return (f"; last complete checkpoint: {last} (continue with `poplar train --resume --out {cfg.out}`)"
+            if last else "; no checkpoint was written")
 
 
 @app.command()
@@ -240,10 +260,12 @@ def train(
     """Profile (or reuse the cache), plan, and train on an emulated heterogeneous cluster or the real CUDA devices."""
     from rich.console import Console
 
+    from poplar.launch import RankFailed
     from poplar.train.config import load_config
     from poplar.train.run import run_training
 
     console = Console()
+    cfg = None
     overrides = {"model": model, "cluster": cluster, "global_batch": global_batch, "steps": steps, "plan": plan,
                  "baseline": baseline, "out": out, "resume": resume or None}
     try:
@@ -257,8 +279,19 @@ def train(
         cfg = load_config(config, overrides)
         result = run_training(cfg, nproc=nproc)
     except (ValueError, FileNotFoundError) as e:
-        console.print(f"[red]error:[/] {e}")
+        _error(console, e)
         raise typer.Exit(2) from None
+    except RankFailed as e:
+        _error(console, f"{e.line}{_where_run_stands(cfg)}")
+        raise typer.Exit(2 if e.error in BAD_INPUT_ERRORS else 1) from None
+    except (TimeoutError, RuntimeError, FloatingPointError) as e:   # this process is a rank (torchrun's)
+        line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        _error(console, f"{line}{_where_run_stands(cfg)}")
+        raise typer.Exit(1) from None
+    if result.get("preempted"):
+        console.print(f"preempted: stopped after step {result['preempted']} with a checkpoint; continue with "
+                      f"`poplar train --resume --out {cfg.out}`", soft_wrap=True)
+        return
     losses = result["losses"]
     if losses and "summary" in result:      # rank 0 (or the launcher)
         s = result["summary"]
@@ -302,7 +335,7 @@ def bench(
             results.append(bench_cluster(c, workload, global_batch, steps, use_cache=not no_cache,
                                          peers=not no_peers))
     except (ValueError, FileNotFoundError) as e:
-        console.print(f"[red]error:[/] {e}")
+        _error(console, e)
         raise typer.Exit(2) from None
     table = Table(title=f"{model}, global batch {global_batch}: measured, {steps} steps per allocation")
     for col in ("cluster", "stage", "allocation", "samples/s", "vs uniform", "vs proportional",

@@ -33,6 +33,9 @@ class EngineConfig(BaseModel):
     check_batches: bool = Field(True, description="verify every rank's local batch against the plan each step")
     max_inflight_reduces: int = Field(2, ge=1, description="ZeRO-2/3: gradient buckets in flight before the "
                                       "oldest is waited for and its full gradient freed")
+    on_nonfinite: Literal["raise", "skip"] = Field(
+        "raise", description="a NaN or infinite loss or gradient: 'raise' NonFiniteError (naming the step and the "
+        "ranks), or 'skip' the update (parameters and optimizer state untouched; engine.skipped_steps counts them)")
     track_memory: bool = Field(False, description="record peak bytes by kind during each step (engine.peak_memory)")
 
     @property

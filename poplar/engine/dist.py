@@ -58,7 +58,17 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
     timeout = timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
     if backend == "nccl":
         torch.cuda.set_device(_local_rank())
-    if "WORLD_SIZE" in os.environ:
+    if "WORLD_SIZE" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # The agent's store outlives a restart of the group, and with it the previous
+        # attempt's addresses under the same keys (gloo then connects to dead peers):
+        # each attempt keeps its keys apart.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"poplar/attempt-{attempt}", store),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timeout)
+    elif "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,

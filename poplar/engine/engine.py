@@ -22,6 +22,8 @@ stage (:mod:`poplar.stages`) deciding only what is sharded; its parts live besid
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
@@ -38,7 +40,15 @@ from poplar.engine.unshard import Unsharder
 from poplar.plan import Plan
 from poplar.stages import stage
 
-__all__ = ["Engine", "EngineConfig", "initialize"]
+__all__ = ["Engine", "EngineConfig", "NonFiniteError", "initialize"]
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's loss or gradient was NaN or infinite (``on_nonfinite='raise'``); the update was not applied."""
+
+    def __init__(self, message: str, step: int, ranks: list[int]):
+        super().__init__(message)
+        self.step, self.ranks = step, ranks
 
 
 class Engine:
@@ -90,6 +100,7 @@ class Engine:
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, not a torch.optim.Optimizer")
         self.global_steps = 0
+        self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.peak_memory: dict[str, int] = {}
 
@@ -143,9 +154,9 @@ class Engine:
             (loss.reshape(()) * weight).backward()
             self._end_micro_step()
             loss_sum += loss.detach().float().reshape(()) * weight
+        local_finite = bool(torch.isfinite(loss_sum))
         loss_work = C.all_reduce(loss_sum, async_op=True)
-        self._step()
-        loss_work.wait()
+        self._step(loss_work, loss_sum, local_finite)
         return float(loss_sum)
 
     def _reset_step_state(self) -> None:
@@ -169,25 +180,46 @@ class Engine:
             self._unsharder.end_micro_step()
         self._reducer.end_micro_step()
 
-    def _clip_grads(self, grads: list[torch.Tensor]) -> None:
-        max_norm = self.config.clip_grad_norm
+    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """The global L2 norm of the gradient (NaN or infinity when any part of it is)."""
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in grads:
             sq += g.float().pow(2).sum()
         if self.stage.shards_optimizer:   # each rank holds a gradient shard: the squares add up across ranks
             C.all_reduce(sq)
-        norm = float(sq.sqrt())
-        self.last_grad_norm = norm
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
+        return float(sq.sqrt())
+
+    def _nonfinite(self, loss: torch.Tensor, local_finite: bool) -> None:
+        """Every rank alike: raise, or leave this step's update out (``on_nonfinite``)."""
+        flags = torch.zeros(self.world_size, dtype=torch.float32, device=self.device)
+        C.all_gather(flags, torch.tensor([0.0 if local_finite else 1.0], device=self.device))
+        ranks = [r for r in range(self.world_size) if flags[r] > 0]
+        step = self.global_steps + self.skipped_steps + 1
+        what = (f"the loss is {float(loss)} (non-finite on rank{'s' * (len(ranks) > 1)} "
+                f"{', '.join(map(str, ranks))})" if ranks else
+                f"the gradient norm is {self.last_grad_norm} (every rank's loss is finite)")
+        for unit in self.units:
+            unit.master.grad = None
+        if self.config.on_nonfinite == "skip":
+            self.skipped_steps += 1
+            return
+        raise NonFiniteError(f"step {step}: {what}; the update was not applied. Lower the learning rate or clip "
+                             "the gradient, or set on_nonfinite='skip' to leave such steps out", step, ranks)
 
     @torch.no_grad()
-    def _step(self) -> None:
+    def _step(self, loss_work=None, loss: torch.Tensor | None = None, local_finite: bool = True) -> None:
         grads = [u.owned_grad() for u in self.units]
+        norm = self.last_grad_norm = self._grad_norm(grads)
+        if loss_work is not None:
+            loss_work.wait()
+        if not math.isfinite(norm) or (loss is not None and not bool(torch.isfinite(loss))):
+            self._nonfinite(loss if loss is not None else torch.tensor(float("nan")), local_finite)
+            return
         if self.config.clip_grad_norm is not None:
-            self._clip_grads(grads)
+            coef = self.config.clip_grad_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
         for unit, g in zip(self.units, grads):
             unit.master.grad = g
         self.optimizer.step()
@@ -204,6 +236,8 @@ class Engine:
     sharded_state_dict = state_dict.sharded_state_dict
     prepare_sharded_load = state_dict.prepare_sharded_load
     load_sharded_state_dict = state_dict.load_sharded_state_dict
+    optimizer_hyperparameters = state_dict.optimizer_hyperparameters
+    layout = state_dict.layout
 
     # ------------------------------------------------------------------ memory (poplar.engine.memory)
     memory_report = memory.memory_report

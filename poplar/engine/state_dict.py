@@ -54,31 +54,82 @@ def load_full_state_dict(engine: Engine, state: dict[str, torch.Tensor]) -> None
         u.load_full_master(flats[u.index])
 
 
-def _shard_tag(engine: Engine) -> str:
-    """The key prefix of what the stage shards: every rank saves its own under its own keys."""
-    return f"rank{engine.rank}." if engine.stage.shards_optimizer else ""
+def _mesh(engine: Engine):
+    """A one-dimensional device mesh over every rank (made once): the layout a sharded tensor is saved with."""
+    if getattr(engine, "_mesh", None) is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        engine._mesh = DeviceMesh(engine.device.type, list(range(engine.world_size)))
+    return engine._mesh
+
+
+def _global(engine: Engine, unit, flat: torch.Tensor):
+    """``flat`` (a unit's master or optimizer state, as this rank holds it) as the unit's whole flat tensor.
+
+    Where the stage shards it, rank ``r`` holds the ``r``-th ceil-sized chunk of the
+    padded buffer: exactly a ``Shard(0)`` DTensor of the unpadded ``numel`` elements, so
+    ``torch.distributed.checkpoint`` records the layout and reads any other one back.
+    Elsewhere every rank holds it whole: a plain tensor, written once.
+    """
+    if not unit.shard_optim:
+        return flat[:unit.numel]
+    from torch.distributed.tensor import DTensor, Shard
+
+    valid = max(0, min(unit.shard_numel, unit.numel - unit.shard_start))
+    return DTensor.from_local(flat[:valid], _mesh(engine), [Shard(0)], run_check=False,
+                              shape=torch.Size([unit.numel]), stride=(1,))
+
+
+def _is_flat_state(unit, value) -> bool:
+    return isinstance(value, torch.Tensor) and value.shape == unit.master.shape
 
 
 def sharded_state_dict(engine: Engine) -> dict:
-    """This rank's share of the training state, for ``torch.distributed.checkpoint``.
+    """The training state for ``torch.distributed.checkpoint``, under global keys with its layout.
 
-    fp32 masters and optimizer states under keys that name the rank where the stage
-    shards them (``rank1.unit0.master``), so every rank writes its own shard; what
-    every rank holds alike (stage-0 states, buffers, hyper-parameters, the step count)
-    under plain keys, written once. Tensors are the engine's own: loading into this
-    dict restores them in place (see :meth:`load_sharded_state_dict`).
+    Each unit's fp32 master and per-element optimizer states (``unit3.master``,
+    ``optim.3.exp_avg``) are the whole unit's flat tensor, sharded as the stage shards
+    it (see :func:`_global`): a checkpoint written with one world size, plan and stage
+    loads into any other. Buffers, the optimizer's scalar states and the step count are
+    plain tensors. The optimizer's hyper-parameters are not tensors: see
+    :func:`optimizer_hyperparameters`. Tensors share the engine's storage where they can;
+    :func:`load_sharded_state_dict` copies back what ``dcp.load`` filled.
     """
-    tag = _shard_tag(engine)
-    out: dict = {f"{tag}unit{u.index}.master": u.master.data for u in engine.units}
-    opt = engine.optimizer.state_dict()
-    for idx, state in opt["state"].items():
+    out: dict = {f"unit{u.index}.master": _global(engine, u, u.master.data) for u in engine.units}
+    for idx, state in engine.optimizer.state_dict()["state"].items():
+        u = engine.units[idx]
         for name, value in state.items():
-            out[f"{tag}optim.{idx}.{name}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-    out["optim.param_groups"] = opt["param_groups"]
+            if _is_flat_state(u, value):
+                out[f"optim.{idx}.{name}"] = _global(engine, u, value)
+            else:
+                out[f"optim.{idx}.{name}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
     for name, buf in engine.model.named_buffers():
         out[f"buffer.{name}"] = buf
     out["global_steps"] = torch.tensor(engine.global_steps)
     return out
+
+
+def optimizer_hyperparameters(engine: Engine) -> list[dict]:
+    """The optimizer's parameter groups without their parameters, as JSON values (lr, betas, ...)."""
+    groups = []
+    for g in engine.optimizer.state_dict()["param_groups"]:
+        clean = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor):
+                v = v.tolist()
+            if isinstance(v, tuple):
+                v = list(v)
+            if v is None or isinstance(v, (bool, int, float, str, list)):
+                clean[k] = v
+        groups.append(clean)
+    return groups
+
+
+def layout(engine: Engine) -> list[dict]:
+    """The units as a checkpoint records them: a checkpoint loads only into the same units."""
+    return [{"name": u.name, "numel": u.numel} for u in engine.units]
 
 
 def prepare_sharded_load(engine: Engine) -> dict:
@@ -96,17 +147,35 @@ def prepare_sharded_load(engine: Engine) -> dict:
     return sharded_state_dict(engine)
 
 
+def _local(value) -> torch.Tensor:
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
 @torch.no_grad()
-def load_sharded_state_dict(engine: Engine, state: dict) -> None:
-    """Restore from a dict that ``dcp.load`` filled (from :meth:`prepare_sharded_load`). Same world and stage."""
-    tag = _shard_tag(engine)
+def load_sharded_state_dict(engine: Engine, state: dict, hyperparameters: list[dict] | None = None) -> None:
+    """Restore from a dict that ``dcp.load`` filled (from :meth:`prepare_sharded_load`), any layout saved.
+
+    ``hyperparameters``: the optimizer's groups as :func:`optimizer_hyperparameters`
+    gave them when saving (kept as they are when ``None``).
+    """
     for u in engine.units:
-        u.master.data.copy_(state[f"{tag}unit{u.index}.master"])
+        src = _local(state[f"unit{u.index}.master"])
+        u.master.data[:src.numel()].copy_(src)
     opt = engine.optimizer.state_dict()
     for idx, st in opt["state"].items():
+        u = engine.units[idx]
         for name in list(st):
-            st[name] = state[f"{tag}optim.{idx}.{name}"]
-    opt["param_groups"] = state["optim.param_groups"]
+            src = _local(state[f"optim.{idx}.{name}"])
+            if _is_flat_state(u, st[name]):
+                st[name][:src.numel()].copy_(src)
+            else:
+                st[name] = src
+    if hyperparameters is not None:
+        if len(hyperparameters) != len(opt["param_groups"]):
+            raise ValueError(f"the checkpoint's optimizer has {len(hyperparameters)} parameter groups, this one "
+                             f"{len(opt['param_groups'])}: resume with the optimizer it was written with")
+        for group, saved in zip(opt["param_groups"], hyperparameters):
+            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
     engine.optimizer.load_state_dict(opt)
     for name, buf in engine.model.named_buffers():
         buf.copy_(state[f"buffer.{name}"])

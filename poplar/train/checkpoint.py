@@ -1,73 +1,196 @@
-"""Sharded, atomic checkpoints with ``torch.distributed.checkpoint``.
+"""Checkpoints you can trust: sharded (``torch.distributed.checkpoint``), atomic, checked, reshardable.
 
 Layout under a run's directory::
 
-    checkpoints/step-00000040/      one DCP checkpoint (every rank wrote its own shard)
-    checkpoints/step-00000040/poplar.json   what the run was: step, plan, world, workload
-    checkpoints/latest              the name of the newest complete checkpoint
+    checkpoints/step-00000040/                 one DCP checkpoint (every rank wrote its own shard)
+    checkpoints/step-00000040/poplar.json      what the run was: step, workload, global batch, plan, ...
+    checkpoints/step-00000040/manifest.json    every file's size and SHA-256
+    checkpoints/latest                         the name of the newest complete checkpoint
 
-A checkpoint is written to ``step-N.tmp`` and renamed by rank 0 only after every rank
-has finished writing (a barrier), then ``latest`` is replaced atomically; a crash
-mid-write leaves the previous checkpoint as ``latest`` and the partial one as ``.tmp``
-(removed by the next save). Resuming needs the same number of ranks and ZeRO stage (the
-shards are the plan's); the error says so otherwise.
+Writing: every rank writes into ``step-N.tmp``; after a barrier rank 0 hashes the
+files, writes the manifest last, renames the directory and replaces ``latest``
+(``os.replace``: atomic). A crash at any point leaves the earlier checkpoints whole; a
+``.tmp`` directory is never read and the next save removes it. The newest
+``keep`` checkpoints are kept, so one damaged leaves another to fall back on.
+
+Reading: :func:`find_resumable` checks the newest checkpoint's manifest (a missing,
+truncated or changed file fails it) and falls back to the previous one, saying so.
+Loading reads tensors only (DCP; its metadata is covered by the manifest). The state is
+saved under global keys with its layout (:mod:`poplar.engine.state_dict`), so a
+checkpoint written on N ranks with one plan and ZeRO stage loads on M ranks with
+another.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from poplar.train import faults
+
+MANIFEST, META = "manifest.json", "poplar.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from (damaged, or another run's); the message says which and why."""
 
 
 def _name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def save_checkpoint(engine, root: str | Path, step: int, meta: dict) -> Path:
-    """Every rank calls this; returns the checkpoint's directory."""
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _agree_ok(ok: bool) -> bool:
+    """Every rank's ``ok``, and-ed (a rank alone in its group decides alone)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    flag = torch.tensor([0.0 if ok else 1.0])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag)
+    return float(flag) == 0.0
+
+
+def _finite(engine) -> bool:
+    return all(bool(torch.isfinite(u.master).all()) for u in engine.units)
+
+
+def save_checkpoint(engine, root: str | Path, step: int, meta: dict, keep: int = 2) -> Path:
+    """Every rank calls this; returns the checkpoint's directory. Refuses to write non-finite parameters."""
+    if not _agree_ok(_finite(engine)):
+        raise CheckpointError(f"step {step}: the parameters hold NaN or infinity on some rank; no checkpoint was "
+                              "written (the last complete one stands)")
     root = Path(root)
     final, tmp = root / _name(step), root / f"{_name(step)}.tmp"
-    if dist.get_rank() == 0:
+    rank0 = dist.get_rank() == 0
+    if rank0:
         for stale in root.glob("*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     dcp.save(engine.sharded_state_dict(), checkpoint_id=str(tmp))
+    faults.point("save", dist.get_rank(), step)
     dist.barrier()
-    if dist.get_rank() == 0:
-        (tmp / "poplar.json").write_text(json.dumps({**meta, "step": step}, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        latest = root / "latest.tmp"
-        latest.write_text(final.name)
-        os.replace(latest, root / "latest")
+    if rank0:
+        full_meta = {**meta, "step": step, "layout": engine.layout(),
+                     "optimizer": engine.optimizer_hyperparameters()}
+        (tmp / META).write_text(json.dumps(full_meta, indent=2))
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=2))   # last: its presence means whole
+        _fsync_dir(tmp)
+        if final.exists():   # a step written again (a resumed run repeating its last save): move the old aside first
+            aside = root / f"{_name(step)}.old.tmp"
+            final.rename(aside)
+            tmp.rename(final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        pointer = root / "latest.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, root / "latest")
+        _fsync_dir(root)
+        for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
 
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Checkpoint directories holding a manifest, oldest first (not yet checked against it)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp") and (p / MANIFEST).exists()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def verify(path: str | Path) -> str | None:
+    """What is wrong with the checkpoint at ``path`` (None: every file matches its manifest)."""
+    path = Path(path)
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is missing or unreadable"
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["bytes"]:
+            return f"{name} has {f.stat().st_size} bytes, {want['bytes']} were written"
+        if _sha256(f) != want["sha256"]:
+            return f"{name} does not match its checksum"
+    if META not in files or not any(n.endswith(".distcp") for n in files) or ".metadata" not in files:
+        return "the manifest lists no complete DCP checkpoint"
+    return None
+
+
+def find_resumable(root: str | Path, report=print) -> Path | None:
+    """The newest checkpoint under ``root`` that passes :func:`verify`; each damaged one is reported and skipped."""
+    for path in reversed(complete_checkpoints(root)):
+        problem = verify(path)
+        if problem is None:
+            return path
+        report(f"checkpoint {path} is damaged ({problem}); falling back to the one before it")
+    return None
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
-    pointer = Path(root) / "latest"
-    if not pointer.exists():
-        return None
-    path = Path(root) / pointer.read_text().strip()
-    return path if (path / "poplar.json").exists() else None
+    """The newest complete checkpoint by name, unverified (for messages; resume uses :func:`find_resumable`)."""
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_meta(path: str | Path) -> dict:
+    try:
+        return json.loads((Path(path) / META).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: {META} unreadable ({e})") from None
 
 
 def load_checkpoint(engine, path: str | Path, expect: dict) -> dict:
-    """Restore ``engine`` from ``path``; ``expect`` (world size, stage, workload) must match. Returns its meta."""
+    """Restore ``engine`` from ``path`` (every rank; any world size, plan and stage). Returns its meta.
+
+    ``expect``: what must be the same as when it was written (the workload, the global
+    batch, the data's order); the error names the first that differs.
+    """
     path = Path(path)
-    meta = json.loads((path / "poplar.json").read_text())
+    meta = read_meta(path)
     for key, value in expect.items():
         if meta.get(key) != value:
-            raise ValueError(f"checkpoint {path} was written with {key} = {meta.get(key)!r}, this run has "
-                             f"{value!r}: resume with the same {key}, or start a new run (another --out)")
+            raise CheckpointError(f"checkpoint {path} was written with {key} = {meta.get(key)!r}, this run has "
+                                  f"{value!r}: resume with the same {key}, or start a new run (another --out)")
+    if meta.get("layout") != engine.layout():
+        raise CheckpointError(f"checkpoint {path} holds another model's units ({len(meta.get('layout') or [])} "
+                              f"units, this model has {len(engine.layout())}): resume the model it was written with")
     state = engine.prepare_sharded_load()
     dcp.load(state, checkpoint_id=str(path))
-    engine.load_sharded_state_dict(state)
+    engine.load_sharded_state_dict(state, meta.get("optimizer"))
     return meta

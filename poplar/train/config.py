@@ -35,7 +35,14 @@ class TrainConfig(BaseModel):
     baseline: Literal["poplar", "uniform", "proportional", "measured-peak"] = Field("poplar", description="allocation to train with")
     out: str = Field("runs/poplar", description="directory for the log, plan, checkpoints and report")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints (0: only at the end)")
-    resume: bool = Field(False, description="continue from the newest checkpoint in `out`")
+    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept (more than one: a damaged one "
+                                  "leaves another to resume from)")
+    resume: bool = Field(False, description="continue from the newest intact checkpoint in `out`, on this cluster "
+                         "or another (a changed cluster is profiled and planned anew)")
+    on_nonfinite: Literal["stop", "skip"] = Field("stop", description="a NaN or infinite loss or gradient: stop "
+                                                  "(naming the step and rank), or skip that step's update")
+    dead_rank_timeout_s: float = Field(30.0, gt=0, description="a rank silent this long is taken for dead and the "
+                                       "run stops (a rank on the same host whose process is gone: at once)")
     log_every: int = Field(1, gt=0)
     profile_cache: bool = True
     peak_tflops: float | None = Field(None, gt=0, description="each GPU's peak dense TFLOP/s in the compute dtype, "

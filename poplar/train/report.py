@@ -15,9 +15,13 @@ def summarize(records: list[dict], skip: int = 1) -> dict:
     """Medians over the steady steps, and the loss at both ends.
 
     Steady: after the first ``skip`` (warm-up). ``steady_steps`` names them (log step numbers).
+    A run resumed on another cluster is summarised on the last one (its trailing records).
     """
-    steady = records[skip:] or records
-    ranks = len(steady[0]["busy_s"])
+    ranks = len(records[-1]["busy_s"])
+    here = len(records)
+    while here > 0 and len(records[here - 1]["busy_s"]) == ranks:
+        here -= 1
+    steady = records[here:][skip:] or records[here:]
     mfu = {"mfu": statistics.median(r["mfu"] for r in steady)} if all("mfu" in r for r in steady) else {}
     return {
         "steps": len(records),

@@ -26,12 +26,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import sys
+import threading
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import poplar
+from poplar.train import faults
 from poplar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from poplar.train.config import TrainConfig
 from poplar.workload import Workload
@@ -97,8 +101,69 @@ def _train_rank(rank: int, world_size: int, cfg_dict: dict, plan_dict: dict, wl_
         return _train(device, rank, world_size, cfg, poplar.Plan.from_dict(plan_dict), wl, return_state)
 
 
-def _train(device, rank: int, world_size: int, cfg: TrainConfig, plan, wl: Workload, return_state: bool) -> dict:
+class Preemption:
+    """SIGTERM (what Slurm and Kubernetes send) asks for a checkpoint at the end of the step; a second stops now."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.requested:
+            print("poplar: a second SIGTERM: stopping now, without a checkpoint", file=sys.stderr, flush=True)
+            os._exit(128 + signal.SIGTERM)
+        self.requested = True
+
+
+def _agree(flag: bool) -> bool:
+    """True on every rank when ``flag`` is on any (a signal may reach the ranks at different steps)."""
     from poplar.engine.dist import context
+
+    t = torch.tensor([1.0 if flag else 0.0], device=context().device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def _resume_from(ckpt_root: Path, rank: int) -> Path | None:
+    """The newest intact checkpoint, chosen by rank 0 (it reports damaged ones) and the same on every rank."""
+    from poplar.engine.dist import context
+    from poplar.train.checkpoint import CheckpointError, complete_checkpoints, find_resumable
+
+    step = torch.tensor([-1], dtype=torch.int64, device=context().device)
+    if rank == 0:
+        path = find_resumable(ckpt_root, report=lambda line: print(f"poplar: {line}", file=sys.stderr, flush=True))
+        if path is not None:
+            step[0] = int(path.name.split("-")[1])
+        elif complete_checkpoints(ckpt_root):
+            step[0] = -2
+    dist.broadcast(step, src=0)
+    if int(step) == -2:
+        raise CheckpointError(f"no intact checkpoint under {ckpt_root} (every one is damaged, see above): "
+                              "start a new run with another --out")
+    return None if int(step) < 0 else ckpt_root / f"step-{int(step):08d}"
+
+
+def _keep_log_before(log_path: Path, start: int) -> None:
+    """A resumed run repeats the steps after its checkpoint: their earlier records go (the rest stay)."""
+    if not log_path.exists():
+        return
+    kept = [line for line in log_path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start]
+    tmp = log_path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, log_path)
+
+
+def _train(device, rank: int, world_size: int, cfg: TrainConfig, plan, wl: Workload, return_state: bool) -> dict:
+    from poplar.train.watchdog import Watchdog, lost_peer, store_address
 
     _, batches = prepare_data(cfg)
     model = wl.build(seed=cfg.seed)
@@ -106,65 +171,111 @@ def _train(device, rank: int, world_size: int, cfg: TrainConfig, plan, wl: Workl
     peak = _peak_tflops(device, cfg)
     optimizer = lambda params: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # noqa: E731
     engine = poplar.initialize(model, optimizer, plan, clip_grad_norm=cfg.clip_grad_norm,
-                               mixed_precision=None if cfg.mixed_precision == "none" else cfg.mixed_precision)
+                               mixed_precision=None if cfg.mixed_precision == "none" else cfg.mixed_precision,
+                               on_nonfinite="skip" if cfg.on_nonfinite == "skip" else "raise")
     out_dir = Path(cfg.out)
     ckpt_root = out_dir / "checkpoints"
-    expect = {"world_size": world_size, "zero_stage": plan.zero_stage, "workload": wl.model_dump(),
-              "plan": plan.to_dict()}
+    # what a checkpoint must share with the run that resumes it; world, plan and stage may change
+    expect = {"workload": wl.model_dump(), "global_batch": plan.global_batch_size, "seed": cfg.seed,
+              "data": cfg.data}
+    meta = {**expect, "world_size": world_size, "zero_stage": plan.zero_stage, "plan": plan.to_dict()}
     start = 0
     if cfg.resume:
-        path = latest_checkpoint(ckpt_root)
+        path = _resume_from(ckpt_root, rank)
         if path is not None:
             start = load_checkpoint(engine, path, expect)["step"]
+            if rank == 0:
+                print(f"resuming after step {start} from {path}", flush=True)
+    where = {"step": start}
+    fault_hooks = faults.install(engine.model, rank, lambda: where["step"] + 1)
+    watchdog = None
+    if world_size > 1 and store_address() is not None:
+        watchdog = Watchdog(rank, world_size, dead_after_s=cfg.dead_rank_timeout_s, where=lambda: (
+            f"during step {where['step'] + 1}; last complete checkpoint: {latest_checkpoint(ckpt_root) or 'none'}"
+            f" (continue with `poplar train --resume --out {cfg.out}`)")).start()
+    if rank == 0 and cfg.resume:
+        _keep_log_before(out_dir / "log.jsonl", start)
     log = open(out_dir / "log.jsonl", "a") if rank == 0 else None
     tokens = plan.global_batch_size * wl.seq_len
     losses = []
     last = min(cfg.steps, cfg.stop_at or cfg.steps)
+    preempted = None
     try:
-        dist.barrier()                       # the ranks start together
-        for step in range(start, last):
-            for group in engine.optimizer.param_groups:
-                group["lr"] = learning_rate(cfg, step)
-            local = batches.local(step, plan, rank)
-            overruns = device.overruns
-            with device.step(engine.held_state):   # waits for the other ranks included
-                loss = engine.train_batch(local, wl.loss)
-            losses.append(loss)
-            logging = step % cfg.log_every == 0 or step == last - 1
-            if logging:                              # every rank: the figures are gathered
-                figures = torch.tensor([device.step_s, device.compute_s, device.overruns - overruns, peak],
-                                       dtype=torch.float64, device=context().device)   # NCCL: on the GPU
-                every = [torch.zeros_like(figures) for _ in range(world_size)]
-                dist.all_gather(every, figures)
-                step_s = max(float(f[0]) for f in every)
-                busy = [float(f[1]) for f in every]
-                overran = int(sum(float(f[2]) for f in every))
-                peaks = [float(f[3]) for f in every]
-            if logging and log is not None:
-                record = {"step": step, "loss": loss, "lr": learning_rate(cfg, step), "step_s": step_s,
-                          "samples_per_s": plan.global_batch_size / step_s, "tokens_per_s": tokens / step_s,
-                          "tflops": fpt * tokens / step_s / 1e12, "busy_s": busy,
-                          "idle_s": [max(0.0, step_s - b) for b in busy], "grad_norm": engine.last_grad_norm,
-                          "overruns": overran}
-                if all(p > 0 for p in peaks):
-                    record["mfu"] = record["tflops"] / sum(peaks)
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-                print(f"step {step + 1}/{cfg.steps}  loss {loss:.4f}  {record['samples_per_s']:,.0f} samples/s  "
-                      f"{record['tflops']:.1f} TFLOP/s"
-                      + (f" (MFU {100 * record['mfu']:.1f}%)" if "mfu" in record else "")
-                      + f"  most idle {100 * max(record['idle_s']) / step_s:.0f}%"
-                      + (f"  {overran} overruns" if overran else ""),
-                      flush=True)
-            done = step + 1
-            if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == last:
-                save_checkpoint(engine, ckpt_root, done, expect)
+        with Preemption() as preemption:
+            dist.barrier()                       # the ranks start together
+            for step in range(start, last):
+                where["step"] = step
+                for group in engine.optimizer.param_groups:
+                    group["lr"] = learning_rate(cfg, step)
+                local = batches.local(step, plan, rank)
+                overruns, skipped = device.overruns, engine.skipped_steps
+                with device.step(engine.held_state):   # waits for the other ranks included
+                    loss = engine.train_batch(local, wl.loss)
+                losses.append(loss)
+                logging = step % cfg.log_every == 0 or step == last - 1 or engine.skipped_steps > skipped
+                if logging:                              # every rank: the figures are gathered
+                    record = _gather_figures(device, engine, world_size, overruns, peak)
+                if logging and log is not None:
+                    _log_step(log, record, cfg, plan, step, loss, tokens, fpt, engine.skipped_steps > skipped)
+                done = step + 1
+                faults.point("collective", rank, done)
+                stop = _agree(preemption.requested)
+                if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == last or stop:
+                    save_checkpoint(engine, ckpt_root, done, meta, keep=cfg.keep_checkpoints)
+                if stop:
+                    preempted = done
+                    if rank == 0:
+                        print(f"poplar: preempted (SIGTERM) after step {done}: checkpoint {ckpt_root}/step-"
+                              f"{done:08d} written; continue with `poplar train --resume --out {cfg.out}`",
+                              flush=True)
+                    break
+    except BaseException as e:
+        if watchdog is not None:
+            watchdog.fail(str(e).splitlines()[0] if str(e) else type(e).__name__, lost_peer=lost_peer(e))
+        raise
     finally:
         if log is not None:
             log.close()
     state = engine.full_state_dict() if return_state else None
+    for h in fault_hooks:
+        h.remove()
     engine.close()
-    return {"losses": losses, "start": start, "state": state if rank == 0 else None}
+    if watchdog is not None:
+        watchdog.finished()
+    return {"losses": losses, "start": start, "state": state if rank == 0 else None, "preempted": preempted}
+
+
+def _gather_figures(device, engine, world_size: int, overruns: int, peak: float) -> dict:
+    from poplar.engine.dist import context
+
+    figures = torch.tensor([device.step_s, device.compute_s, device.overruns - overruns, peak],
+                           dtype=torch.float64, device=context().device)   # NCCL: on the GPU
+    every = [torch.zeros_like(figures) for _ in range(world_size)]
+    dist.all_gather(every, figures)
+    return {"step_s": max(float(f[0]) for f in every), "busy": [float(f[1]) for f in every],
+            "overran": int(sum(float(f[2]) for f in every)), "peaks": [float(f[3]) for f in every],
+            "grad_norm": engine.last_grad_norm}
+
+
+def _log_step(log, fig: dict, cfg: TrainConfig, plan, step: int, loss: float, tokens: int, fpt: float,
+              skipped: bool) -> None:
+    step_s, busy, overran = fig["step_s"], fig["busy"], fig["overran"]
+    grad_norm = fig["grad_norm"] if fig["grad_norm"] is None or math.isfinite(fig["grad_norm"]) else None
+    record = {"step": step, "loss": loss if math.isfinite(loss) else None, "lr": learning_rate(cfg, step),
+              "step_s": step_s, "samples_per_s": plan.global_batch_size / step_s, "tokens_per_s": tokens / step_s,
+              "tflops": fpt * tokens / step_s / 1e12, "busy_s": busy,
+              "idle_s": [max(0.0, step_s - b) for b in busy], "grad_norm": grad_norm, "overruns": overran}
+    if skipped:
+        record["skipped"] = "non-finite loss or gradient: the update was left out"
+    if all(p > 0 for p in fig["peaks"]):
+        record["mfu"] = record["tflops"] / sum(fig["peaks"])
+    log.write(json.dumps(record) + "\n")
+    log.flush()
+    print(f"step {step + 1}/{cfg.steps}  loss {loss:.4f}  {record['samples_per_s']:,.0f} samples/s  "
+          f"{record['tflops']:.1f} TFLOP/s" + (f" (MFU {100 * record['mfu']:.1f}%)" if "mfu" in record else "")
+          + f"  most idle {100 * max(record['idle_s']) / step_s:.0f}%"
+          + (f"  {overran} overruns" if overran else "") + ("  SKIPPED (non-finite)" if skipped else ""),
+          flush=True)
 
 
 def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, distributed: bool = False):
@@ -174,10 +285,8 @@ def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, distributed: bool 
         plan.check_world_size(world_size)
         return plan, None
     previous = Path(cfg.out) / "plan.json"
-    if cfg.resume and previous.exists():       # the run's own plan: its checkpoints are sharded by it
-        plan = poplar.Plan.load(previous)
-        plan.check_world_size(world_size)
-        return plan, None
+    if cfg.resume and previous.exists() and _same_cluster(cfg, world_size):   # the run's own plan, as it was
+        return poplar.Plan.load(previous), None
     from poplar.cluster.spec import load_cluster
     from poplar.planner import make_plan
     from poplar.profile.discover import discover_cluster
@@ -204,11 +313,35 @@ def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, distributed: bool 
     return alloc.plan, result
 
 
-def _check_out(cfg: TrainConfig) -> Path:
+def _cluster_record(cfg: TrainConfig, world_size: int) -> dict:
+    """What the run's cluster was, to tell on resume whether it changed (a changed one is planned anew)."""
+    from poplar.cluster.spec import load_cluster
+
+    if cfg.cluster:
+        return {"world_size": world_size, "cluster": load_cluster(cfg.cluster).model_dump(mode="json")}
+    return {"world_size": world_size, "cluster": None}
+
+
+def _same_cluster(cfg: TrainConfig, world_size: int) -> bool:
+    recorded = Path(cfg.out) / "cluster.json"
+    try:
+        return json.loads(recorded.read_text()) == _cluster_record(cfg, world_size)
+    except (OSError, ValueError):
+        return False
+
+
+def _check_out(cfg: TrainConfig, restarted: bool = False) -> Path:
+    """Refuse to clobber an earlier run, or to resume one that is not there."""
     out_dir = Path(cfg.out)
-    if out_dir.exists() and (out_dir / "log.jsonl").exists() and not cfg.resume:
+    held = out_dir.exists() and ((out_dir / "log.jsonl").exists() or (out_dir / "checkpoints").exists())
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file: give a directory for the run")
+    if held and not cfg.resume:
         raise ValueError(f"{out_dir} already holds a run: pass --resume to continue it, or choose another --out "
                          "(nothing is overwritten)")
+    if cfg.resume and not held and not restarted:
+        raise ValueError(f"--resume: {out_dir} holds no run to continue (no log, no checkpoints): check --out, "
+                         "or leave --resume out to start one")
     return out_dir
 
 
@@ -220,10 +353,24 @@ def _write_run_files(cfg: TrainConfig, out_dir: Path, plan, result) -> None:
         if plan != result.plan:   # a baseline's allocation: its plan and its prediction
             d.update(plan.to_dict(), predicted=result.stages[result.stage].allocations[cfg.baseline].predicted.to_dict())
         d["meta"]["allocation"] = cfg.baseline
+        _keep_aside(out_dir / "plan.json")
         (out_dir / "plan.json").write_text(json.dumps(d, indent=2) + "\n")
     elif not (out_dir / "plan.json").exists() or poplar.Plan.load(out_dir / "plan.json") != plan:
+        _keep_aside(out_dir / "plan.json")
         plan.save(out_dir / "plan.json")
+    _keep_aside(out_dir / "config.yaml")
     (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    (out_dir / "cluster.json").write_text(json.dumps(_cluster_record(cfg, plan.world_size), indent=2) + "\n")
+
+
+def _keep_aside(path: Path) -> None:
+    """A resumed run's earlier plan or config is kept beside the new one (``plan.1.json``, ...), not overwritten."""
+    if not path.exists():
+        return
+    n = 1
+    while path.with_name(f"{path.stem}.{n}{path.suffix}").exists():
+        n += 1
+    path.rename(path.with_name(f"{path.stem}.{n}{path.suffix}"))
 
 
 def _finish(cfg: TrainConfig, out_dir: Path, plan, result, mine: dict) -> dict:
@@ -287,7 +434,10 @@ def _run_under_torchrun(cfg: TrainConfig, return_state: bool) -> dict:
     """This process is one rank: torchrun's, or a group of one here (``init_distributed`` makes it)."""
     from poplar.engine.dist import init_distributed, shutdown
 
-    out_dir = _check_out(cfg)        # every rank sees the same directory: all refuse alike
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted:     # torchrun restarted the group after a failure: continue from the newest checkpoint
+        cfg = cfg.model_copy(update={"resume": True})
+    out_dir = _check_out(cfg, restarted)    # every rank sees the same directory: all refuse alike
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     try:

@@ -69,18 +69,26 @@ def test_the_summary_leaves_out_only_the_first_step():
     assert summarize(records)["mfu"] == 0.4
 
 
-def test_resume_continues_exactly_and_refuses_another_plan(tmp_path):
-    plan = poplar.Plan.from_local_batches(3, [7, 5, 4], 2)                # ZeRO-3: every state sharded
-    whole = run_training(config(tmp_path, "whole", plan, steps=4), return_state=True)
-    run_training(config(tmp_path, "split", plan, steps=4, stop_at=2))   # as if the job ended there
-    resumed = run_training(config(tmp_path, "split", plan, steps=4, resume=True), return_state=True)
+def test_resume_continues_exactly_on_this_cluster_or_another(tmp_path):
+    plan = poplar.Plan.from_local_batches(2, [7, 5, 4], 2)                # 16 samples, ZeRO-2 on 3 ranks
+    whole = run_training(config(tmp_path, "whole", plan, steps=6), return_state=True)
+    run_training(config(tmp_path, "split", plan, steps=6, stop_at=2))   # as if the job ended there
+    resumed = run_training(config(tmp_path, "split", plan, steps=6, stop_at=4, resume=True), return_state=True)
     assert resumed["start"] == 2 and len(resumed["losses"]) == 2
-    assert resumed["losses"] == pytest.approx(whole["losses"][2:], abs=1e-6)
+    assert resumed["losses"] == pytest.approx(whole["losses"][2:4], abs=1e-6)
+    # the last two steps on two ranks of other kinds, ZeRO-1 and another plan
+    two = poplar.Plan.from_local_batches(1, [11, 5], [3, 1])
+    moved = run_training(config(tmp_path, "split", two, steps=6, resume=True, cluster="compute-differs"),
+                         return_state=True)
+    assert moved["start"] == 4 and moved["losses"] == pytest.approx(whole["losses"][4:], abs=1e-6)
     for key, value in whole["state"].items():
-        torch.testing.assert_close(resumed["state"][key], value, atol=1e-6, rtol=0)
-    other = poplar.Plan.from_local_batches(3, [8, 4, 4], 2)
-    with pytest.raises(RankFailed, match="resume with the same plan"):
-        run_training(config(tmp_path, "split", other, steps=6, resume=True))
+        torch.testing.assert_close(moved["state"][key], value, atol=1e-6, rtol=0)
+    records = [json.loads(line) for line in (tmp_path / "split" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(6))
+    assert (tmp_path / "split" / "config.1.yaml").exists()      # the earlier runs' settings are kept
+    with pytest.raises(RankFailed, match="resume with the same global_batch"):
+        run_training(config(tmp_path, "split", poplar.Plan.from_local_batches(1, [9, 9], 1), steps=8,
+                            resume=True, cluster="compute-differs"))
 
 
 def test_config_errors_name_the_field_and_nothing_is_overwritten(tmp_path):

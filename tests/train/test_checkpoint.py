@@ -1,0 +1,73 @@
+"""Checkpoints: resharded onto another world size, plan and stage; damage detected; never NaN."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import poplar
+from poplar.launch import spawn
+from poplar.train.checkpoint import find_resumable, verify
+from tests.train.checkpoint_workers import save_nonfinite, train_span
+
+THREE = poplar.Plan.from_local_batches(2, [6, 4, 2], [2, 2, 2])     # 12 samples, ZeRO-2
+
+
+def _close(a, b, tol=1e-6):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=k)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Three ranks, six steps, checkpoints after steps 3 and 6: the final state, and the checkpoints."""
+    root = tmp_path_factory.mktemp("whole")
+    return spawn(train_span, 3, THREE.to_dict(), str(root), 0, 6, 3, timeout_s=180)[0], root
+
+
+@pytest.mark.parametrize("plan", [poplar.Plan.from_local_batches(1, [9, 3], [3, 1]),            # 2 ranks, ZeRO-1
+                                  poplar.Plan.from_local_batches(3, [3, 3, 4, 2], [1, 1, 1, 1]),   # 4 ranks, ZeRO-3
+                                  poplar.Plan.from_local_batches(0, [5, 7], [1, 7])],              # 2 ranks, ZeRO-0
+                         ids=["2-ranks-stage1", "4-ranks-stage3", "2-ranks-stage0"])
+def test_a_checkpoint_resumes_on_another_world_plan_and_stage(tmp_path, uninterrupted, plan):
+    final, root = uninterrupted
+    shutil.copytree(root / "step-00000003", tmp_path / "step-00000003")
+    resumed = spawn(train_span, plan.world_size, plan.to_dict(), str(tmp_path), 3, 6, 0, timeout_s=180)[0]
+    _close(resumed, final)
+
+
+def test_damage_is_detected_and_the_previous_checkpoint_used(tmp_path):
+    spawn(train_span, 2, poplar.Plan.from_local_batches(2, [8, 4], [2, 2]).to_dict(), str(tmp_path), 0, 4, 2,
+          timeout_s=180)
+    step2, step4 = tmp_path / "step-00000002", tmp_path / "step-00000004"
+    assert verify(step2) is None and verify(step4) is None
+    assert (tmp_path / "latest").read_text() == "step-00000004"
+    shard = sorted(step4.glob("*.distcp"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01                       # one bit flipped
+    shard.write_bytes(bytes(data))
+    said = []
+    assert find_resumable(tmp_path, report=said.append) == step2
+    assert "does not match its checksum" in said[0] and "step-00000004" in said[0]
+    shard.write_bytes(bytes(data[: len(data) // 2]))   # truncated
+    assert "bytes" in verify(step4)
+    shard.unlink()                                     # a missing shard
+    assert "missing" in verify(step4)
+    (step2 / "manifest.json").unlink()                 # a checkpoint never finished: not even a candidate
+    assert find_resumable(tmp_path, report=said.append) is None
+
+
+def test_only_the_newest_two_are_kept(tmp_path):
+    spawn(train_span, 2, poplar.Plan.from_local_batches(0, [6, 6], [1, 2]).to_dict(), str(tmp_path), 0, 3, 1,
+          timeout_s=180)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002", "step-00000003"]
+    meta = json.loads((tmp_path / "step-00000003" / "poplar.json").read_text())
+    assert meta["step"] == 3 and meta["optimizer"][0]["lr"] == 1e-3 and len(meta["layout"]) >= 2
+
+
+def test_parameters_holding_nan_are_never_written(tmp_path):
+    said = spawn(save_nonfinite, 2, str(tmp_path), timeout_s=120)
+    assert all("NaN" in s and "no checkpoint was written" in s for s in said)
+    assert not list(tmp_path.glob("step-*"))
