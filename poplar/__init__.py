@@ -6,8 +6,8 @@
 8
 """
 
-from poplar.engine import Engine, EngineConfig, initialize
+from poplar.engine import Engine, EngineConfig, NonFiniteError, initialize
 from poplar.plan import Plan
 
-__all__ = ["Engine", "EngineConfig", "Plan", "initialize"]
+__all__ = ["Engine", "EngineConfig", "NonFiniteError", "Plan", "initialize"]
 __version__ = "0.2.0"

@@ -119,6 +119,37 @@ class Plan:
                              "give exactly one of each per rank")
         return cls(zero_stage, [-(-b // a) for b, a in zip(local, acc)], acc, local)
 
+    def lower_micro_batch(self, rank: int, largest: int) -> "Plan":
+        """This plan with rank ``rank``'s micro-batches at most ``largest`` samples (more of them).
+
+        Every rank keeps its samples where it can, so the step's work moves as little as
+        possible; the update is the same whatever the split. Where the stage needs equal
+        accumulation counts, every rank takes the new, larger count, and a rank with
+        fewer samples than that count is given some from the ranks with the most.
+
+        >>> print(Plan.from_local_batches(2, [8, 4], 1).lower_micro_batch(0, 3))
+        Plan(stage 2, global batch 12: r0:8<=3x3, r1:4<=2x3)
+        >>> print(Plan.from_local_batches(2, [6, 4, 2], 2).lower_micro_batch(1, 1))
+        Plan(stage 2, global batch 12: r0:1x4, r1:1x4, r2:1x4)
+        """
+        if largest < 1:
+            raise ValueError(f"rank {rank}: no micro-batch smaller than one sample")
+        local, acc = list(self.local_batch_sizes), list(self.accum_steps)
+        acc[rank] = max(acc[rank], -(-local[rank] // largest))
+        if stage(self.zero_stage).equal_accum_steps:
+            a = max(acc)
+            if self.global_batch_size < a * len(local):
+                raise ValueError(f"ZeRO stage {self.zero_stage} needs {a} micro-batches on every rank, and "
+                                 f"{self.global_batch_size} samples cannot give each of {len(local)} ranks {a}: "
+                                 "use ZeRO stage 0 or 1, or a larger global batch")
+            acc = [a] * len(local)
+            for short in (i for i in range(len(local)) if local[i] < a):
+                while local[short] < a:    # one sample at a time from the rank with the most to spare
+                    donor = max((i for i in range(len(local)) if local[i] > a), key=lambda i: local[i])
+                    local[donor] -= 1
+                    local[short] += 1
+        return Plan.from_local_batches(self.zero_stage, local, acc)
+
     # -- derived figures ---------------------------------------------------------------
     @property
     def world_size(self) -> int:

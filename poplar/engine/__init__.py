@@ -4,6 +4,6 @@ See :mod:`poplar.engine.engine` for how its files divide the work.
 """
 
 from poplar.engine.config import EngineConfig
-from poplar.engine.engine import Engine, initialize
+from poplar.engine.engine import Engine, NonFiniteError, initialize
 
-__all__ = ["Engine", "EngineConfig", "initialize"]
+__all__ = ["Engine", "EngineConfig", "NonFiniteError", "initialize"]

@@ -79,6 +79,11 @@ class BatchCheck:
         if n != self.plan.local_batch_size(self.rank):
             self.confirm()
 
+    def abandon(self):
+        """The step is given up: its in-flight check (a work, or None) for the caller to finish."""
+        pending, self._pending = self._pending, None
+        return pending[0] if pending is not None else None
+
     def confirm(self) -> None:
         """Raise if any rank's batch (only this rank's, when not shared) does not match the plan."""
         if self._pending is None:

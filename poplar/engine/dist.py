@@ -58,21 +58,50 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
     timeout = timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
     if backend == "nccl":
         torch.cuda.set_device(_local_rank())
-    if "WORLD_SIZE" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # The agent's store outlives a restart of the group, and with it the previous
-        # attempt's addresses under the same keys (gloo then connects to dead peers):
-        # each attempt keeps its keys apart.
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"poplar/attempt-{attempt}", store),
-                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                                timeout=timeout)
+    if "WORLD_SIZE" in os.environ and can_rebuild():
+        _join(backend, timeout, generation=0)
     elif "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                 timeout=timeout)
+    return context()
+
+
+def can_rebuild() -> bool:
+    """Whether the group's store outlives every rank (torchrun's agent's, or poplar's launcher's): then a
+    group whose collectives broke can be made again (:func:`rebuild_process_group`)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in os.environ
+
+
+def _join(backend: str, timeout: timedelta, generation: int) -> None:
+    # The agent's store outlives a restart of the group, and with it the previous
+    # attempt's addresses under the same keys (gloo would connect to dead peers): each
+    # attempt, and each rebuild within one, keeps its keys apart.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"poplar/attempt-{attempt}/group-{generation}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timeout)
+
+
+def rebuild_process_group(generation: int, timeout_s: float | None = None) -> DistContext:
+    """Leave the current group without waiting for its collectives, and join generation ``generation`` of it.
+
+    Every rank calls this with the same ``generation`` after a failure that left
+    collectives unmatched (one rank out of memory mid-step), once none of its own is in
+    flight (gloo aborts a process that leaves a group with work in flight). The first to
+    leave breaks the others' pending collectives (gloo closes its connections).
+    """
+    if not can_rebuild():
+        raise RuntimeError("the process group cannot be rebuilt: its store is rank 0's (launch with torchrun or "
+                           "poplar's launcher, whose store outlives the ranks)")
+    backend = dist.get_backend() if dist.is_initialized() else choose_backend()
+    if dist.is_initialized():
+        dist.destroy_process_group()   # with nothing in flight (the caller waited): its connections close
+        gc.collect()
+    _join(backend, timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S), generation)
     return context()
 
 

@@ -87,7 +87,7 @@ class Engine:
 
         self._batch_check = BatchCheck(plan, self.rank, self.world_size, self.device, enabled=config.check_batches)
         self._reducer = GradReducer(self.units, self.stage, config.max_inflight_reduces,
-                                    before_launch=self._batch_check.confirm,
+                                    before_launch=lambda: self._batch_check.confirm(),
                                     on_unit_done=self._sample_peak if config.track_memory else None)
         self._hooks = self._reducer.register_hooks()
         self._unsharder = Unsharder(self.units, config.prefetch) if self.stage.shards_parameters else None
@@ -101,6 +101,7 @@ class Engine:
             raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, not a torch.optim.Optimizer")
         self.global_steps = 0
         self.skipped_steps = 0
+        self.in_update = False   # inside the optimizer's update: a failure here leaves ranks apart
         self.last_grad_norm: float | None = None
         self.peak_memory: dict[str, int] = {}
 
@@ -158,6 +159,40 @@ class Engine:
         loss_work = C.all_reduce(loss_sum, async_op=True)
         self._step(loss_work, loss_sum, local_finite)
         return float(loss_sum)
+
+    def abandon_step(self) -> None:
+        """Give up a step that failed part-way (one rank out of memory), before the group is rebuilt.
+
+        The parameters and optimizer state are as before the step (it failed before its
+        update). Every collective this rank still has in flight is waited for, its error
+        ignored: each either completes (the other ranks issued it earlier) or fails at
+        once (its partner left), and a group must have none in flight to be left cleanly.
+        """
+        works = [w for _, w, _ in self._reducer.pending()] + [u.abandon_collectives() for u in self.units]
+        works.append(self._batch_check.abandon())
+        for w in works:
+            if w is not None:
+                try:
+                    w.wait()
+                except Exception:  # its partner left: it has failed, which is all we wait for
+                    pass
+        self._reducer.reset()
+        for unit in self.units:
+            unit.reset_after_abandon()
+            unit.master.grad = None
+
+    def set_plan(self, plan: Plan) -> None:
+        """Train with ``plan`` from the next step: another split of the same global batch, same world and stage."""
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a poplar.Plan, got {type(plan).__name__}")
+        plan.check_world_size(self.world_size)
+        if plan.zero_stage != self.zero_stage or plan.global_batch_size != self.plan.global_batch_size:
+            raise ValueError(f"set_plan keeps the ZeRO stage ({self.zero_stage}) and the global batch "
+                             f"({self.plan.global_batch_size}); got {plan}: build a new engine for another")
+        self.plan = plan
+        self.accum_steps = plan.accum_steps[self.rank]
+        self._batch_check = BatchCheck(plan, self.rank, self.world_size, self.device,
+                                       enabled=self.config.check_batches)
 
     def _reset_step_state(self) -> None:
         """Clean gradient state, whatever an earlier (possibly failed) step left behind."""
@@ -222,12 +257,14 @@ class Engine:
                     g.mul_(coef)
         for unit, g in zip(self.units, grads):
             unit.master.grad = g
+        self.in_update = True
         self.optimizer.step()
         works = [w for w in (u.refresh_params_after_step() for u in self.units) if w is not None]
         for unit in self.units:   # the next train_batch starts a new gradient window
             unit.master.grad = None
         for w in works:
             w.wait()
+        self.in_update = False
         self.global_steps += 1
 
     # ------------------------------------------------------------------ state (poplar.engine.state_dict)

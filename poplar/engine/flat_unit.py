@@ -126,6 +126,21 @@ class FlatUnit:
             self._gather_work = None
             self.state = ParamState.UNSHARDED
 
+    def abandon_collectives(self):
+        """A step is given up: hand over the in-flight all-gather (if any) for the caller to finish."""
+        work, self._gather_work = self._gather_work, None
+        if self.state is ParamState.GATHERING:
+            self.state = ParamState.UNSHARDED
+        return work
+
+    def reset_after_abandon(self) -> None:
+        """After :meth:`abandon_collectives`' work is done: only the shard again, no gradient of the step."""
+        if self.shard_params and self.state is not ParamState.SHARDED:
+            self._free_full()
+        self.reset_grads()
+        self.pending_grads = 0
+        self.in_backward = False
+
     def reshard(self) -> None:
         """ZeRO-3: free the gathered parameters, keep only this rank's shard."""
         if self.shard_params:

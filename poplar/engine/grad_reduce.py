@@ -59,6 +59,10 @@ class GradReducer:
             self._launch_ready()
 
     # -- one step ---------------------------------------------------------------------
+    def pending(self) -> list:
+        """The gradient collectives in flight: (unit, work, output)."""
+        return list(self._pending)
+
     def reset(self) -> None:
         """Clean gradient state, whatever an earlier (possibly failed) step left behind."""
         self._pending.clear()

@@ -55,15 +55,13 @@ def load_full_state_dict(engine: Engine, state: dict[str, torch.Tensor]) -> None
 
 
 def _mesh(engine: Engine):
-    """A one-dimensional device mesh over every rank (made once): the layout a sharded tensor is saved with."""
-    if getattr(engine, "_mesh", None) is None:
-        from torch.distributed.device_mesh import DeviceMesh
+    """A one-dimensional device mesh over every rank, on the current group (it may have been rebuilt)."""
+    from torch.distributed.device_mesh import DeviceMesh
 
-        engine._mesh = DeviceMesh(engine.device.type, list(range(engine.world_size)))
-    return engine._mesh
+    return DeviceMesh(engine.device.type, list(range(engine.world_size)))
 
 
-def _global(engine: Engine, unit, flat: torch.Tensor):
+def _global(unit, flat: torch.Tensor, mesh):
     """``flat`` (a unit's master or optimizer state, as this rank holds it) as the unit's whole flat tensor.
 
     Where the stage shards it, rank ``r`` holds the ``r``-th ceil-sized chunk of the
@@ -76,7 +74,7 @@ def _global(engine: Engine, unit, flat: torch.Tensor):
     from torch.distributed.tensor import DTensor, Shard
 
     valid = max(0, min(unit.shard_numel, unit.numel - unit.shard_start))
-    return DTensor.from_local(flat[:valid], _mesh(engine), [Shard(0)], run_check=False,
+    return DTensor.from_local(flat[:valid], mesh, [Shard(0)], run_check=False,
                               shape=torch.Size([unit.numel]), stride=(1,))
 
 
@@ -95,12 +93,13 @@ def sharded_state_dict(engine: Engine) -> dict:
     :func:`optimizer_hyperparameters`. Tensors share the engine's storage where they can;
     :func:`load_sharded_state_dict` copies back what ``dcp.load`` filled.
     """
-    out: dict = {f"unit{u.index}.master": _global(engine, u, u.master.data) for u in engine.units}
+    mesh = _mesh(engine) if any(u.shard_optim for u in engine.units) else None
+    out: dict = {f"unit{u.index}.master": _global(u, u.master.data, mesh) for u in engine.units}
     for idx, state in engine.optimizer.state_dict()["state"].items():
         u = engine.units[idx]
         for name, value in state.items():
             if _is_flat_state(u, value):
-                out[f"optim.{idx}.{name}"] = _global(engine, u, value)
+                out[f"optim.{idx}.{name}"] = _global(u, value, mesh)
             else:
                 out[f"optim.{idx}.{name}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
     for name, buf in engine.model.named_buffers():

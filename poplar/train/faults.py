@@ -1,14 +1,17 @@
 """Faults injected on purpose, to test that a run survives them: ``POPLAR_FAULT``.
 
 ``POPLAR_FAULT="kill@backward:rank=1:step=3"`` makes rank 1 send itself SIGKILL when
-the backward pass of step 3 (counted from 1) begins. What: ``kill`` (SIGKILL) or
-``term`` (SIGTERM, as a scheduler's preemption). Where:
+the backward pass of step 3 (counted from 1) begins. What: ``kill`` (SIGKILL),
+``term`` (SIGTERM, as a scheduler's preemption), or ``shrink`` (an emulated device's
+memory shrinks to the fraction ``to`` of itself, as when another process takes some:
+``shrink@step:rank=1:step=3:to=0.5``). Where:
 
 - ``forward``, ``backward``: as the model's forward / backward pass starts;
 - ``collective``: while the other ranks wait inside a collective for this one (it
   lingers a moment before dying, so they are surely in it);
 - ``save``: in the middle of writing a checkpoint (this rank's shard written, the
-  checkpoint not yet complete).
+  checkpoint not yet complete);
+- ``step``: as the step begins (``shrink`` only).
 
 The fault fires once, in torchrun's first attempt (a restarted group runs clean).
 Unset, nothing here costs anything.
@@ -23,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-WHERE = ("forward", "backward", "collective", "save")
-WHAT = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+WHERE = ("forward", "backward", "collective", "save", "step")
+WHAT = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "shrink": None}
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Fault:
     where: str
     rank: int
     step: int
+    to: float = 0.5
 
     @classmethod
     def parse(cls, text: str) -> Fault:
@@ -40,12 +44,15 @@ class Fault:
             head, *fields = text.strip().split(":")
             what, where = head.split("@")
             kv = dict(f.split("=", 1) for f in fields)
-            fault = cls(what, where, int(kv.pop("rank")), int(kv.pop("step")))
-            if kv or what not in WHAT or where not in WHERE:
+            fault = cls(what, where, int(kv.pop("rank")), int(kv.pop("step")), float(kv.pop("to", 0.5)))
+            if kv or what not in WHAT or where not in WHERE or (what == "shrink") != (where == "step"):
+                raise ValueError
+            if not 0 < fault.to <= 1:
                 raise ValueError
         except (ValueError, KeyError):
             raise ValueError(f"POPLAR_FAULT={text!r}: write WHAT@WHERE:rank=R:step=S with WHAT one of "
-                             f"{', '.join(WHAT)} and WHERE one of {', '.join(WHERE)}") from None
+                             f"{', '.join(WHAT)} and WHERE one of {', '.join(WHERE)} (shrink@step:...:to=F, "
+                             "0 < F <= 1)") from None
         return fault
 
 
@@ -70,6 +77,18 @@ def point(where: str, rank: int, step: int) -> None:
     if where == "collective":
         time.sleep(0.5)
     os.kill(os.getpid(), WHAT[fault.what])
+
+
+def shrink(device, rank: int, step: int) -> None:
+    """At the start of step ``step`` (from 1): the ``shrink`` fault lowers an emulated device's memory."""
+    global _fired
+    fault = armed()
+    if fault is None or _fired or fault.what != "shrink" or (fault.rank, fault.step) != (rank, step):
+        return
+    if not hasattr(device, "capacity"):
+        raise ValueError("POPLAR_FAULT=shrink@...: only an emulated device's memory can shrink")
+    _fired = True
+    device.capacity = int(device.capacity * fault.to)
 
 
 def install(model, rank: int, current_step) -> list:

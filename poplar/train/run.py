@@ -163,6 +163,7 @@ def _keep_log_before(log_path: Path, start: int) -> None:
 
 
 def _train(device, rank: int, world_size: int, cfg: TrainConfig, plan, wl: Workload, return_state: bool) -> dict:
+    from poplar.train.recovery import StepRecovery
     from poplar.train.watchdog import Watchdog, lost_peer, store_address
 
     _, batches = prepare_data(cfg)
@@ -196,6 +197,17 @@ def _train(device, rank: int, world_size: int, cfg: TrainConfig, plan, wl: Workl
     if rank == 0 and cfg.resume:
         _keep_log_before(out_dir / "log.jsonl", start)
     log = open(out_dir / "log.jsonl", "a") if rank == 0 else None
+
+    def replanned(new_plan, notice: dict) -> None:
+        meta["plan"], meta["plan_changed_at_step"] = new_plan.to_dict(), notice["step"]
+        if rank == 0:
+            print(f"poplar: rank {notice['rank']} ran out of memory in step {notice['step']} with micro-batches of "
+                  f"{notice['micro_batch']} ({notice['error']}); its micro-batches are lowered to "
+                  f"{new_plan.micro_batch_sizes[notice['rank']]}, the plan is now {new_plan}; the step runs again",
+                  flush=True)
+            _keep_aside(out_dir / "plan.json")
+            new_plan.save(out_dir / "plan.json")
+    recovery = StepRecovery(rank, engine, replanned)
     tokens = plan.global_batch_size * wl.seq_len
     losses = []
     last = min(cfg.steps, cfg.stop_at or cfg.steps)
@@ -207,10 +219,14 @@ def _train(device, rank: int, world_size: int, cfg: TrainConfig, plan, wl: Workl
                 where["step"] = step
                 for group in engine.optimizer.param_groups:
                     group["lr"] = learning_rate(cfg, step)
-                local = batches.local(step, plan, rank)
                 overruns, skipped = device.overruns, engine.skipped_steps
-                with device.step(engine.held_state):   # waits for the other ranks included
-                    loss = engine.train_batch(local, wl.loss)
+                faults.shrink(device, rank, step + 1)
+
+                def attempt():
+                    local = batches.local(step, engine.plan, rank)
+                    with device.step(engine.held_state):   # waits for the other ranks included
+                        return engine.train_batch(local, wl.loss)
+                loss = recovery.run(step, attempt)
                 losses.append(loss)
                 logging = step % cfg.log_every == 0 or step == last - 1 or engine.skipped_steps > skipped
                 if logging:                              # every rank: the figures are gathered
@@ -420,6 +436,7 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     _write_run_files(cfg, out_dir, plan, result)
     ranks = spawn(_train_rank, world, cfg.model_dump(), plan.to_dict(), wl.model_dump(), return_state,
                   timeout_s=timeout_s)
+    plan = poplar.Plan.load(out_dir / "plan.json")    # the ranks lower it when one runs out of memory
     return _finish(cfg, out_dir, plan, result, ranks[0])
 
 

@@ -119,3 +119,32 @@ def feature_scenarios(rank, world_size):
     other.load_full_state_dict(state)
     out["reloaded_state"] = other.full_state_dict()
     return out
+
+
+def nonfinite_step(rank, world_size, plan_dict, policy, bad_rank, bad_step, n_steps, leave_out=-1):
+    """Train ``n_steps`` (batch ``leave_out`` left out); on ``bad_step`` rank ``bad_rank``'s loss is NaN."""
+    plan = poplar.Plan.from_dict(plan_dict)
+    engine = poplar.initialize(make_model(), OPTIMIZER, plan, on_nonfinite=policy, clip_grad_norm=1.0)
+    lo, hi = plan.sample_range(rank)
+    raised = None
+    for step, (tokens, targets) in enumerate(make_batches(n_steps, plan.global_batch_size, seed=5)):
+        if step == leave_out:
+            continue
+        poisoned = step == bad_step and rank == bad_rank
+        loss_fn = (lambda m, b: lm_loss(m, b) * float("nan")) if poisoned else lm_loss
+        try:
+            engine.train_batch((tokens[lo:hi], targets[lo:hi]), loss_fn)
+        except poplar.NonFiniteError as e:
+            raised = (str(e), e.step, e.ranks)
+            break
+    state = engine.full_state_dict()
+    out = {"raised": raised, "skipped": engine.skipped_steps, "steps": engine.global_steps,
+           "state": state if rank == 0 else None}
+    engine.close()
+    return out
+
+
+def skip_and_leave_out(rank, world_size, plan_dict):
+    """A run whose second step is skipped (NaN on rank 0), and one that never saw that batch."""
+    return (nonfinite_step(rank, world_size, plan_dict, "skip", 0, 1, 3),
+            nonfinite_step(rank, world_size, plan_dict, "skip", -1, -1, 3, leave_out=1))

@@ -143,3 +143,19 @@ def test_sigterm_checkpoints_and_exits_0_and_a_second_stops_at_once(tmp_path, re
     resumed = run_training(load_config(None, {**_fields(tmp_path, "pre"), "resume": True}), return_state=True)
     assert resumed["start"] == int(stopped.name[5:])
     _same(resumed["state"], reference)
+
+
+def test_a_device_whose_memory_shrinks_mid_run_is_replanned_and_loses_no_step(tmp_path, monkeypatch):
+    plan = poplar.Plan.from_local_batches(1, [4, 8, 4], 1)          # rank 1, a T4, 8 samples at once
+    plan.save(tmp_path / "plan1.json")
+    fields = {**_fields(tmp_path, "whole"), "plan": str(tmp_path / "plan1.json"), "global_batch": 16}
+    whole = run_training(load_config(None, fields), return_state=True)
+    # from step 2 on, rank 1's memory holds its state and a few samples' activations, not eight
+    monkeypatch.setenv("POPLAR_FAULT", "shrink@step:rank=1:step=2:to=0.06")
+    shrunk = run_training(load_config(None, {**fields, "out": str(tmp_path / "shrunk")}), return_state=True)
+    assert shrunk["losses"] == pytest.approx(whole["losses"], abs=1e-6) and len(shrunk["losses"]) == STEPS
+    _same(shrunk["state"], whole["state"])
+    lowered = shrunk["plan"]
+    assert lowered.micro_batch_sizes[1] < 8 and lowered.local_batch_sizes == plan.local_batch_sizes
+    assert poplar.Plan.load(tmp_path / "shrunk" / "plan.json") == lowered     # what --resume reads
+    assert poplar.Plan.load(tmp_path / "shrunk" / "plan.1.json") == plan      # the plan it started with, kept
