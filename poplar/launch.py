@@ -30,10 +30,12 @@ from poplar.engine.dist import init_distributed, shutdown
 class RankFailed(RuntimeError):
     """A spawned rank raised or died; the message carries that rank's traceback or how it ended."""
 
-    def __init__(self, message: str, rank: int | None = None, error: str | None = None, line: str | None = None):
+    def __init__(self, message: str, rank: int | None = None, error: str | None = None, line: str | None = None,
+                 error_message: str | None = None):
         super().__init__(message)
         self.rank = rank
-        self.error = error    # the exception's type name; None: the rank died
+        self.error = error                    # the exception's type name; None: the rank died
+        self.error_message = error_message    # the exception's own message
         self.line = line or message.splitlines()[0]   # the failure in one line
 
 
@@ -150,7 +152,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
         rank = next(iter(errors))   # the first to fail: the others may only have lost it
         error, message, details = errors[rank]
         line = message.strip().splitlines()[0] if message.strip() else error
-        raise RankFailed(f"rank {rank} failed:\n{details}", rank=rank, error=error,
+        raise RankFailed(f"rank {rank} failed:\n{details}", rank=rank, error=error, error_message=message,
                          line=line if error is None else f"rank {rank}: {error}: {line}")
     missing = [r for r in range(world_size) if r not in outputs]
     if missing:

@@ -124,10 +124,9 @@ def measure_plans(workload: str | Workload, cluster: dict, plans: list[poplar.Pl
         ranks = spawn(_measure_rank, spec.world_size, as_workload(workload).model_dump(), cluster,
                       [p.to_dict() for p in plans], steps, warmup, rounds, list(peers), timeout_s=timeout_s)
     except RankFailed as e:
-        failed = next((line for line in str(e).splitlines() if line.startswith(f"{PeerFailed.__name__}: ")), None)
-        if failed is None:
+        if e.error != PeerFailed.__name__:
             raise
-        raise PeerFailed(failed.split(": ", 1)[1]) from None
+        raise PeerFailed(e.error_message) from None
     out = []
     for i, what in enumerate([*plans, *peers]):
         step = max(r[i]["step_s"] for r in ranks)

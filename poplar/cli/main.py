@@ -17,9 +17,14 @@ app = typer.Typer(help="Poplar: ZeRO data parallelism for clusters of different 
 
 def _error(console, message) -> None:
     """One line on what went wrong; the message printed as it is (no markup read in it)."""
+    from pydantic import ValidationError
     from rich.markup import escape
 
-    console.print(f"[red]error:[/] {escape(str(message))}", soft_wrap=True)
+    if isinstance(message, ValidationError):
+        message = "; ".join(f"{'.'.join(map(str, e['loc'])) or type(message).__name__}: {e['msg']}"
+                            for e in message.errors())
+    line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    console.print(f"[red]error:[/] {escape(line)}", soft_wrap=True)
 
 
 @app.callback()
@@ -214,8 +219,13 @@ def plan(
             raise ValueError(f"--profile {profile}: no such file; write one with `poplar profile`")
         try:
             prof = Profile.load(profile)
-        except Exception as e:   # pydantic or JSON: say which file, keep the first lines
-            raise ValueError(f"--profile {profile}: not a Poplar profile: {str(e).splitlines()[0]}") from None
+        except Exception as e:   # pydantic or JSON: say which file and what is wrong in it
+            from pydantic import ValidationError
+
+            what = ("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:3])
+                    if isinstance(e, ValidationError) else str(e).splitlines()[0])
+            raise ValueError(f"--profile {profile}: not a Poplar profile ({what}); write one with "
+                             "`poplar profile`") from None
         result = make_plan(prof, global_batch, stage_list)
     except (ValueError, PlanningError) as e:
         _error(console, e)
@@ -257,7 +267,18 @@ def train(
     nproc: int | None = typer.Option(None, min=1, help="without --cluster: this many plain CPU ranks (with --plan)"),
     set_: list[str] = typer.Option([], "--set", help="any other field: --set lr=3e-4 (repeatable)"),
 ) -> None:
-    """Profile (or reuse the cache), plan, and train on an emulated heterogeneous cluster or the real CUDA devices."""
+    """Profile (or reuse the cache), plan, and train on an emulated heterogeneous cluster or the real CUDA devices.
+
+    Under torchrun every process is one rank; with restarts the group resumes by itself from the newest intact
+    checkpoint: torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m poplar.cli.main train --out runs/x ...
+
+    Under Slurm, one torchrun agent per node: srun --nodes 2 --ntasks-per-node 1 torchrun --nnodes 2
+    --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m poplar.cli.main train ...
+
+    SIGTERM (preemption) finishes the step, writes a checkpoint and exits 0; a second SIGTERM stops at once. A dead
+    rank stops every rank with one line naming it and the last checkpoint. --resume continues on this cluster or
+    another (other devices, another world size: planned anew). See docs/reliability.md.
+    """
     from rich.console import Console
 
     from poplar.launch import RankFailed

@@ -65,8 +65,12 @@ def load_text(source: str = "embedded") -> list[str]:
     files = sorted(str(p) for p in path.rglob("*.txt")) if path.is_dir() else [str(path)]
     if not files:
         raise ValueError(f"--data {source!r}: the directory holds no .txt file")
+    if all(not Path(f).read_bytes().strip() for f in files):
+        raise ValueError(f"--data {source!r}: the text is empty")
+    import datasets
     from datasets import load_dataset
 
+    datasets.disable_progress_bars()   # a run's output is its own lines
     ds = load_dataset("text", data_files=files, split="train", sample_by="paragraph")
     docs = [t for t in ds["text"] if t.strip()]
     if not docs:

@@ -157,7 +157,10 @@ class Engine:
             loss_sum += loss.detach().float().reshape(()) * weight
         local_finite = bool(torch.isfinite(loss_sum))
         loss_work = C.all_reduce(loss_sum, async_op=True)
-        self._step(loss_work, loss_sum, local_finite)
+        try:
+            self._step(local_finite)
+        finally:
+            loss_work.wait()
         return float(loss_sum)
 
     def abandon_step(self) -> None:
@@ -224,15 +227,14 @@ class Engine:
             C.all_reduce(sq)
         return float(sq.sqrt())
 
-    def _nonfinite(self, loss: torch.Tensor, local_finite: bool) -> None:
-        """Every rank alike: raise, or leave this step's update out (``on_nonfinite``)."""
+    def _nonfinite(self, local_finite: bool) -> None:
+        """Every rank alike (the norm is global): raise, or leave this step's update out (``on_nonfinite``)."""
         flags = torch.zeros(self.world_size, dtype=torch.float32, device=self.device)
         C.all_gather(flags, torch.tensor([0.0 if local_finite else 1.0], device=self.device))
         ranks = [r for r in range(self.world_size) if flags[r] > 0]
         step = self.global_steps + self.skipped_steps + 1
-        what = (f"the loss is {float(loss)} (non-finite on rank{'s' * (len(ranks) > 1)} "
-                f"{', '.join(map(str, ranks))})" if ranks else
-                f"the gradient norm is {self.last_grad_norm} (every rank's loss is finite)")
+        what = (f"the loss is non-finite on rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}" if ranks
+                else f"the gradient norm is {self.last_grad_norm} (every rank's loss is finite)")
         for unit in self.units:
             unit.master.grad = None
         if self.config.on_nonfinite == "skip":
@@ -242,13 +244,12 @@ class Engine:
                              "the gradient, or set on_nonfinite='skip' to leave such steps out", step, ranks)
 
     @torch.no_grad()
-    def _step(self, loss_work=None, loss: torch.Tensor | None = None, local_finite: bool = True) -> None:
+    def _step(self, local_finite: bool = True) -> None:
         grads = [u.owned_grad() for u in self.units]
+        # a non-finite loss on any rank makes the (global) gradient norm non-finite too
         norm = self.last_grad_norm = self._grad_norm(grads)
-        if loss_work is not None:
-            loss_work.wait()
-        if not math.isfinite(norm) or (loss is not None and not bool(torch.isfinite(loss))):
-            self._nonfinite(loss if loss is not None else torch.tensor(float("nan")), local_finite)
+        if not math.isfinite(norm):
+            self._nonfinite(local_finite)
             return
         if self.config.clip_grad_norm is not None:
             coef = self.config.clip_grad_norm / (norm + 1e-6)

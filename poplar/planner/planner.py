@@ -69,6 +69,8 @@ class PlanResult:
         d = self.plan.to_dict()
         d["predicted"] = self.predicted.to_dict()
         d["meta"] = {
+            "model": ({"name": self.profile.model.name, "seq_len": self.profile.model.seq_len}
+                      if self.profile else None),
             "reason": self.reason,
             "ranks": self.ranks,
             "excluded_ranks": self.excluded_ranks,

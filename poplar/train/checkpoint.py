@@ -162,6 +162,28 @@ def find_resumable(root: str | Path, report=print) -> Path | None:
     return None
 
 
+def check_resumable(root: str | Path, expect: dict) -> Path | None:
+    """What resuming from ``root`` would load, checked before anything is written (None: nothing to resume).
+
+    Raises :class:`CheckpointError` when every checkpoint is damaged, or the newest
+    intact one is another run's (``expect`` as for :func:`load_checkpoint`).
+    """
+    problems: list[str] = []
+    path = find_resumable(root, report=problems.append)
+    if path is None:
+        if problems:
+            raise CheckpointError(f"no intact checkpoint under {root}: " + "; ".join(
+                p.replace("; falling back to the one before it", "") for p in problems)
+                + "; start a new run with another --out")
+        return None
+    meta = read_meta(path)
+    for key, value in expect.items():
+        if meta.get(key) != value:
+            raise CheckpointError(f"checkpoint {path} was written with {key} = {meta.get(key)!r}, this run has "
+                                  f"{value!r}: resume with the same {key}, or start a new run (another --out)")
+    return path
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest complete checkpoint by name, unverified (for messages; resume uses :func:`find_resumable`)."""
     found = complete_checkpoints(root)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class TrainConfig(BaseModel):
@@ -53,6 +53,23 @@ class TrainConfig(BaseModel):
     def _no_cluster(cls, v):
         return None if isinstance(v, str) and v.strip().lower() in ("", "none", "null") else v
 
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.stop_at is not None and self.stop_at > self.steps:
+            raise ValueError(f"stop_at ({self.stop_at}) is past steps ({self.steps}): stop at or before the last step")
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps}): shorten the warm-up")
+        return self
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        from poplar.workload import MODEL_PRESETS, HF_PRESETS
+
+        if v not in MODEL_PRESETS and v not in HF_PRESETS:
+            raise ValueError(f"{v!r} is not a model preset: choose one of {', '.join([*MODEL_PRESETS, *HF_PRESETS])}")
+        return v
+
     @field_validator("stages")
     @classmethod
     def _stages(cls, v: list[int]) -> list[int]:
@@ -82,7 +99,9 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML: {e}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ValueError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of fields, got {type(data).__name__}")
     data.update({k: v for k, v in (overrides or {}).items() if v is not None})

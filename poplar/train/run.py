@@ -176,9 +176,7 @@ def _train(device, rank: int, world_size: int, cfg: TrainConfig, plan, wl: Workl
                                on_nonfinite="skip" if cfg.on_nonfinite == "skip" else "raise")
     out_dir = Path(cfg.out)
     ckpt_root = out_dir / "checkpoints"
-    # what a checkpoint must share with the run that resumes it; world, plan and stage may change
-    expect = {"workload": wl.model_dump(), "global_batch": plan.global_batch_size, "seed": cfg.seed,
-              "data": cfg.data}
+    expect = _expect(cfg, wl, plan.global_batch_size)
     meta = {**expect, "world_size": world_size, "zero_stage": plan.zero_stage, "plan": plan.to_dict()}
     start = 0
     if cfg.resume:
@@ -261,6 +259,19 @@ def _train(device, rank: int, world_size: int, cfg: TrainConfig, plan, wl: Workl
     return {"losses": losses, "start": start, "state": state if rank == 0 else None, "preempted": preempted}
 
 
+def _expect(cfg: TrainConfig, wl: Workload, global_batch: int) -> dict:
+    """What a checkpoint must share with the run that resumes it; world, plan and stage may change."""
+    return {"workload": wl.model_dump(), "global_batch": global_batch, "seed": cfg.seed, "data": cfg.data}
+
+
+def _check_resume(cfg: TrainConfig, wl: Workload, plan) -> None:
+    """Before anything is written: a resume that would fail (damaged checkpoints, another run's) fails now."""
+    from poplar.train.checkpoint import check_resumable
+
+    if cfg.resume:
+        check_resumable(Path(cfg.out) / "checkpoints", _expect(cfg, wl, plan.global_batch_size))
+
+
 def _gather_figures(device, engine, world_size: int, overruns: int, peak: float) -> dict:
     from poplar.engine.dist import context
 
@@ -297,7 +308,7 @@ def _log_step(log, fig: dict, cfg: TrainConfig, plan, step: int, loss: float, to
 def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, distributed: bool = False):
     """The plan to train with, and the planner's result (None with --plan or when resuming)."""
     if cfg.plan:
-        plan = poplar.Plan.load(cfg.plan)
+        plan = _load_plan_for(cfg, wl)
         plan.check_world_size(world_size)
         return plan, None
     previous = Path(cfg.out) / "plan.json"
@@ -327,6 +338,30 @@ def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, distributed: bool 
     if alloc.plan is None:
         raise ValueError(f"the {cfg.baseline} baseline cannot run stage {result.stage}: {alloc.why_not}")
     return alloc.plan, result
+
+
+def _load_plan_for(cfg: TrainConfig, wl: Workload):
+    """``cfg.plan``, refused where it was planned for another model or sequence length, or is not a plan."""
+    path = Path(cfg.plan)
+    if not path.is_file():
+        raise ValueError(f"--plan {path}: no such file; give a plan.json written by `poplar plan` or by hand")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"--plan {path}: not valid JSON ({e}); write it again with `poplar plan`") from None
+    planned = (data.get("meta") or {}).get("model") if isinstance(data, dict) else None
+    if planned and (planned.get("name"), planned.get("seq_len")) != (wl.model, wl.seq_len):
+        raise ValueError(f"--plan {path} was planned for {planned.get('name')} at {planned.get('seq_len')} tokens "
+                         f"per sample, this run trains {wl.model} at {wl.seq_len}: plan for this model "
+                         "(`poplar profile` then `poplar plan`), or leave --plan out")
+    try:
+        plan = poplar.Plan.from_dict(data)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--plan {path}: {e}") from None
+    if plan.global_batch_size != cfg.global_batch and "global_batch" in cfg.model_fields_set:
+        raise ValueError(f"--plan {path} splits a global batch of {plan.global_batch_size} samples, and "
+                         f"--global-batch is {cfg.global_batch}: give one of them (the plan's is used without it)")
+    return plan
 
 
 def _cluster_record(cfg: TrainConfig, world_size: int) -> dict:
@@ -429,10 +464,11 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     else:
         raise ValueError("no cluster file and no CUDA device to discover here: give --cluster FILE|PRESET (an "
                          "emulated cluster), or --nproc with --plan (plain CPU ranks), or launch under torchrun")
-    out_dir.mkdir(parents=True, exist_ok=True)
     tok, _ = prepare_data(cfg)
     wl = Workload(model=cfg.model, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size())
     plan, result = get_plan(cfg, wl, world)
+    _check_resume(cfg, wl, plan)
+    out_dir.mkdir(parents=True, exist_ok=True)     # only now: a run refused writes nothing
     _write_run_files(cfg, out_dir, plan, result)
     ranks = spawn(_train_rank, world, cfg.model_dump(), plan.to_dict(), wl.model_dump(), return_state,
                   timeout_s=timeout_s)
@@ -465,6 +501,7 @@ def _run_under_torchrun(cfg: TrainConfig, return_state: bool) -> dict:
         tok, _ = prepare_data(cfg)
         wl = Workload(model=cfg.model, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size())
         plan, result = get_plan(cfg, wl, world, distributed=True)
+        _check_resume(cfg, wl, plan)
         if rank == 0:
             _write_run_files(cfg, out_dir, plan, result)
         dist.barrier()

@@ -1,0 +1,206 @@
+"""Bad input, every case: a one-line error naming what to change, exit code != 0, no traceback, nothing written.
+
+The table in docs/bad-input.md lists the same cases with the messages they give
+(``python -m tests.test_bad_input`` prints it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import poplar
+from poplar.cli.main import app
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER3 = str(ROOT / "examples" / "cluster-3.yaml")
+TINY = ["--set", "seq_len=32", "--set", "vocab_size=512"]
+
+
+def _files(tmp: Path) -> dict:
+    """Every file under ``tmp`` and its digest: what a refused command must leave as it was."""
+    return {str(p.relative_to(tmp)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(tmp.rglob("*")) if p.is_file()}
+
+
+def _setup(tmp: Path, earlier_run: Path) -> None:
+    """The files the cases point at."""
+    (tmp / "bad.yaml").write_text("steps: [1,\n")
+    (tmp / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp / "unknown-gpu.yaml").write_text("devices:\n  - kind: x\n    gpu: A999\n")
+    (tmp / "speed.yaml").write_text("devices:\n  - kind: x\n    speed: 2.0\n")
+    (tmp / "no-devices.yaml").write_text("devices: []\n")
+    (tmp / "zero-count.yaml").write_text("devices:\n  - kind: x\n    gpu: T4-16GB\n    count: 0\n")
+    poplar.Plan.from_local_batches(1, [6, 4], 1).save(tmp / "plan-2.json")
+    (tmp / "plan-edited.json").write_text(json.dumps({"zero_stage": 2, "micro_batch_sizes": [2, 2, 2],
+                                                      "accum_steps": [1, 2, 1]}))
+    (tmp / "plan-fields.json").write_text(json.dumps({"zero_stage": 1, "micro_batch_sizes": [2, 2, 2]}))
+    (tmp / "plan-corrupt.json").write_text('{"zero_stage": 1, "micro')
+    (tmp / "plan-other-model.json").write_text(json.dumps({
+        **poplar.Plan.from_local_batches(1, [6, 4, 2], 1).to_dict(),
+        "meta": {"model": {"name": "bert-tiny", "seq_len": 128}}}))
+    poplar.Plan.from_local_batches(1, [6, 4, 2], 1).save(tmp / "plan-3.json")
+    (tmp / "profile-corrupt.json").write_text("{not json")
+    (tmp / "profile-wrong.json").write_text(json.dumps({"model": {"name": "x"}, "ranks": ["a"]}))
+    (tmp / "empty.txt").write_text("")
+    (tmp / "short.txt").write_text("just a few words\n")
+    (tmp / "empty-dir").mkdir()
+    (tmp / "a-file").write_text("not a directory\n")
+    shutil.copytree(earlier_run, tmp / "earlier")
+    shutil.copytree(earlier_run, tmp / "corrupted")
+    for shard in (tmp / "corrupted" / "checkpoints").glob("step-*/*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:10])
+
+
+def _train(*args):
+    return ["train", "--cluster", CLUSTER3, "--steps", "2", *TINY, *args]
+
+
+# (what is wrong, command line with {tmp} for the case directory, words the one line must hold, exit code)
+CASES = [
+    # config files and overrides
+    ("a field out of range", _train("--set", "lr=0", "--out", "{tmp}/r"), "lr: Input should be greater than 0", 2),
+    ("an unknown field", _train("--set", "colour=red", "--out", "{tmp}/r"), "colour: unknown field", 2),
+    ("--set without =", _train("--set", "lr", "--out", "{tmp}/r"), "write field=value", 2),
+    ("a missing config file", _train("--config", "{tmp}/nope.yaml", "--out", "{tmp}/r"), "no such file", 2),
+    ("a config file that is not YAML", _train("--config", "{tmp}/bad.yaml", "--out", "{tmp}/r"),
+     "not valid YAML", 2),
+    ("a config file that is a list", _train("--config", "{tmp}/list.yaml", "--out", "{tmp}/r"),
+     "expected a mapping of fields", 2),
+    ("a ZeRO stage that does not exist", _train("--set", "stages=[0,7]", "--out", "{tmp}/r"),
+     "choose stages from 0, 1, 2, 3", 2),
+    ("stop_at past steps", _train("--set", "stop_at=9", "--out", "{tmp}/r"), "stop at or before the last step", 2),
+    ("an unknown model", _train("--model", "gpt-17", "--out", "{tmp}/r"), "gpt-17", 2),
+    ("an unknown baseline", _train("--baseline", "fastest", "--out", "{tmp}/r"), "baseline", 2),
+    # cluster files
+    ("a cluster file that does not exist", ["train", "--cluster", "{tmp}/nope.yaml", *TINY, "--out", "{tmp}/r"],
+     "nope.yaml", 2),
+    ("a GPU the catalogue does not know", ["train", "--cluster", "{tmp}/unknown-gpu.yaml", *TINY, "--out", "{tmp}/r"],
+     "A999", 2),
+    ("the old speed field", ["train", "--cluster", "{tmp}/speed.yaml", *TINY, "--out", "{tmp}/r"], "speed", 2),
+    ("a cluster of no devices", ["train", "--cluster", "{tmp}/no-devices.yaml", *TINY, "--out", "{tmp}/r"],
+     "devices", 2),
+    ("a device count of 0", ["train", "--cluster", "{tmp}/zero-count.yaml", *TINY, "--out", "{tmp}/r"], "count", 2),
+    # plans
+    ("a plan for another world size", _train("--plan", "{tmp}/plan-2.json", "--out", "{tmp}/r"),
+     "plan is for 2 ranks", 2),
+    ("a hand-edited plan whose stage needs equal accumulation", _train("--plan", "{tmp}/plan-edited.json",
+                                                                        "--out", "{tmp}/r"),
+     "same number of accumulation steps", 2),
+    ("a plan missing a field", _train("--plan", "{tmp}/plan-fields.json", "--out", "{tmp}/r"), "accum_steps", 2),
+    ("a plan that is not JSON", _train("--plan", "{tmp}/plan-corrupt.json", "--out", "{tmp}/r"), "not valid JSON", 2),
+    ("a plan made for another model", _train("--plan", "{tmp}/plan-other-model.json", "--out", "{tmp}/r"),
+     "planned for bert-tiny", 2),
+    ("a plan and a global batch that differ", _train("--plan", "{tmp}/plan-3.json", "--global-batch", "64",
+                                                      "--out", "{tmp}/r"), "give one of them", 2),
+    ("a plan file that does not exist", _train("--plan", "{tmp}/nope.json", "--out", "{tmp}/r"), "no such file", 2),
+    # profiles
+    ("a profile that is not JSON", ["plan", "--profile", "{tmp}/profile-corrupt.json", "--global-batch", "8",
+                                    "--out", "{tmp}/p.json"], "profile-corrupt.json", 2),
+    ("a profile missing its fields", ["plan", "--profile", "{tmp}/profile-wrong.json", "--global-batch", "8",
+                                      "--out", "{tmp}/p.json"], "profile-wrong.json", 2),
+    ("a profile that does not exist", ["plan", "--profile", "{tmp}/nope.json", "--global-batch", "8",
+                                       "--out", "{tmp}/p.json"], "nope.json", 2),
+    # data
+    ("a data path that does not exist", _train("--set", "data={tmp}/nope.txt", "--out", "{tmp}/r"),
+     "no such file or directory", 2),
+    ("an empty text", _train("--set", "data={tmp}/empty.txt", "--out", "{tmp}/r"), "the text is empty", 2),
+    ("a text shorter than one sequence", _train("--set", "data={tmp}/short.txt", "--out", "{tmp}/r"),
+     "fewer than one sequence", 2),
+    ("a data directory with no text", _train("--set", "data={tmp}/empty-dir", "--out", "{tmp}/r"), "no .txt file", 2),
+    # run directories and checkpoints
+    ("a run directory holding a run, without --resume", _train("--out", "{tmp}/earlier"), "already holds a run", 2),
+    ("--resume with no run there", _train("--resume", "--out", "{tmp}/empty-dir"), "holds no run to continue", 2),
+    ("--out that is a file", _train("--out", "{tmp}/a-file"), "is a file", 2),
+    ("--resume from a checkpoint of another model", _train("--model", "bert-tiny", "--resume", "--out",
+                                                           "{tmp}/earlier"), "resume with the same workload", 2),
+    ("--resume where every checkpoint is corrupted", _train("--resume", "--out", "{tmp}/corrupted"),
+     "no intact checkpoint", 2),
+    # contradicting command lines
+    ("--nproc against the cluster file", _train("--nproc", "2", "--out", "{tmp}/r"), "describes 3 devices", 2),
+    ("plain CPU ranks without a plan", ["train", "--cluster", "none", *TINY, "--out", "{tmp}/r"],
+     "--nproc with --plan", 2),
+]
+
+
+@pytest.fixture(scope="module")
+def cases_dir(tmp_path_factory):
+    """A real earlier run (two steps, checkpointed) to point the checkpoint cases at, and the case files."""
+    from poplar.train.config import load_config
+    from poplar.train.run import run_training
+
+    tmp = tmp_path_factory.mktemp("bad-input")
+    plan = poplar.Plan.from_local_batches(1, [6, 4, 2], 1)
+    plan.save(tmp / "run-plan.json")
+    run_training(load_config(None, {"model": "llama-tiny", "seq_len": 32, "vocab_size": 512, "steps": 2,
+                                    "cluster": CLUSTER3, "plan": str(tmp / "run-plan.json"), "global_batch": 12,
+                                    "out": str(tmp / "run")}))
+    cases = tmp / "cases"
+    cases.mkdir()
+    _setup(cases, tmp / "run")
+    return cases
+
+
+@pytest.fixture(autouse=True)
+def caches(tmp_path_factory, monkeypatch):
+    shared = tmp_path_factory.getbasetemp() / "bad-input-caches"
+    monkeypatch.setenv("POPLAR_DATA_CACHE", str(shared / "data"))
+    monkeypatch.setenv("POPLAR_CACHE_DIR", str(shared / "profiles"))
+    monkeypatch.setenv("POPLAR_DILATION", "3")
+    monkeypatch.setenv("COLUMNS", "300")
+
+
+def run_case(args: list[str], tmp: Path):
+    result = CliRunner().invoke(app, [a.replace("{tmp}", str(tmp)) for a in args])
+    return result.exit_code, result.output.strip()
+
+
+@pytest.mark.parametrize("what, args, words, code", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_one_line_and_changes_nothing(cases_dir, what, args, words, code):
+    before = _files(cases_dir)
+    exit_code, output = run_case(args, cases_dir)
+    assert exit_code == code, output
+    assert len(output.splitlines()) == 1 and output.startswith("error: "), output
+    assert words in output and "Traceback" not in output, output
+    assert _files(cases_dir) == before                       # nothing written, nothing overwritten
+    assert not (cases_dir / "r").exists() and not (cases_dir / "p.json").exists()
+
+
+def test_there_are_at_least_25_cases():
+    assert len(CASES) >= 25 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def main() -> None:
+    """Print the table of docs/bad-input.md: every case, the line it gives, its exit code."""
+    import os
+    import tempfile
+
+    from poplar.train.config import load_config
+    from poplar.train.run import run_training
+
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        os.environ.update(POPLAR_DATA_CACHE=str(tmp / "data"), POPLAR_CACHE_DIR=str(tmp / "profiles"),
+                          POPLAR_DILATION="3", COLUMNS="300")
+        poplar.Plan.from_local_batches(1, [6, 4, 2], 1).save(tmp / "run-plan.json")
+        run_training(load_config(None, {"model": "llama-tiny", "seq_len": 32, "vocab_size": 512, "steps": 2,
+                                        "cluster": CLUSTER3, "plan": str(tmp / "run-plan.json"),
+                                        "global_batch": 12, "out": str(tmp / "run")}))
+        cases = tmp / "cases"
+        cases.mkdir()
+        _setup(cases, tmp / "run")
+        print("| what is wrong | command (`poplar ...`) | the line it prints | exit |\n|---|---|---|---|")
+        for what, args, _, _ in CASES:
+            code, output = run_case(args, cases)
+            shown = " ".join(a.replace("{tmp}/", "").replace(str(ROOT) + "/", "") for a in args)
+            line = output.replace(str(cases) + "/", "").replace(str(cases), ".").replace("|", "\\|")
+            print(f"| {what} | `{shown}` | {line} | {code} |")
+
+
+if __name__ == "__main__":
+    main()
