@@ -10,9 +10,8 @@ from tests.engine.workers import nonfinite_step, skip_and_leave_out
 PLANS = [poplar.Plan.from_local_batches(1, [5, 3], [2, 1]), poplar.Plan.from_local_batches(3, [4, 4], 2)]
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=["stage1", "stage3"])
-def test_a_nan_loss_stops_every_rank_naming_the_step_and_rank(plan):
-    ranks = spawn(nonfinite_step, 2, plan.to_dict(), "raise", 1, 2, 4, timeout_s=120)
+def test_a_nan_loss_stops_every_rank_naming_the_step_and_rank():
+    ranks = spawn(nonfinite_step, 2, PLANS[1].to_dict(), "raise", 1, 2, 4, timeout_s=120)
     for r in ranks:
         message, step, culprits = r["raised"]
         assert (step, culprits, r["steps"]) == (3, [1], 2)      # steps 1 and 2 applied, the third not

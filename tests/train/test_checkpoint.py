@@ -38,33 +38,28 @@ def test_a_checkpoint_resumes_on_another_world_plan_and_stage(tmp_path, uninterr
     _close(resumed, final)
 
 
-def test_damage_is_detected_and_the_previous_checkpoint_used(tmp_path):
-    spawn(train_span, 2, poplar.Plan.from_local_batches(2, [8, 4], [2, 2]).to_dict(), str(tmp_path), 0, 4, 2,
+def test_the_newest_two_are_kept_and_damage_falls_back_to_the_previous(tmp_path):
+    spawn(train_span, 2, poplar.Plan.from_local_batches(2, [8, 4], [2, 2]).to_dict(), str(tmp_path), 0, 6, 2,
           timeout_s=180)
-    step2, step4 = tmp_path / "step-00000002", tmp_path / "step-00000004"
-    assert verify(step2) is None and verify(step4) is None
-    assert (tmp_path / "latest").read_text() == "step-00000004"
-    shard = sorted(step4.glob("*.distcp"))[-1]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000004", "step-00000006"]
+    step4, step6 = tmp_path / "step-00000004", tmp_path / "step-00000006"
+    assert verify(step4) is None and verify(step6) is None
+    assert (tmp_path / "latest").read_text() == "step-00000006"
+    meta = json.loads((step6 / "poplar.json").read_text())
+    assert meta["step"] == 6 and meta["optimizer"][0]["lr"] == 1e-3 and len(meta["layout"]) >= 2
+    shard = sorted(step6.glob("*.distcp"))[-1]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01                       # one bit flipped
     shard.write_bytes(bytes(data))
     said = []
-    assert find_resumable(tmp_path, report=said.append) == step2
-    assert "does not match its checksum" in said[0] and "step-00000004" in said[0]
+    assert find_resumable(tmp_path, report=said.append) == step4
+    assert "does not match its checksum" in said[0] and "step-00000006" in said[0]
     shard.write_bytes(bytes(data[: len(data) // 2]))   # truncated
-    assert "bytes" in verify(step4)
+    assert "bytes" in verify(step6)
     shard.unlink()                                     # a missing shard
-    assert "missing" in verify(step4)
-    (step2 / "manifest.json").unlink()                 # a checkpoint never finished: not even a candidate
+    assert "missing" in verify(step6)
+    (step4 / "manifest.json").unlink()                 # a checkpoint never finished: not even a candidate
     assert find_resumable(tmp_path, report=said.append) is None
-
-
-def test_only_the_newest_two_are_kept(tmp_path):
-    spawn(train_span, 2, poplar.Plan.from_local_batches(0, [6, 6], [1, 2]).to_dict(), str(tmp_path), 0, 3, 1,
-          timeout_s=180)
-    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002", "step-00000003"]
-    meta = json.loads((tmp_path / "step-00000003" / "poplar.json").read_text())
-    assert meta["step"] == 3 and meta["optimizer"][0]["lr"] == 1e-3 and len(meta["layout"]) >= 2
 
 
 def test_parameters_holding_nan_are_never_written(tmp_path):

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import poplar
-from poplar.launch import RankFailed
 from poplar.train.config import load_config
 from poplar.train.report import summarize
 from poplar.train.run import run_training
@@ -69,24 +68,21 @@ def test_the_summary_leaves_out_only_the_first_step():
     assert summarize(records)["mfu"] == 0.4
 
 
-def test_resume_continues_exactly_on_this_cluster_or_another(tmp_path):
+def test_resume_continues_exactly_on_another_cluster(tmp_path):
     plan = poplar.Plan.from_local_batches(2, [7, 5, 4], 2)                # 16 samples, ZeRO-2 on 3 ranks
-    whole = run_training(config(tmp_path, "whole", plan, steps=6), return_state=True)
-    run_training(config(tmp_path, "split", plan, steps=6, stop_at=2))   # as if the job ended there
-    resumed = run_training(config(tmp_path, "split", plan, steps=6, stop_at=4, resume=True), return_state=True)
-    assert resumed["start"] == 2 and len(resumed["losses"]) == 2
-    assert resumed["losses"] == pytest.approx(whole["losses"][2:4], abs=1e-6)
-    # the last two steps on two ranks of other kinds, ZeRO-1 and another plan
+    whole = run_training(config(tmp_path, "whole", plan, steps=5), return_state=True)
+    run_training(config(tmp_path, "split", plan, steps=5, stop_at=2))   # as if the job ended there
+    # the last three steps on two ranks of other kinds, ZeRO-1 and another plan
     two = poplar.Plan.from_local_batches(1, [11, 5], [3, 1])
-    moved = run_training(config(tmp_path, "split", two, steps=6, resume=True, cluster="compute-differs"),
+    moved = run_training(config(tmp_path, "split", two, steps=5, resume=True, cluster="compute-differs"),
                          return_state=True)
-    assert moved["start"] == 4 and moved["losses"] == pytest.approx(whole["losses"][4:], abs=1e-6)
+    assert moved["start"] == 2 and moved["losses"] == pytest.approx(whole["losses"][2:], abs=1e-6)
     for key, value in whole["state"].items():
         torch.testing.assert_close(moved["state"][key], value, atol=1e-6, rtol=0)
     records = [json.loads(line) for line in (tmp_path / "split" / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(6))
-    assert (tmp_path / "split" / "config.1.yaml").exists()      # the earlier runs' settings are kept
-    with pytest.raises(RankFailed, match="resume with the same global_batch"):
+    assert [r["step"] for r in records] == list(range(5))
+    assert (tmp_path / "split" / "config.1.yaml").exists()      # the earlier run's settings are kept
+    with pytest.raises(ValueError, match="resume with the same global_batch"):   # refused before it starts
         run_training(config(tmp_path, "split", poplar.Plan.from_local_batches(1, [9, 9], 1), steps=8,
                             resume=True, cluster="compute-differs"))
 

@@ -29,6 +29,6 @@ def watched(rank: int, world_size: int, port: int, fate: str, log: str) -> None:
         elif fate == "finish":
             dog.finished()
             os._exit(0)
-    time.sleep(30 if fate != "finish" else 5)   # in a long computation, or a collective that never ends
+    time.sleep(30 if fate != "finish" else 3.5)   # in a long computation, or a collective that never ends
     dog.finished()
     os._exit(0)
