@@ -128,18 +128,22 @@ CASES = [
 ]
 
 
+def _earlier_run(run: Path) -> None:
+    """A run directory as `poplar train` leaves it (llama-tiny, 12 samples a step, checkpointed at step 2)."""
+    from poplar.launch import spawn
+    from tests.train.checkpoint_workers import write_checkpoint
+
+    meta = {"workload": {"model": "llama-tiny", "seq_len": 32, "vocab_size": 512}, "global_batch": 12, "seed": 0,
+            "data": "embedded"}
+    spawn(write_checkpoint, 1, str(run / "checkpoints"), meta, timeout_s=120)
+    (run / "log.jsonl").write_text("".join(json.dumps({"step": i, "loss": 6.0}) + "\n" for i in range(2)))
+
+
 @pytest.fixture(scope="module")
 def cases_dir(tmp_path_factory):
-    """A real earlier run (two steps, checkpointed) to point the checkpoint cases at, and the case files."""
-    from poplar.train.config import load_config
-    from poplar.train.run import run_training
-
+    """An earlier run to point the checkpoint cases at, and the case files."""
     tmp = tmp_path_factory.mktemp("bad-input")
-    plan = poplar.Plan.from_local_batches(1, [6, 4, 2], 1)
-    plan.save(tmp / "run-plan.json")
-    run_training(load_config(None, {"model": "llama-tiny", "seq_len": 32, "vocab_size": 512, "steps": 2,
-                                    "cluster": CLUSTER3, "plan": str(tmp / "run-plan.json"), "global_batch": 12,
-                                    "out": str(tmp / "run")}))
+    _earlier_run(tmp / "run")
     cases = tmp / "cases"
     cases.mkdir()
     _setup(cases, tmp / "run")
@@ -180,17 +184,11 @@ def main() -> None:
     import os
     import tempfile
 
-    from poplar.train.config import load_config
-    from poplar.train.run import run_training
-
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         os.environ.update(POPLAR_DATA_CACHE=str(tmp / "data"), POPLAR_CACHE_DIR=str(tmp / "profiles"),
                           POPLAR_DILATION="3", COLUMNS="300")
-        poplar.Plan.from_local_batches(1, [6, 4, 2], 1).save(tmp / "run-plan.json")
-        run_training(load_config(None, {"model": "llama-tiny", "seq_len": 32, "vocab_size": 512, "steps": 2,
-                                        "cluster": CLUSTER3, "plan": str(tmp / "run-plan.json"),
-                                        "global_batch": 12, "out": str(tmp / "run")}))
+        _earlier_run(tmp / "run")
         cases = tmp / "cases"
         cases.mkdir()
         _setup(cases, tmp / "run")

@@ -47,7 +47,7 @@ def test_a_micro_step_takes_its_declared_time_while_another_process_keeps_a_core
 
 def test_collectives_across_two_nodes_take_latency_plus_size_over_bandwidth():
     sizes = [2**10, 2**16, 2**20, 2**24, 2**26]          # 1 KB to 64 MB
-    for r in spawn(collective_times, 2, TWO_NODES, sizes, timeout_s=300):
+    for r in spawn(collective_times, 2, TWO_NODES, sizes, 4, timeout_s=300):   # the best of 4: timer noise
         for s in r["sizes"]:
             assert s["measured"] == pytest.approx(s["declared"], rel=0.05), s
         small, big = r["sizes"][0], r["sizes"][-1]

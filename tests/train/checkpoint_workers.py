@@ -40,3 +40,10 @@ def save_nonfinite(rank, world_size, root):
     except ValueError as e:
         return str(e)
     return None
+
+
+def write_checkpoint(rank, world_size, root, meta, step=2):
+    """A checkpoint of the tests' small model under ``root``, with ``meta`` as its run's description."""
+    engine = poplar.initialize(make_model(), OPTIMIZER, poplar.Plan(0, [2] * world_size, 1))
+    save_checkpoint(engine, root, step, meta)
+    engine.close()

@@ -119,7 +119,7 @@ def test_a_rank_killed_anywhere_stops_the_run_and_resume_matches(tmp_path, monke
 def test_under_torchrun_a_killed_rank_is_survived_without_a_command(tmp_path, reference):
     args, env = _cli(tmp_path, "elastic", env={"POPLAR_FAULT": "kill@backward:rank=1:step=3"})
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                          "--max-restarts", "1", "--monitor-interval", "0.5", "-m", "poplar.cli.main", *args],
+                          "--max-restarts", "1", "--monitor-interval", "0.2", "-m", "poplar.cli.main", *args],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "resuming after step 2" in run.stdout
@@ -133,7 +133,7 @@ def test_under_torchrun_a_killed_rank_is_survived_without_a_command(tmp_path, re
 
 
 def test_sigterm_checkpoints_and_exits_0_and_a_second_stops_at_once(tmp_path, reference):
-    args, env = _cli(tmp_path, "pre", env={"POPLAR_DILATION": "25"})   # slow steps: the signals land mid-run
+    args, env = _cli(tmp_path, "pre", env={"POPLAR_DILATION": "10"})   # slow steps: the signals land mid-run
     log = tmp_path / "pre" / "log.jsonl"
 
     def run_until_signalled(times: int, after_lines: int):
