@@ -176,11 +176,7 @@ def check_resumable(root: str | Path, expect: dict) -> Path | None:
                 p.replace("; falling back to the one before it", "") for p in problems)
                 + "; start a new run with another --out")
         return None
-    meta = read_meta(path)
-    for key, value in expect.items():
-        if meta.get(key) != value:
-            raise CheckpointError(f"checkpoint {path} was written with {key} = {meta.get(key)!r}, this run has "
-                                  f"{value!r}: resume with the same {key}, or start a new run (another --out)")
+    _same_run(path, read_meta(path), expect)
     return path
 
 
@@ -197,6 +193,14 @@ def read_meta(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path}: {META} unreadable ({e})") from None
 
 
+def _same_run(path: Path, meta: dict, expect: dict) -> None:
+    """Raise unless the checkpoint's ``meta`` agrees with ``expect`` (the first field that differs is named)."""
+    for key, value in expect.items():
+        if meta.get(key) != value:
+            raise CheckpointError(f"checkpoint {path} was written with {key} = {meta.get(key)!r}, this run has "
+                                  f"{value!r}: resume with the same {key}, or start a new run (another --out)")
+
+
 def load_checkpoint(engine, path: str | Path, expect: dict) -> dict:
     """Restore ``engine`` from ``path`` (every rank; any world size, plan and stage). Returns its meta.
 
@@ -205,10 +209,7 @@ def load_checkpoint(engine, path: str | Path, expect: dict) -> dict:
     """
     path = Path(path)
     meta = read_meta(path)
-    for key, value in expect.items():
-        if meta.get(key) != value:
-            raise CheckpointError(f"checkpoint {path} was written with {key} = {meta.get(key)!r}, this run has "
-                                  f"{value!r}: resume with the same {key}, or start a new run (another --out)")
+    _same_run(path, meta, expect)
     if meta.get("layout") != engine.layout():
         raise CheckpointError(f"checkpoint {path} holds another model's units ({len(meta.get('layout') or [])} "
                               f"units, this model has {len(engine.layout())}): resume the model it was written with")
