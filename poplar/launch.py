@@ -127,8 +127,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
                 drain()
                 dead = [r for r in dead if r not in outputs]
                 if dead and not errors:
-                    how = f"rank {dead[0]} {exit_reason(procs[dead[0]].exitcode)} before returning"
-                    errors[dead[0]] = (None, how, how)
+                    # the cause, not the ranks that stopped because of it (a watch's exit codes 3 and 4)
+                    first = min(dead, key=lambda r: procs[r].exitcode in (3, 4))
+                    how = f"rank {first} {exit_reason(procs[first].exitcode)} before returning"
+                    errors[first] = (None, how, how)
                 if errors:
                     break
             if time.monotonic() > deadline:
