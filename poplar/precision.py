@@ -1,0 +1,43 @@
+"""The compute precisions, defined once: their names, their torch dtypes, and how input is read.
+
+``fp32`` computes and keeps everything in float32; ``bf16`` is the engine's mixed
+precision (the model computes in bfloat16, fp32 master weights and fp32 gradient
+reduction). ``none`` (or ``None``) means no mixed precision, i.e. ``fp32``. The engine's
+configuration, the training configuration, the profiler and its cache read these
+names from here.
+
+>>> precision("none"), precision("BF16"), torch_dtype("bf16")
+('fp32', 'bf16', torch.bfloat16)
+>>> precision("fp16")
+Traceback (most recent call last):
+...
+ValueError: precision 'fp16': choose fp32 (or none) or bf16
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import torch
+from pydantic import BeforeValidator
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ALIASES = {"none": "fp32", "float32": "fp32", "bfloat16": "bf16"}
+
+
+def precision(name: str | None) -> str:
+    """The canonical name (``fp32`` or ``bf16``) of ``name``; a clear ``ValueError`` for anything else."""
+    key = "fp32" if name is None else str(name).strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in DTYPES:
+        raise ValueError(f"precision {name!r}: choose fp32 (or none) or bf16")
+    return key
+
+
+def torch_dtype(name: str | None) -> torch.dtype:
+    """The dtype the model computes in under precision ``name``."""
+    return DTYPES[precision(name)]
+
+
+# a pydantic field type: accepts every spelling above, holds the canonical name
+Precision = Annotated[Literal["fp32", "bf16"], BeforeValidator(precision)]
