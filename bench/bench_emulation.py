@@ -7,7 +7,7 @@ its wall time over the dilation (waits for the other ranks left out) against the
 step's declared time counted operator by operator. Across two nodes (1.25 GB/s, 50 us):
 an all-reduce of 1 KB to 64 MB from launch to completion against latency + size over
 bandwidth, and an all-reduce launched before a longer stretch of compute. Prints the
-ratios and the overruns (:mod:`poplar.emulate.fidelity` measures).
+ratios and the overruns (:mod:`poplar.devices.fidelity` measures).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 
-from poplar.emulate.fidelity import collective_times, micro_steps, overlapped_collective
+from poplar.devices.fidelity import collective_times, micro_steps, overlapped_collective
 from poplar.launch import spawn
 
 TWO = {"memory_scale": 0.001, "devices": [{"kind": "a100-80gb", "gpu": "A100-80GB"},

@@ -1,4 +1,5 @@
-"""The device a rank computes on, as the loops that time it see it: the host, a real GPU, an emulated GPU."""
+"""The device a rank computes on, as the loops that time it see it: the host (``base``), a real GPU
+(``cuda``), an emulated GPU (``emulated``: the pace of :mod:`poplar.emulate`'s declared model)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ def rank_device(cluster, rank: int, workload=None) -> Device:
     ``workload`` (a :class:`~poplar.workload.Workload`): what the rank will train, so an
     emulated cluster's time dilation fits it.
 
-    Enter it on every rank (``with rank_device(spec, rank) as device:``): it then
-    observes the collectives, and an emulated device agrees its clock with the others.
+    Enter it on every rank (``with rank_device(spec, rank) as device:``): an emulated
+    device agrees its clock with the others there. It sees the collectives issued through
+    ``device.comm`` (give it to the engine: ``poplar.initialize(..., comm=device.comm)``).
     """
     if cluster.is_real:
         from poplar.devices.cuda import CudaDevice
 
         return CudaDevice()
-    from poplar.emulate import EmulatedDevice
+    from poplar.devices.emulated import EmulatedDevice
 
     return EmulatedDevice(cluster, rank, probe=None if workload is None else _workload_probe(workload))
 

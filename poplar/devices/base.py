@@ -2,11 +2,13 @@
 
 The engine knows no device: it computes and calls the collectives. What times a step
 (the profiler, the training loop, the benchmarks) holds a :class:`Device` and wraps
-each step in :meth:`Device.step`; entering the device (``with device:``) plugs it into
-the collectives' one seam (:func:`poplar.engine.collectives.observe`), so it sees every
-wait and can tell compute from waiting. The same code times a real GPU
+each step in :meth:`Device.step`. The device gives its own communication object,
+``device.comm`` (an :class:`~poplar.engine.collectives.ObservedComm`): an engine built
+with ``comm=device.comm``, and any collective issued through it, is seen by the device,
+which can then tell compute from waiting. Entering the device (``with device:``) starts
+it (an emulated device agrees its clock there). The same code times a real GPU
 (:class:`poplar.devices.cuda.CudaDevice`), an emulated one
-(:class:`poplar.emulate.EmulatedDevice`) and this host's CPU (this class).
+(:class:`poplar.devices.emulated.EmulatedDevice`) and this host's CPU (this class).
 
 >>> device = Device()
 >>> with device, device.step():
@@ -18,10 +20,13 @@ True
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from poplar.engine import collectives as C
+import torch
+
+from poplar.engine.collectives import ObservedComm
 
 Held = Callable[[], tuple[int, set[int]]]   # bytes of model state held, and the storages they are in
 
@@ -36,6 +41,13 @@ class Device:
 
     capacity: int | None = None
     dilation = 1.0    # wall seconds per device second
+    torch_device = torch.device("cpu")   # where this rank's tensors (its batches, its collectives') live
+    # what a profile of this device needs (poplar.profile): one timed round is the figure only
+    # where time is deterministic; the share of memory a probe's limit leaves free; whether
+    # engines of several micro-batch sizes may be alive at once
+    timing_repeats = 3
+    probe_headroom = 0.01
+    many_engines_at_once = True
 
     def __init__(self):
         self.step_s = 0.0
@@ -43,30 +55,22 @@ class Device:
         self.peak_bytes = 0
         self.overruns = 0
         self._in_step = False
-        self._seam: contextlib.ExitStack | None = None
+        self.comm = ObservedComm(self)   # collectives through it are seen by this device
 
     @property
     def compute_s(self) -> float:
         return self.step_s - self.wait_s
 
-    # -- the seam -----------------------------------------------------------------------
+    # -- start, and the collectives it observes (through self.comm) -------------------------
     def __enter__(self) -> Device:
-        self._seam = contextlib.ExitStack()
-        self._seam.enter_context(C.observe(self))
-        try:
-            self.start()
-        except BaseException:
-            self.__exit__()   # a device that could not start observes nothing
-            raise
+        self.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        seam, self._seam = self._seam, None
-        if seam is not None:
-            seam.close()
+        pass
 
     def start(self) -> None:
-        """Called once the device observes the collectives (an emulated device agrees its clock here)."""
+        """Called on entering the device, on every rank at once (an emulated device agrees its clock here)."""
 
     def launch(self, op: str, nbytes: int) -> Any:
         return None
@@ -103,3 +107,33 @@ class Device:
 
     def _step_context(self, held: Held | None):
         return contextlib.nullcontext()
+
+    # -- memory, as a profiler probes it --------------------------------------------------
+    def check_cluster(self, cluster, rank: int) -> None:
+        """Check that this is the device ``cluster`` describes for ``rank`` (on every rank alike)."""
+
+    def state_to_reserve(self, state_bytes: int, live_bytes: int) -> int:
+        """Of ``state_bytes`` of model state a memory probe must hold, the part it must reserve itself.
+
+        ``live_bytes``: what live tensors (an engine's) hold meanwhile. This device counts only
+        what a probe declares, so all of it.
+        """
+        return state_bytes
+
+    def free_memory(self) -> None:
+        """Give back what dead tensors held, so the next probe starts from the same memory."""
+        gc.collect()   # reference cycles (an engine's hooks, autograd graphs) hold tensors too
+
+    @contextlib.contextmanager
+    def memory_probe(self, model, state_bytes: int) -> Iterator[Callable[[Callable[[], Any]], bool]]:
+        """Yields ``fits(run)``: whether ``run`` (a forward and backward of ``model``) fits in this device's
+        memory beside ``state_bytes`` of model state. Here: whether it raises ``torch.OutOfMemoryError``."""
+        def fits(run: Callable[[], Any]) -> bool:
+            try:
+                run()
+                return True
+            except torch.OutOfMemoryError:
+                return False
+            finally:
+                model.zero_grad(set_to_none=True)
+        yield fits

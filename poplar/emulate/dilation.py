@@ -113,7 +113,7 @@ def _probe_ratios(device, probe) -> list[float]:
 
 
 def choose_dilation(device, probe=None) -> float:
-    """This rank's dilation for ``device`` (an :class:`~poplar.emulate.EmulatedDevice`); the cluster takes the largest.
+    """This rank's dilation for ``device`` (an :class:`~poplar.devices.emulated.EmulatedDevice`); the cluster takes the largest.
 
     ``probe(m)``: the work the rank will run, at ``m`` samples (optional).
     """

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from poplar.engine import collectives as C
+from poplar.engine.collectives import Comm
 from poplar.plan import Plan
 
 
@@ -60,8 +60,9 @@ class BatchCheck:
     naming it on every rank, not a hang. A rank whose own batch is wrong fails at once.
     """
 
-    def __init__(self, plan: Plan, rank: int, world_size: int, device: torch.device, enabled: bool = True):
-        self.plan, self.rank, self.world_size, self.device = plan, rank, world_size, device
+    def __init__(self, plan: Plan, rank: int, world_size: int, device: torch.device, comm: Comm,
+                 enabled: bool = True):
+        self.plan, self.rank, self.world_size, self.device, self.comm = plan, rank, world_size, device, comm
         self.enabled = enabled
         self._pending = None   # (work or None, sizes, this rank's error) until confirmed
 
@@ -73,7 +74,7 @@ class BatchCheck:
         sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
         sizes[self.rank] = n
         if self.enabled and self.world_size > 1:
-            self._pending = (C.all_reduce(sizes, async_op=True), sizes, err)
+            self._pending = (self.comm.all_reduce(sizes, async_op=True), sizes, err)
         else:
             self._pending = (None, sizes, err)
         if n != self.plan.local_batch_size(self.rank):

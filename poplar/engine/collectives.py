@@ -3,28 +3,31 @@
 All take flat, contiguous tensors whose length is a multiple of the world size (units
 are padded for that), so they map onto the even-sized collectives every backend has.
 
-This module is also the one seam where anything that wants to observe or pace the
-communication plugs in (a GPU timer separating compute from waiting, a modelled
-cluster's network): :func:`observe` installs an observer for this process. Every
-collective then tells it ``launch(op, nbytes)`` before it is issued, and its wait goes
-through ``wait(token, real_wait)``. With no observer, a collective is the plain
-``torch.distributed`` call. The engine never sees the difference.
+They are methods of a :class:`Comm`, bound to one process group (``None``: the default
+group, looked up at each call, so a group rebuilt after a failure is picked up). The
+engine is given its ``Comm`` and issues every collective through it; a second engine,
+or one on a sub-group, has its own. Whatever wants to observe or pace the communication
+(a GPU timer separating compute from waiting, a modelled cluster's network) gives an
+:class:`ObservedComm`: every collective then tells its observer ``launch(op, nbytes)``
+before it is issued, and its wait goes through ``wait(token, real_wait)``. A device
+hands out its own as ``device.comm``. The engine never sees the difference.
 
 >>> class Counter:
 ...     def __init__(self): self.ops = []
 ...     def launch(self, op, nbytes): self.ops.append((op, nbytes))
 ...     def wait(self, token, real_wait): real_wait()
 >>> counter = Counter()
->>> with observe(counter):        # doctest: +SKIP  (needs a process group)
-...     all_reduce(torch.ones(4))
->>> counter.ops                   # doctest: +SKIP
+>>> comm = ObservedComm(counter)
+>>> comm.all_reduce(torch.ones(4))   # doctest: +SKIP
+>>> counter.ops                      # doctest: +SKIP
 [('all_reduce', 16)]
+
+(The all-reduce needs a process group: ``torch.distributed.init_process_group`` first.)
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,9 +36,76 @@ import torch.distributed as dist
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+SUM = dist.ReduceOp.SUM
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Comm:
+    """The collectives on one process group (``group=None``: the default group).
+
+    Every method takes ``async_op``: when true it returns a work whose ``wait()``
+    blocks until the collective is done, else it returns ``None`` once it is done.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self._group = group
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self._group
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self._group)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self._group)
+
+    def run(self, op: str, nbytes: int, issue: Callable[[bool], Any], async_op: bool):
+        """Issue one collective: ``issue(async_op)`` calls torch.distributed (``nbytes``: the full buffer's)."""
+        return issue(async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, op=SUM, async_op: bool = False):
+        g = self._group
+        return self.run("all_reduce", _bytes(tensor),
+                        lambda a: dist.all_reduce(tensor, op=op, group=g, async_op=a), async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Sum ``input`` (full, padded) over ranks; this rank receives its ``output`` shard."""
+        g = self._group
+        return self.run("reduce_scatter", _bytes(input),
+                        lambda a: _reduce_scatter(output, input, op=SUM, group=g, async_op=a), async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Concatenate every rank's ``input`` shard into ``output`` (full, padded)."""
+        g = self._group
+        return self.run("all_gather", _bytes(output),
+                        lambda a: _all_gather(output, input, group=g, async_op=a), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        """``tensor`` from the group's rank ``src`` to every rank."""
+        g = self._group
+        src = src if g is None else dist.get_global_rank(g, src)
+        return self.run("broadcast", _bytes(tensor),
+                        lambda a: dist.broadcast(tensor, src=src, group=g, async_op=a), async_op)
+
+    def barrier(self) -> None:
+        self.run("barrier", 0, lambda a: dist.barrier(group=self._group, async_op=a), False)
+
+    def agree(self, values: list[int], device: torch.device) -> tuple[list[int], list[int]]:
+        """Element-wise (min, max) of integer ``values`` across ranks: one small all-reduce."""
+        t = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=device)
+        self.all_reduce(t, op=dist.ReduceOp.MAX)
+        n = len(values)
+        return [-int(v) for v in t[n:].tolist()], [int(v) for v in t[:n].tolist()]
+
 
 class Observer(Protocol):
-    """What observes or paces the collectives (see the module's docstring)."""
+    """What observes or paces the collectives of an :class:`ObservedComm` (a device)."""
 
     def launch(self, op: str, nbytes: int) -> Any:
         """Called before a collective moving ``nbytes`` (the full buffer's size) is issued; returns a token."""
@@ -44,26 +114,8 @@ class Observer(Protocol):
         """Called to wait for that collective; must call ``real_wait()``."""
 
 
-_observer: Observer | None = None
-
-
-@contextlib.contextmanager
-def observe(observer: Observer | None) -> Iterator[None]:
-    """Route every collective of this process through ``observer`` until the block ends."""
-    global _observer
-    before, _observer = _observer, observer
-    try:
-        yield
-    finally:
-        _observer = before
-
-
-def observer() -> Observer | None:
-    return _observer
-
-
 class Work:
-    """An issued collective; :meth:`wait` blocks until it is done (through the observer, if any)."""
+    """An issued collective; :meth:`wait` blocks until it is done, through the observer."""
 
     __slots__ = ("_work", "_observer", "_token")
 
@@ -80,49 +132,18 @@ class Work:
         return self._work is None or self._work.is_completed()
 
 
-def run(op: str, nbytes: int, issue: Callable[[bool], Any], async_op: bool):
-    """Issue one collective (``issue(async_op)`` calls torch.distributed) through the observer, if any."""
-    obs = _observer
-    if obs is None:
-        return issue(async_op)
-    token = obs.launch(op, nbytes)
-    work = Work(issue(True), obs, token)
-    if async_op:
-        return work
-    work.wait()
-    return None
+class ObservedComm(Comm):
+    """A :class:`Comm` whose every collective ``observer`` sees launched and waited for."""
 
+    def __init__(self, observer: Observer, group: dist.ProcessGroup | None = None):
+        super().__init__(group)
+        self.observer = observer
 
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
-    return run("all_reduce", _bytes(tensor), lambda a: dist.all_reduce(tensor, op=op, async_op=a), async_op)
-
-
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-    """Sum ``input`` (full, padded) over ranks; this rank receives its ``output`` shard."""
-    return run("reduce_scatter", _bytes(input),
-               lambda a: _reduce_scatter(output, input, op=dist.ReduceOp.SUM, async_op=a), async_op)
-
-
-def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-    """Concatenate every rank's ``input`` shard into ``output`` (full, padded)."""
-    return run("all_gather", _bytes(output), lambda a: _all_gather(output, input, async_op=a), async_op)
-
-
-def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False):
-    return run("broadcast", _bytes(tensor), lambda a: dist.broadcast(tensor, src=src, async_op=a), async_op)
-
-
-def barrier() -> None:
-    run("barrier", 0, lambda a: dist.barrier(async_op=a), False)
-
-
-def agree(values: list[int], device: torch.device) -> tuple[list[int], list[int]]:
-    """Element-wise (min, max) of integer ``values`` across ranks: one small all-reduce."""
-    t = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=device)
-    all_reduce(t, op=dist.ReduceOp.MAX)
-    n = len(values)
-    return [-int(v) for v in t[n:].tolist()], [int(v) for v in t[:n].tolist()]
+    def run(self, op: str, nbytes: int, issue: Callable[[bool], Any], async_op: bool):
+        obs = self.observer
+        token = obs.launch(op, nbytes)
+        work = Work(issue(True), obs, token)
+        if async_op:
+            return work
+        work.wait()
+        return None

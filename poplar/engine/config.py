@@ -8,11 +8,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from poplar.precision import Precision, torch_dtype
+
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-COMPUTE_DTYPES = {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 class EngineConfig(BaseModel):
     """Options of :func:`~poplar.engine.engine.initialize`; every field has a sensible default.
@@ -24,8 +23,9 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     clip_grad_norm: float | None = Field(None, gt=0, description="max global L2 norm of the gradient; None: off")
-    mixed_precision: Literal["bf16", "fp32"] | None = Field(
-        None, description="'bf16': compute in bf16, keep fp32 master weights and fp32 gradient reduction")
+    mixed_precision: Precision = Field(
+        "fp32", description="'bf16': compute in bf16, keep fp32 master weights and fp32 gradient reduction; "
+        "'fp32' (or None, 'none'): no mixed precision (poplar.precision)")
     unit_classes: Sequence[type | str] | None = Field(
         None, description="module classes (or class names) that become units; default: ModuleList entries")
     unit_numel: int = Field(1_000_000, gt=0, description="other modules with this many parameters become units")
@@ -36,9 +36,8 @@ class EngineConfig(BaseModel):
     on_nonfinite: Literal["raise", "skip"] = Field(
         "raise", description="a NaN or infinite loss or gradient: 'raise' NonFiniteError (naming the step and the "
         "ranks), or 'skip' the update (parameters and optimizer state untouched; engine.skipped_steps counts them)")
-    track_memory: bool = Field(False, description="record peak bytes by kind during each step (engine.peak_memory)")
 
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype the model computes in (its parameters, buffers and floating inputs)."""
-        return COMPUTE_DTYPES[self.mixed_precision]
+        return torch_dtype(self.mixed_precision)

@@ -15,9 +15,11 @@ stage (:mod:`poplar.stages`) deciding only what is sharded; its parts live besid
   Stages that reduce once per step do so in a rank's last micro-step only, so ranks may
   run different numbers of micro-steps; the others reduce-scatter every micro-step;
 - :mod:`~poplar.engine.unshard`: ZeRO-3's gathering of parameters, and prefetch;
-- :mod:`~poplar.engine.state_dict`, :mod:`~poplar.engine.memory`: saving and loading,
-  bytes held;
-- :mod:`~poplar.engine.collectives`: every collective, and the one seam to observe them.
+- :mod:`~poplar.engine.state_dict`, :mod:`~poplar.engine.memory`: saving and loading
+  (:class:`EngineState`), bytes held (:class:`ModelStateMemory`, reading the schedule the
+  gradient reducer and the unsharder publish), each given what it needs;
+- :mod:`~poplar.engine.collectives`: every collective, as methods of the :class:`Comm` the
+  engine is given (a device gives one that observes them).
 """
 
 from __future__ import annotations
@@ -28,19 +30,20 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from poplar.engine import collectives as C
-from poplar.engine import memory, state_dict
 from poplar.engine.batch import BatchCheck, batch_size, split_batch
+from poplar.engine.collectives import Comm
 from poplar.engine.config import EngineConfig, LossFn, OptimizerFactory
 from poplar.engine.dist import init_distributed
 from poplar.engine.flat_unit import FlatUnit
 from poplar.engine.grad_reduce import GradReducer
+from poplar.engine.memory import ModelStateMemory
+from poplar.engine.state_dict import EngineState
 from poplar.engine.units import build_units
 from poplar.engine.unshard import Unsharder
 from poplar.plan import Plan
 from poplar.stages import stage
 
-__all__ = ["Engine", "EngineConfig", "NonFiniteError", "initialize"]
+__all__ = ["Engine", "EngineConfig", "NonFiniteError", "UpdateOutOfMemoryError", "initialize"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -51,10 +54,15 @@ class NonFiniteError(FloatingPointError):
         self.step, self.ranks = step, ranks
 
 
-class Engine:
-    """Trains ``model`` with ``plan`` on the default process group. Build it with :func:`initialize`."""
+class UpdateOutOfMemoryError(torch.OutOfMemoryError):
+    """Out of memory inside the optimizer's update: some ranks may have applied it, so the step cannot be re-run."""
 
-    def __init__(self, model: nn.Module, optimizer: OptimizerFactory, plan: Plan, config: EngineConfig):
+
+class Engine:
+    """Trains ``model`` with ``plan`` over ``comm``'s process group. Build it with :func:`initialize`."""
+
+    def __init__(self, model: nn.Module, optimizer: OptimizerFactory, plan: Plan, config: EngineConfig,
+                 comm: Comm | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(plan, Plan):
@@ -62,8 +70,9 @@ class Engine:
         if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("optimizer must be a callable that builds an optimizer from a parameter list, "
                             "e.g. functools.partial(torch.optim.AdamW, lr=1e-3), not an optimizer instance")
-        ctx = init_distributed()
-        self.rank, self.world_size, self.device = ctx.rank, ctx.world_size, ctx.device
+        self.device = init_distributed().device
+        self.comm = comm if comm is not None else Comm()
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
         plan.check_world_size(self.world_size)
         self.plan, self.config = plan, config
         self.zero_stage = plan.zero_stage
@@ -82,13 +91,14 @@ class Engine:
                     t.data = t.data.to(self.compute_dtype)
         specs = build_units(model, config.unit_classes, config.unit_numel)
         self.units = [FlatUnit(i, s.module, s.name, s.params, stage=self.stage, rank=self.rank,
-                               world_size=self.world_size, compute_dtype=self.compute_dtype, device=self.device)
+                               world_size=self.world_size, compute_dtype=self.compute_dtype, device=self.device,
+                               comm=self.comm)
                       for i, s in enumerate(specs)]
 
-        self._batch_check = BatchCheck(plan, self.rank, self.world_size, self.device, enabled=config.check_batches)
+        self._batch_check = BatchCheck(plan, self.rank, self.world_size, self.device, self.comm,
+                                       enabled=config.check_batches)
         self._reducer = GradReducer(self.units, self.stage, config.max_inflight_reduces,
-                                    before_launch=lambda: self._batch_check.confirm(),
-                                    on_unit_done=self._sample_peak if config.track_memory else None)
+                                    before_launch=lambda: self._batch_check.confirm())
         self._hooks = self._reducer.register_hooks()
         self._unsharder = Unsharder(self.units, config.prefetch) if self.stage.shards_parameters else None
         if self._unsharder is not None:
@@ -99,11 +109,16 @@ class Engine:
         self.optimizer = optimizer([u.master for u in self.units])
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, not a torch.optim.Optimizer")
+        self._state = EngineState(model, self.units, self.optimizer, self.device, self.comm)
+        self._memory = ModelStateMemory(self.units, self.optimizer, self.compute_dtype, self._reducer, self._unsharder)
         self.global_steps = 0
         self.skipped_steps = 0
-        self.in_update = False   # inside the optimizer's update: a failure here leaves ranks apart
         self.last_grad_norm: float | None = None
-        self.peak_memory: dict[str, int] = {}
+
+    @property
+    def on_unit_done(self) -> list:
+        """Callables run as each unit's backward finishes, before ZeRO-3 frees its parameters (to sample memory)."""
+        return self._reducer.on_unit_done
 
     # ------------------------------------------------------------------ set-up checks
     def _check_consistent(self, model: nn.Module) -> None:
@@ -112,7 +127,7 @@ class Engine:
         # check_world_size passed, so every rank sends the same number of values.
         values = [n_params, self.plan.zero_stage, *self.plan.micro_batch_sizes, *self.plan.accum_steps,
                   *self.plan.local_batch_sizes]
-        lo, hi = C.agree(values, self.device)
+        lo, hi = self.comm.agree(values, self.device)
         if lo[0] != hi[0]:
             raise ValueError(f"ranks hold different models: parameter counts range from {lo[0]} to {hi[0]}; "
                              "build the same model on every rank")
@@ -123,7 +138,7 @@ class Engine:
     def _broadcast_non_trainable(self) -> None:
         with torch.no_grad():
             for t in list(self.model.buffers()) + [p for p in self.model.parameters() if not p.requires_grad]:
-                C.broadcast(t.data, src=0)
+                self.comm.broadcast(t.data, src=0)
 
     def _cast_inputs(self, module, args, kwargs):
         cast = lambda t: t.to(self.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
@@ -156,7 +171,7 @@ class Engine:
             self._end_micro_step()
             loss_sum += loss.detach().float().reshape(()) * weight
         local_finite = bool(torch.isfinite(loss_sum))
-        loss_work = C.all_reduce(loss_sum, async_op=True)
+        loss_work = self.comm.all_reduce(loss_sum, async_op=True)
         try:
             self._step(local_finite)
         finally:
@@ -171,8 +186,7 @@ class Engine:
         ignored: each either completes (the other ranks issued it earlier) or fails at
         once (its partner left), and a group must have none in flight to be left cleanly.
         """
-        works = [w for _, w, _ in self._reducer.pending()] + [u.abandon_collectives() for u in self.units]
-        works.append(self._batch_check.abandon())
+        works = [w for u in self.units for w in u.abandon_collectives()] + [self._batch_check.abandon()]
         for w in works:
             if w is not None:
                 try:
@@ -182,7 +196,6 @@ class Engine:
         self._reducer.reset()
         for unit in self.units:
             unit.reset_after_abandon()
-            unit.master.grad = None
 
     def set_plan(self, plan: Plan) -> None:
         """Train with ``plan`` from the next step: another split of the same global batch, same world and stage."""
@@ -194,7 +207,7 @@ class Engine:
                              f"({self.plan.global_batch_size}); got {plan}: build a new engine for another")
         self.plan = plan
         self.accum_steps = plan.accum_steps[self.rank]
-        self._batch_check = BatchCheck(plan, self.rank, self.world_size, self.device,
+        self._batch_check = BatchCheck(plan, self.rank, self.world_size, self.device, self.comm,
                                        enabled=self.config.check_batches)
 
     def _reset_step_state(self) -> None:
@@ -212,8 +225,6 @@ class Engine:
             self._unsharder.begin_micro_step()
 
     def _end_micro_step(self) -> None:
-        if self.config.track_memory:
-            self._sample_peak()
         if self._unsharder is not None:
             self._unsharder.end_micro_step()
         self._reducer.end_micro_step()
@@ -224,19 +235,19 @@ class Engine:
         for g in grads:
             sq += g.float().pow(2).sum()
         if self.stage.shards_optimizer:   # each rank holds a gradient shard: the squares add up across ranks
-            C.all_reduce(sq)
+            self.comm.all_reduce(sq)
         return float(sq.sqrt())
 
     def _nonfinite(self, local_finite: bool) -> None:
         """Every rank alike (the norm is global): raise, or leave this step's update out (``on_nonfinite``)."""
         flags = torch.zeros(self.world_size, dtype=torch.float32, device=self.device)
-        C.all_gather(flags, torch.tensor([0.0 if local_finite else 1.0], device=self.device))
+        self.comm.all_gather(flags, torch.tensor([0.0 if local_finite else 1.0], device=self.device))
         ranks = [r for r in range(self.world_size) if flags[r] > 0]
         step = self.global_steps + self.skipped_steps + 1
         what = (f"the loss is non-finite on rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}" if ranks
                 else f"the gradient norm is {self.last_grad_norm} (every rank's loss is finite)")
         for unit in self.units:
-            unit.master.grad = None
+            unit.attach_grad(None)
         if self.config.on_nonfinite == "skip":
             self.skipped_steps += 1
             return
@@ -257,31 +268,62 @@ class Engine:
                 for g in grads:
                     g.mul_(coef)
         for unit, g in zip(self.units, grads):
-            unit.master.grad = g
-        self.in_update = True
-        self.optimizer.step()
-        works = [w for w in (u.refresh_params_after_step() for u in self.units) if w is not None]
-        for unit in self.units:   # the next train_batch starts a new gradient window
-            unit.master.grad = None
-        for w in works:
-            w.wait()
-        self.in_update = False
+            unit.attach_grad(g)
+        try:
+            self.optimizer.step()
+            works = [w for w in (u.refresh_params_after_step() for u in self.units) if w is not None]
+            for unit in self.units:   # the next train_batch starts a new gradient window
+                unit.attach_grad(None)
+            for w in works:
+                w.wait()
+        except torch.OutOfMemoryError as e:   # ranks may be apart now: recovery must not re-run the step
+            raise UpdateOutOfMemoryError(str(e)) from e
         self.global_steps += 1
 
     # ------------------------------------------------------------------ state (poplar.engine.state_dict)
-    full_state_dict = state_dict.full_state_dict
-    load_full_state_dict = state_dict.load_full_state_dict
-    sharded_state_dict = state_dict.sharded_state_dict
-    prepare_sharded_load = state_dict.prepare_sharded_load
-    load_sharded_state_dict = state_dict.load_sharded_state_dict
-    optimizer_hyperparameters = state_dict.optimizer_hyperparameters
-    layout = state_dict.layout
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full, unsharded fp32 parameters (and buffers) keyed like ``model.state_dict()``, on every rank.
+
+        A collective in stages 1-3: call it on every rank.
+        """
+        return self._state.full_state_dict()
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full parameters (e.g. from :meth:`full_state_dict`) on every rank."""
+        self._state.load_full_state_dict(state)
+
+    def sharded_state_dict(self) -> dict:
+        """The training state for ``torch.distributed.checkpoint``, under global keys with its layout."""
+        return self._state.sharded_state_dict(self.global_steps)
+
+    def prepare_sharded_load(self) -> dict:
+        """A state dict shaped like a saved one, for ``dcp.load`` to fill before :meth:`load_sharded_state_dict`."""
+        return self._state.prepare_sharded_load(self.global_steps)
+
+    def load_sharded_state_dict(self, state: dict, hyperparameters: list[dict] | None = None) -> None:
+        """Restore from a dict that ``dcp.load`` filled (from :meth:`prepare_sharded_load`), any layout saved."""
+        self.global_steps = self._state.load_sharded_state_dict(state, hyperparameters)
+
+    def optimizer_hyperparameters(self) -> list[dict]:
+        """The optimizer's parameter groups without their parameters, as JSON values (lr, betas, ...)."""
+        return self._state.optimizer_hyperparameters()
+
+    def layout(self) -> list[dict]:
+        """The units as a checkpoint records them: a checkpoint loads only into the same units."""
+        return self._state.layout()
 
     # ------------------------------------------------------------------ memory (poplar.engine.memory)
-    memory_report = memory.memory_report
-    model_state_bytes = memory.model_state_bytes
-    held_state = memory.held_state
-    _sample_peak = memory.sample_peak
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds now, by kind (parameters, master, gradients, optimizer, total)."""
+        return self._memory.report()
+
+    def model_state_bytes(self) -> int:
+        """Bytes of model state this rank holds through a micro-step, at their steady level."""
+        return self._memory.model_state_bytes()
+
+    def held_state(self) -> tuple[int, set[int]]:
+        """What a device's memory accounting needs: :meth:`model_state_bytes` and the storages it counts."""
+        return self._memory.held_state()
 
     def close(self) -> None:
         """Remove the engine's hooks from the model."""
@@ -291,12 +333,14 @@ class Engine:
 
 
 def initialize(model: nn.Module, optimizer: OptimizerFactory, plan: Plan, config: EngineConfig | dict | None = None,
-               **overrides) -> Engine:
+               *, comm: Comm | None = None, **overrides) -> Engine:
     """Wrap ``model`` for heterogeneous ZeRO training with ``plan``.
 
     Joins the default process group (torchrun's environment, NCCL on CUDA ranks, gloo on
     CPU), broadcasts rank 0's weights, shards what the stage shards and builds the
-    optimizer on the shards.
+    optimizer on the shards. ``comm``: the :class:`~poplar.engine.collectives.Comm` every
+    collective goes through (default: the default group's, unobserved); a device's
+    ``device.comm`` lets the device see them.
 
     Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -315,4 +359,4 @@ def initialize(model: nn.Module, optimizer: OptimizerFactory, plan: Plan, config
         config = EngineConfig(**{**config, **overrides})
     elif overrides:
         config = config.model_copy(update=overrides)
-    return Engine(model, optimizer, plan, config)
+    return Engine(model, optimizer, plan, config, comm)

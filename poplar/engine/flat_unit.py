@@ -9,6 +9,14 @@ The model's own ``nn.Parameter`` objects stay registered on their modules; their
 are views into ``full_param``. ZeRO-3 frees ``full_param``'s storage (resizes it to
 zero) after use and re-allocates it for the next all-gather, so every view, including
 those autograd saved for the backward pass, sees the gathered values again.
+
+The unit owns its state: where its parameters are (:class:`ParamState`) and where the
+gradient of the current micro-step is (:class:`GradState`). Both change only through
+its named transitions, which the hooks call (as FSDP2's ``FSDPParamGroup``):
+:meth:`~FlatUnit.unshard` / :meth:`~FlatUnit.reshard` around its forward,
+:meth:`~FlatUnit.pre_backward` when the gradient reaches it, :meth:`~FlatUnit.accumulate_grad`
+per parameter and :meth:`~FlatUnit.post_backward` when its backward is done,
+:meth:`~FlatUnit.reduce_grads` / :meth:`~FlatUnit.finish_reduce` for its gradient collective.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from enum import Enum
 import torch
 from torch import nn
 
-from poplar.engine import collectives as C
+from poplar.engine.collectives import Comm
 from poplar.stages import ZeroStage
 
 
@@ -27,6 +35,15 @@ class ParamState(Enum):
     SHARDED = "sharded"        # only this rank's shard exists (ZeRO-3 at rest)
     GATHERING = "gathering"    # an all-gather into full_param is in flight
     UNSHARDED = "unsharded"    # full_param holds every parameter
+
+
+class GradState(Enum):
+    """Where the unit's gradient of the current micro-step is."""
+    IDLE = "idle"                  # no micro-step under way (between steps)
+    ACCUMULATING = "accumulating"  # backward is adding its parameters' gradients
+    READY = "ready"                # every parameter's gradient of the micro-step is in
+    REDUCING = "reducing"          # its gradient collective is in flight
+    REDUCED = "reduced"            # reduced across ranks (into the shard where the stage shards it)
 
 
 @dataclass(frozen=True)
@@ -43,9 +60,9 @@ class FlatUnit:
     """One unit's flat parameter, master and gradient buffers, sharded as ``stage`` says."""
 
     def __init__(self, index: int, module: nn.Module, name: str, params: list[nn.Parameter], *, stage: ZeroStage,
-                 rank: int, world_size: int, compute_dtype: torch.dtype, device: torch.device):
+                 rank: int, world_size: int, compute_dtype: torch.dtype, device: torch.device, comm: Comm):
         self.index, self.module, self.name = index, module, name
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.comm = rank, world_size, comm
         # what this unit keeps only as its shard
         self.shard_optim, self.shard_grads, self.shard_params = (
             stage.shards_optimizer, stage.shards_gradients, stage.shards_parameters)
@@ -59,35 +76,7 @@ class FlatUnit:
         self.padded_numel = -(-offset // world_size) * world_size
         self.shard_numel = self.padded_numel // world_size
         self.shard_start = rank * self.shard_numel
-
-        # Every rank builds the full flat buffer once from its own module, then rank 0's
-        # values are broadcast so every replica starts identical.
-        full = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            for s in slots:
-                full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-        C.broadcast(full, src=0)
-
-        mixed = compute_dtype != torch.float32
-        if not self.shard_params:
-            self.full_param = full.to(compute_dtype) if mixed else full
-            if not mixed:   # the optimizer steps on (a slice of) the very buffer the model reads
-                self.master = nn.Parameter(self.full_param if not self.shard_optim else self._my_shard(self.full_param))
-            else:
-                master = full if not self.shard_optim else self._my_shard(full).clone()
-                self.master = nn.Parameter(master)
-            self.param_shard = None
-            self.state = ParamState.UNSHARDED
-        else:
-            self.master = nn.Parameter(self._my_shard(full).clone())
-            self.param_shard = self.master.data if not mixed else self.master.data.to(compute_dtype)
-            self.full_param = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
-            self.state = ParamState.UNSHARDED   # until _free below
-        del full
-        for s in slots:   # the module's parameters become views into the flat buffer
-            s.param.data = self.full_param[s.offset:s.offset + s.numel].view(s.shape)
-        if self.shard_params:
-            self._free_full()
+        self._build_params(device)
 
         # Gradients: fp32 accumulators. grad_full is the full (padded) flat gradient; it
         # persists across micro-steps in stages 0-1 and lives one micro-step in 2-3.
@@ -98,10 +87,37 @@ class FlatUnit:
         self.grad_shard = torch.zeros(self.shard_numel, device=device) if self.shard_optim else None
         self._written = [False] * len(slots)
         self._shard_written = False
+        self.grad_state = GradState.IDLE
+        self._pending_grads = 0    # parameters whose gradient this micro-step has not arrived yet
+        self._in_backward = False  # ZeRO-3: the gradient has reached this unit's outputs
         self._gather_work = None
-        self.pending_grads = 0   # parameters whose gradient this micro-step has not arrived yet
-        self.grads_ready = False
-        self.in_backward = False  # ZeRO-3: the gradient has reached this unit's outputs
+        self._reduce_work, self._reduce_out = None, None
+
+    def _build_params(self, device: torch.device) -> None:
+        """The flat parameter (and its fp32 master), identical on every rank: rank 0's values."""
+        full = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for s in self.slots:
+                full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        self.comm.broadcast(full, src=0)
+        dtype = self.compute_dtype
+        mixed = dtype != torch.float32
+        if not self.shard_params:
+            self.full_param = full.to(dtype) if mixed else full
+            if not mixed:   # the optimizer steps on (a slice of) the very buffer the model reads
+                self.master = nn.Parameter(self.full_param if not self.shard_optim else self._my_shard(self.full_param))
+            else:
+                self.master = nn.Parameter(full if not self.shard_optim else self._my_shard(full).clone())
+            self.param_shard = None
+        else:
+            self.master = nn.Parameter(self._my_shard(full).clone())
+            self.param_shard = self.master.data if not mixed else self.master.data.to(dtype)
+            self.full_param = torch.empty(self.padded_numel, dtype=dtype, device=device)
+        self.param_state = ParamState.UNSHARDED
+        for s in self.slots:   # the module's parameters become views into the flat buffer
+            s.param.data = self.full_param[s.offset:s.offset + s.numel].view(s.shape)
+        if self.shard_params:
+            self._free_full()
 
     # -- parameters ---------------------------------------------------------------------
     def _my_shard(self, flat: torch.Tensor) -> torch.Tensor:
@@ -109,44 +125,57 @@ class FlatUnit:
 
     def _free_full(self) -> None:
         self.full_param.untyped_storage().resize_(0)
-        self.state = ParamState.SHARDED
+        self.param_state = ParamState.SHARDED
+
+    @property
+    def in_backward(self) -> bool:
+        """ZeRO-3: whether this micro-step's gradient has reached the unit (a forward now is a recomputation)."""
+        return self._in_backward
 
     def unshard(self, async_op: bool = False) -> None:
-        """Start (or finish) the all-gather that makes every parameter of the unit whole."""
-        if self.state is ParamState.SHARDED:
+        """SHARDED -> GATHERING (-> UNSHARDED unless ``async_op``): the all-gather that makes the unit whole."""
+        if self.param_state is ParamState.SHARDED:
             self.full_param.untyped_storage().resize_(self.padded_numel * self.full_param.element_size())
-            self._gather_work = C.all_gather(self.full_param, self.param_shard, async_op=True)
-            self.state = ParamState.GATHERING
+            self._gather_work = self.comm.all_gather(self.full_param, self.param_shard, async_op=True)
+            self.param_state = ParamState.GATHERING
         if not async_op:
             self.wait_unshard()
 
     def wait_unshard(self) -> None:
-        if self.state is ParamState.GATHERING:
+        """GATHERING -> UNSHARDED."""
+        if self.param_state is ParamState.GATHERING:
             self._gather_work.wait()
             self._gather_work = None
-            self.state = ParamState.UNSHARDED
-
-    def abandon_collectives(self):
-        """A step is given up: hand over the in-flight all-gather (if any) for the caller to finish."""
-        work, self._gather_work = self._gather_work, None
-        if self.state is ParamState.GATHERING:
-            self.state = ParamState.UNSHARDED
-        return work
-
-    def reset_after_abandon(self) -> None:
-        """After :meth:`abandon_collectives`' work is done: only the shard again, no gradient of the step."""
-        if self.shard_params and self.state is not ParamState.SHARDED:
-            self._free_full()
-        self.reset_grads()
-        self.pending_grads = 0
-        self.in_backward = False
+            self.param_state = ParamState.UNSHARDED
 
     def reshard(self) -> None:
-        """ZeRO-3: free the gathered parameters, keep only this rank's shard."""
+        """ZeRO-3: -> SHARDED, the gathered parameters freed (an all-gather in flight is finished first)."""
         if self.shard_params:
             self.wait_unshard()
-            if self.state is ParamState.UNSHARDED:
+            if self.param_state is ParamState.UNSHARDED:
                 self._free_full()
+
+    def pre_backward(self) -> None:
+        """The gradient reached the unit's outputs: its parameters are needed (again) until its backward is done."""
+        self._in_backward = True
+        self.unshard()
+
+    def abandon_collectives(self) -> list:
+        """A step is given up: the collectives in flight (works), for the caller to finish.
+
+        The unit stays GATHERING / REDUCING, as it is, until :meth:`reset_after_abandon`.
+        """
+        return [w for w in (self._gather_work, self._reduce_work) if w is not None]
+
+    def reset_after_abandon(self) -> None:
+        """After :meth:`abandon_collectives`' works are done: only the shard again, no gradient of the step."""
+        self._gather_work = None
+        self._reduce_work, self._reduce_out = None, None
+        if self.shard_params and self.param_state is not ParamState.SHARDED:
+            self._free_full()
+        self.reset_grads()
+        self._in_backward = False
+        self.master.grad = None
 
     def refresh_params_after_step(self):
         """After the optimizer stepped on the fp32 master, bring the model's parameters up to date.
@@ -163,20 +192,32 @@ class FlatUnit:
             return None
         # The input must not alias the output: in fp32 the master is a view into full_param.
         shard = self.master.data.to(self.compute_dtype, copy=True)
-        return C.all_gather(self.full_param, shard, async_op=True)
+        return self.comm.all_gather(self.full_param, shard, async_op=True)
 
     # -- gradients ----------------------------------------------------------------------
     def begin_micro_step(self) -> None:
-        self.pending_grads = len(self.slots)
-        self.grads_ready = False
-        self.in_backward = False
+        """-> ACCUMULATING: every parameter's gradient of this micro-step is to come."""
+        self._pending_grads = len(self.slots)
+        self.grad_state = GradState.ACCUMULATING
+        self._in_backward = False
+
+    def end_micro_step(self) -> None:
+        """The micro-step's backward is over: a forward from now on is not a recomputation."""
+        self._in_backward = False
+
+    @property
+    def grads_ready(self) -> bool:
+        """Every parameter's gradient of this micro-step is in (or the unit's backward was declared done)."""
+        return self.grad_state is not GradState.ACCUMULATING and self.grad_state is not GradState.IDLE
 
     def _new_grad_full(self) -> torch.Tensor:
         g = torch.empty(self.padded_numel, device=self.full_param.device)
         g[self.numel:].zero_()   # padding
         return g
 
-    def add_grad(self, slot: Slot, grad: torch.Tensor) -> None:
+    def accumulate_grad(self, slot: Slot) -> bool:
+        """Take ``slot``'s parameter's gradient into the flat gradient; True once the last one is in (-> READY)."""
+        grad = slot.param.grad
         if self.grad_full is None:
             self.grad_full = self._new_grad_full()
         region = self.grad_full[slot.offset:slot.offset + slot.numel]
@@ -185,6 +226,18 @@ class FlatUnit:
         else:
             region.copy_(grad.reshape(-1))
             self._written[slot.index] = True
+        slot.param.grad = None
+        self._pending_grads -= 1
+        if self._pending_grads == 0:
+            self.grad_state = GradState.READY
+            return True
+        return False
+
+    def post_backward(self) -> None:
+        """The unit's backward is done (-> READY, parameters it did not use too): ZeRO-3 reshards."""
+        if self.grad_state is GradState.ACCUMULATING:
+            self.grad_state = GradState.READY
+        self.reshard()
 
     def _complete_grad_full(self) -> torch.Tensor:
         """The full gradient with zeros where no parameter wrote this window (unused ones)."""
@@ -196,28 +249,31 @@ class FlatUnit:
                 self._written[s.index] = True
         return self.grad_full
 
-    def reduce_grads(self):
-        """Launch this unit's gradient collective: all-reduce (stage 0) or reduce-scatter.
-
-        Returns ``(work, shard_out)``; ``shard_out`` is added into ``grad_shard`` once
-        the work completes (see :meth:`finish_reduce`).
-        """
+    def reduce_grads(self) -> None:
+        """READY -> REDUCING: launch this unit's gradient collective, all-reduce (stage 0) or reduce-scatter."""
         grad_full = self._complete_grad_full()
         if not self.shard_optim:
-            return C.all_reduce(grad_full, async_op=True), None
-        out = torch.empty(self.shard_numel, device=grad_full.device)
-        return C.reduce_scatter(out, grad_full, async_op=True), out
+            self._reduce_work = self.comm.all_reduce(grad_full, async_op=True)
+        else:
+            self._reduce_out = torch.empty(self.shard_numel, device=grad_full.device)
+            self._reduce_work = self.comm.reduce_scatter(self._reduce_out, grad_full, async_op=True)
+        self.grad_state = GradState.REDUCING
 
-    def finish_reduce(self, shard_out: torch.Tensor | None) -> None:
-        if shard_out is not None:
+    def finish_reduce(self) -> None:
+        """REDUCING -> REDUCED: wait for the collective; a reduce-scatter's output adds into ``grad_shard``."""
+        work, out = self._reduce_work, self._reduce_out
+        self._reduce_work, self._reduce_out = None, None
+        work.wait()
+        if out is not None:
             if self._shard_written:
-                self.grad_shard.add_(shard_out)
+                self.grad_shard.add_(out)
             else:
-                self.grad_shard.copy_(shard_out)
+                self.grad_shard.copy_(out)
                 self._shard_written = True
         if self.shard_optim:   # the full gradient has been reduced into the shard: a new window
             self.grad_full = None
             self._written = [False] * len(self.slots)
+        self.grad_state = GradState.REDUCED
 
     def owned_grad(self) -> torch.Tensor:
         """The gradient this rank applies: the full one (stage 0) or its shard."""
@@ -227,15 +283,20 @@ class FlatUnit:
             return self.grad_shard
         return self._complete_grad_full()
 
+    def attach_grad(self, grad: torch.Tensor | None) -> None:
+        """Hand ``grad`` to the optimizer as the master's gradient (None: none)."""
+        self.master.grad = grad
+
     def reset_grads(self) -> None:
-        """Start a new gradient window (after a step, or after a step that failed half-way)."""
+        """-> IDLE: a new gradient window (after a step, or after a step that failed half-way)."""
         self._written = [False] * len(self.slots)
         self._shard_written = False
         if self.shard_grads:
             self.grad_full = None
         for s in self.slots:
             s.param.grad = None
-        self.grads_ready = False
+        self._pending_grads = 0
+        self.grad_state = GradState.IDLE
 
     # -- full values --------------------------------------------------------------------
     def full_master(self) -> torch.Tensor:
@@ -243,7 +304,7 @@ class FlatUnit:
         if not self.shard_optim:
             return self.master.data.float()
         full = torch.empty(self.padded_numel, dtype=torch.float32, device=self.master.device)
-        C.all_gather(full, self.master.data.float().contiguous())
+        self.comm.all_gather(full, self.master.data.float().contiguous())
         return full
 
     def load_full_master(self, full: torch.Tensor) -> None:

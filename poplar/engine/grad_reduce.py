@@ -12,7 +12,7 @@ gradient buckets alive; older ones are waited for and freed.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -25,17 +25,27 @@ class GradReducer:
     """Collects the units' gradients in backward and reduces them across ranks.
 
     ``before_launch`` runs before the first collective is issued (the engine's batch
-    check); ``on_unit_done`` runs when a unit's backward is done (peak memory sampling).
+    check). ``on_unit_done``: callables run when a unit's backward is done, before its
+    parameters are freed (a test samples peak memory there); empty, it costs nothing.
     """
 
     def __init__(self, units: list[FlatUnit], stage: ZeroStage, max_inflight: int,
-                 before_launch: Callable[[], None], on_unit_done: Callable[[], None] | None = None):
+                 before_launch: Callable[[], None]):
         self.units, self.stage, self.max_inflight = units, stage, max_inflight
-        self._before_launch, self._on_unit_done = before_launch, on_unit_done
+        self._before_launch = before_launch
+        self.on_unit_done: list[Callable[[], None]] = []
         self._order = list(reversed(range(len(units))))   # ~ the order backward finishes them
         self._next = 0         # position in _order of the next unit to launch this micro-step
-        self._pending: deque[tuple[FlatUnit, Any, torch.Tensor | None]] = deque()
+        self._pending: deque[FlatUnit] = deque()   # units whose gradient collective is in flight
         self.sync = False      # whether this micro-step reduces (else it only accumulates)
+
+    @property
+    def full_buckets_alive(self) -> int | None:
+        """Full-size gradient buckets alive at once: the ones in flight and the one filling.
+
+        ``None`` where every unit's full gradient lives through the step (stages 0-1).
+        """
+        return self.max_inflight + 1 if self.stage.shards_gradients else None
 
     def register_hooks(self) -> list[RemovableHandle]:
         return [slot.param.register_post_accumulate_grad_hook(self._grad_hook(unit, slot))
@@ -43,26 +53,18 @@ class GradReducer:
 
     def _grad_hook(self, unit: FlatUnit, slot: Slot):
         def hook(param: torch.Tensor) -> None:
-            unit.add_grad(slot, param.grad)
-            param.grad = None
-            unit.pending_grads -= 1
-            if unit.pending_grads == 0:
+            if unit.accumulate_grad(slot):
                 self._unit_done(unit)
         return hook
 
     def _unit_done(self, unit: FlatUnit) -> None:
-        unit.grads_ready = True
-        if self._on_unit_done is not None:
-            self._on_unit_done()
-        unit.reshard()
+        for fn in self.on_unit_done:
+            fn()
+        unit.post_backward()
         if self.sync:
             self._launch_ready()
 
     # -- one step ---------------------------------------------------------------------
-    def pending(self) -> list:
-        """The gradient collectives in flight: (unit, work, output)."""
-        return list(self._pending)
-
     def reset(self) -> None:
         """Clean gradient state, whatever an earlier (possibly failed) step left behind."""
         self._pending.clear()
@@ -77,12 +79,11 @@ class GradReducer:
         """Units none of whose parameters were used take part too; a syncing micro-step finishes every reduce."""
         for unit in self.units:
             if not unit.grads_ready:
-                unit.grads_ready = True
-                unit.reshard()
+                unit.post_backward()
         if self.sync:
             self._launch_ready(force=True)
             while self._pending:
-                self._finish_oldest()
+                self._pending.popleft().finish_reduce()
 
     # -- the collectives ----------------------------------------------------------------
     def _launch_ready(self, force: bool = False) -> None:
@@ -92,14 +93,9 @@ class GradReducer:
             unit = self.units[self._order[self._next]]
             if not (unit.grads_ready or force):
                 return
-            work, out = unit.reduce_grads()
-            self._pending.append((unit, work, out))
+            unit.reduce_grads()
+            self._pending.append(unit)
             self._next += 1
             if self.stage.shards_gradients:   # full-size buckets are transient: bound how many are alive
                 while len(self._pending) > self.max_inflight:
-                    self._finish_oldest()
-
-    def _finish_oldest(self) -> None:
-        unit, work, out = self._pending.popleft()
-        work.wait()
-        unit.finish_reduce(out)
+                    self._pending.popleft().finish_reduce()

@@ -1,64 +1,26 @@
 """Saving and loading the engine's state: full (unsharded) and sharded state dicts.
 
-Functions of the engine; :class:`~poplar.engine.engine.Engine` exposes them as its
-methods of the same names.
+:class:`EngineState` holds what it needs (the model, its units, the optimizer, the
+communication object); :class:`~poplar.engine.engine.Engine` exposes its methods under
+the same names (the step count is the engine's: passed in, and given back on a load).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+import torch.distributed as dist
+from torch import nn
 
-if TYPE_CHECKING:
-    from poplar.engine.engine import Engine
-
-
-def full_state_dict(engine: Engine) -> dict[str, torch.Tensor]:
-    """Full, unsharded fp32 parameters (and buffers) keyed like ``model.state_dict()``, on every rank.
-
-    A collective in stages 1-3: call it on every rank.
-    """
-    full: dict[int, torch.Tensor] = {}
-    for unit in engine.units:
-        flat = unit.full_master()
-        for s in unit.slots:
-            full[id(s.param)] = flat[s.offset:s.offset + s.numel].view(s.shape).clone()
-    out = {}
-    for key, t in engine.model.state_dict(keep_vars=True).items():
-        out[key] = full[id(t)] if id(t) in full else t.detach().clone()
-    return out
+from poplar.engine.collectives import Comm
+from poplar.engine.flat_unit import FlatUnit
 
 
-def load_full_state_dict(engine: Engine, state: dict[str, torch.Tensor]) -> None:
-    """Load full parameters (e.g. from :meth:`full_state_dict`) on every rank."""
-    own = engine.model.state_dict(keep_vars=True)
-    missing, unexpected = set(own) - set(state), set(state) - set(own)
-    if missing or unexpected:
-        raise ValueError(f"state dict does not match the model: missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}")
-    slot_of = {id(s.param): (u, s) for u in engine.units for s in u.slots}
-    flats = {u.index: torch.zeros(u.padded_numel, device=engine.device) for u in engine.units}
-    with torch.no_grad():
-        for key, t in own.items():
-            value = state[key].to(engine.device)
-            if id(t) in slot_of:
-                u, s = slot_of[id(t)]
-                if tuple(value.shape) != tuple(s.shape):
-                    raise ValueError(f"{key}: shape {tuple(value.shape)} in the state dict, "
-                                     f"{tuple(s.shape)} in the model")
-                flats[u.index][s.offset:s.offset + s.numel].copy_(value.reshape(-1))
-            else:
-                t.data.copy_(value)
-    for u in engine.units:
-        u.load_full_master(flats[u.index])
-
-
-def _mesh(engine: Engine):
-    """A one-dimensional device mesh over every rank, on the current group (it may have been rebuilt)."""
+def _mesh(device: torch.device, comm: Comm):
+    """A one-dimensional device mesh over the comm's ranks, on its current group (it may have been rebuilt)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh(engine.device.type, list(range(engine.world_size)))
+    ranks = list(range(comm.world_size)) if comm.group is None else dist.get_process_group_ranks(comm.group)
+    return DeviceMesh(device.type, ranks)
 
 
 def _global(unit, flat: torch.Tensor, mesh):
@@ -82,103 +44,144 @@ def _is_flat_state(unit, value) -> bool:
     return isinstance(value, torch.Tensor) and value.shape == unit.master.shape
 
 
-def sharded_state_dict(engine: Engine) -> dict:
-    """The training state for ``torch.distributed.checkpoint``, under global keys with its layout.
-
-    Each unit's fp32 master and per-element optimizer states (``unit3.master``,
-    ``optim.3.exp_avg``) are the whole unit's flat tensor, sharded as the stage shards
-    it (see :func:`_global`): a checkpoint written with one world size, plan and stage
-    loads into any other. Buffers, the optimizer's scalar states and the step count are
-    plain tensors. The optimizer's hyper-parameters are not tensors: see
-    :func:`optimizer_hyperparameters`. Tensors share the engine's storage where they can;
-    :func:`load_sharded_state_dict` copies back what ``dcp.load`` filled.
-    """
-    mesh = _mesh(engine) if any(u.shard_optim for u in engine.units) else None
-    out: dict = {f"unit{u.index}.master": _global(u, u.master.data, mesh) for u in engine.units}
-    for idx, state in engine.optimizer.state_dict()["state"].items():
-        u = engine.units[idx]
-        for name, value in state.items():
-            if _is_flat_state(u, value):
-                out[f"optim.{idx}.{name}"] = _global(u, value, mesh)
-            else:
-                out[f"optim.{idx}.{name}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-    for name, buf in engine.model.named_buffers():
-        out[f"buffer.{name}"] = buf
-    out["global_steps"] = torch.tensor(engine.global_steps)
-    return out
-
-
-def optimizer_hyperparameters(engine: Engine) -> list[dict]:
-    """The optimizer's parameter groups without their parameters, as JSON values (lr, betas, ...)."""
-    groups = []
-    for g in engine.optimizer.state_dict()["param_groups"]:
-        clean = {}
-        for k, v in g.items():
-            if k == "params":
-                continue
-            if isinstance(v, torch.Tensor):
-                v = v.tolist()
-            if isinstance(v, tuple):
-                v = list(v)
-            if v is None or isinstance(v, (bool, int, float, str, list)):
-                clean[k] = v
-        groups.append(clean)
-    return groups
-
-
-def layout(engine: Engine) -> list[dict]:
-    """The units as a checkpoint records them: a checkpoint loads only into the same units."""
-    return [{"name": u.name, "numel": u.numel} for u in engine.units]
-
-
-def prepare_sharded_load(engine: Engine) -> dict:
-    """A state dict shaped like a saved one, for ``dcp.load`` to fill before :meth:`load_sharded_state_dict`.
-
-    A fresh optimizer has no state yet: one step with zero gradients creates it (every
-    value is overwritten by the load, the parameters included).
-    """
-    if not engine.optimizer.state:
-        for u in engine.units:
-            u.master.grad = torch.zeros_like(u.master)
-        engine.optimizer.step()
-        for u in engine.units:
-            u.master.grad = None
-    return sharded_state_dict(engine)
-
-
 def _local(value) -> torch.Tensor:
     return value.to_local() if hasattr(value, "to_local") else value
 
 
-@torch.no_grad()
-def load_sharded_state_dict(engine: Engine, state: dict, hyperparameters: list[dict] | None = None) -> None:
-    """Restore from a dict that ``dcp.load`` filled (from :meth:`prepare_sharded_load`), any layout saved.
+class EngineState:
+    """Saving and loading one engine's model and optimizer state (see the module's docstring)."""
 
-    ``hyperparameters``: the optimizer's groups as :func:`optimizer_hyperparameters`
-    gave them when saving (kept as they are when ``None``).
-    """
-    for u in engine.units:
-        src = _local(state[f"unit{u.index}.master"])
-        u.master.data[:src.numel()].copy_(src)
-    opt = engine.optimizer.state_dict()
-    for idx, st in opt["state"].items():
-        u = engine.units[idx]
-        for name in list(st):
-            src = _local(state[f"optim.{idx}.{name}"])
-            if _is_flat_state(u, st[name]):
-                st[name][:src.numel()].copy_(src)
-            else:
-                st[name] = src
-    if hyperparameters is not None:
-        if len(hyperparameters) != len(opt["param_groups"]):
-            raise ValueError(f"the checkpoint's optimizer has {len(hyperparameters)} parameter groups, this one "
-                             f"{len(opt['param_groups'])}: resume with the optimizer it was written with")
-        for group, saved in zip(opt["param_groups"], hyperparameters):
-            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
-    engine.optimizer.load_state_dict(opt)
-    for name, buf in engine.model.named_buffers():
-        buf.copy_(state[f"buffer.{name}"])
-    engine.global_steps = int(state["global_steps"])
-    works = [w for w in (u.refresh_params_after_step() for u in engine.units) if w is not None]
-    for w in works:
-        w.wait()
+    def __init__(self, model: nn.Module, units: list[FlatUnit], optimizer: torch.optim.Optimizer,
+                 device: torch.device, comm: Comm):
+        self.model, self.units, self.optimizer, self.device, self.comm = model, units, optimizer, device, comm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full, unsharded fp32 parameters (and buffers) keyed like ``model.state_dict()``, on every rank.
+
+        A collective in stages 1-3: call it on every rank.
+        """
+        full: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            flat = unit.full_master()
+            for s in unit.slots:
+                full[id(s.param)] = flat[s.offset:s.offset + s.numel].view(s.shape).clone()
+        out = {}
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            out[key] = full[id(t)] if id(t) in full else t.detach().clone()
+        return out
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full parameters (e.g. from :meth:`full_state_dict`) on every rank."""
+        own = self.model.state_dict(keep_vars=True)
+        missing, unexpected = set(own) - set(state), set(state) - set(own)
+        if missing or unexpected:
+            raise ValueError(f"state dict does not match the model: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+        slot_of = {id(s.param): (u, s) for u in self.units for s in u.slots}
+        flats = {u.index: torch.zeros(u.padded_numel, device=self.device) for u in self.units}
+        with torch.no_grad():
+            for key, t in own.items():
+                value = state[key].to(self.device)
+                if id(t) in slot_of:
+                    u, s = slot_of[id(t)]
+                    if tuple(value.shape) != tuple(s.shape):
+                        raise ValueError(f"{key}: shape {tuple(value.shape)} in the state dict, "
+                                         f"{tuple(s.shape)} in the model")
+                    flats[u.index][s.offset:s.offset + s.numel].copy_(value.reshape(-1))
+                else:
+                    t.data.copy_(value)
+        for u in self.units:
+            u.load_full_master(flats[u.index])
+
+    def sharded_state_dict(self, global_steps: int) -> dict:
+        """The training state for ``torch.distributed.checkpoint``, under global keys with its layout.
+
+        Each unit's fp32 master and per-element optimizer states (``unit3.master``,
+        ``optim.3.exp_avg``) are the whole unit's flat tensor, sharded as the stage shards
+        it (see :func:`_global`): a checkpoint written with one world size, plan and stage
+        loads into any other. Buffers, the optimizer's scalar states and the step count are
+        plain tensors. The optimizer's hyper-parameters are not tensors: see
+        :meth:`optimizer_hyperparameters`. Tensors share the engine's storage where they can;
+        :meth:`load_sharded_state_dict` copies back what ``dcp.load`` filled.
+        """
+        mesh = _mesh(self.device, self.comm) if any(u.shard_optim for u in self.units) else None
+        out: dict = {f"unit{u.index}.master": _global(u, u.master.data, mesh) for u in self.units}
+        for idx, state in self.optimizer.state_dict()["state"].items():
+            u = self.units[idx]
+            for name, value in state.items():
+                if _is_flat_state(u, value):
+                    out[f"optim.{idx}.{name}"] = _global(u, value, mesh)
+                else:
+                    out[f"optim.{idx}.{name}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+        for name, buf in self.model.named_buffers():
+            out[f"buffer.{name}"] = buf
+        out["global_steps"] = torch.tensor(global_steps)
+        return out
+
+    def optimizer_hyperparameters(self) -> list[dict]:
+        """The optimizer's parameter groups without their parameters, as JSON values (lr, betas, ...)."""
+        groups = []
+        for g in self.optimizer.state_dict()["param_groups"]:
+            clean = {}
+            for k, v in g.items():
+                if k == "params":
+                    continue
+                if isinstance(v, torch.Tensor):
+                    v = v.tolist()
+                if isinstance(v, tuple):
+                    v = list(v)
+                if v is None or isinstance(v, (bool, int, float, str, list)):
+                    clean[k] = v
+            groups.append(clean)
+        return groups
+
+    def layout(self) -> list[dict]:
+        """The units as a checkpoint records them: a checkpoint loads only into the same units."""
+        return [{"name": u.name, "numel": u.numel} for u in self.units]
+
+    def prepare_sharded_load(self, global_steps: int) -> dict:
+        """A state dict shaped like a saved one, for ``dcp.load`` to fill before :meth:`load_sharded_state_dict`.
+
+        A fresh optimizer has no state yet: one step with zero gradients creates it (every
+        value is overwritten by the load, the parameters included).
+        """
+        if not self.optimizer.state:
+            for u in self.units:
+                u.attach_grad(torch.zeros_like(u.master))
+            self.optimizer.step()
+            for u in self.units:
+                u.attach_grad(None)
+        return self.sharded_state_dict(global_steps)
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state: dict, hyperparameters: list[dict] | None = None) -> int:
+        """Restore from a dict that ``dcp.load`` filled (from :meth:`prepare_sharded_load`), any layout saved.
+
+        ``hyperparameters``: the optimizer's groups as :meth:`optimizer_hyperparameters`
+        gave them when saving (kept as they are when ``None``). Returns the step count saved.
+        """
+        for u in self.units:
+            src = _local(state[f"unit{u.index}.master"])
+            u.master.data[:src.numel()].copy_(src)
+        opt = self.optimizer.state_dict()
+        for idx, st in opt["state"].items():
+            u = self.units[idx]
+            for name in list(st):
+                src = _local(state[f"optim.{idx}.{name}"])
+                if _is_flat_state(u, st[name]):
+                    st[name][:src.numel()].copy_(src)
+                else:
+                    st[name] = src
+        if hyperparameters is not None:
+            if len(hyperparameters) != len(opt["param_groups"]):
+                raise ValueError(f"the checkpoint's optimizer has {len(hyperparameters)} parameter groups, this one "
+                                 f"{len(opt['param_groups'])}: resume with the optimizer it was written with")
+            for group, saved in zip(opt["param_groups"], hyperparameters):
+                group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+        self.optimizer.load_state_dict(opt)
+        for name, buf in self.model.named_buffers():
+            buf.copy_(state[f"buffer.{name}"])
+        works = [w for w in (u.refresh_params_after_step() for u in self.units) if w is not None]
+        for w in works:
+            w.wait()
+        return int(state["global_steps"])

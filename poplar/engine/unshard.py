@@ -28,6 +28,12 @@ class Unsharder:
         self.units, self.prefetch = units, prefetch
         self._forward_order: list[int] = []   # unit indices, as the first forward pass ran them
 
+    @property
+    def gathered_numel(self) -> int:
+        """The most parameters gathered at once: the root, the unit computing and the one prefetched."""
+        largest = max(u.padded_numel for u in self.units)
+        return self.units[0].padded_numel + (2 if self.prefetch else 1) * largest
+
     def register_hooks(self) -> list[RemovableHandle]:
         handles = []
         for unit in self.units:
@@ -40,7 +46,7 @@ class Unsharder:
 
     def end_micro_step(self) -> None:
         for unit in self.units:
-            unit.in_backward = False
+            unit.end_micro_step()
 
     def _prefetch(self, unit: FlatUnit, direction: int) -> None:
         if not self.prefetch or unit.index not in self._forward_order:
@@ -72,8 +78,7 @@ class Unsharder:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 def pre_backward(_grads):
-                    unit.in_backward = True
-                    unit.unshard()
+                    unit.pre_backward()
                     self._prefetch(unit, -1)
                 register_multi_grad_hook(tensors, pre_backward, mode="any")
             return output

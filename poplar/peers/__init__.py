@@ -2,9 +2,13 @@
 
 A peer is set up in the parent process as a small picklable value (``name``,
 ``config()``, ``global_batch_size``, ``local_batch_size(rank)``), started inside every
-rank of the measurement's launch with ``start(workload, device)``, and then stepped
+rank of the measurement's launch with ``start(workload, device.comm)``, and then stepped
 like Poplar's engine: ``train_batch(local_batch)``, one optimizer step, under the
 rank's emulated device. Today's peer: DeepSpeed ZeRO (:mod:`poplar.peers.deepspeed`).
+
+torch's own DDP, ZeroRedundancyOptimizer and FSDP2 (:mod:`poplar.peers.torch_peers`)
+are set up and stepped the same way, on the real clock only (DDP issues its all-reduce
+from C++, out of any device's reach): the engine benchmark compares with them.
 """
 
 

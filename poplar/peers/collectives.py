@@ -1,13 +1,13 @@
-"""Another system's collectives, through Poplar's one seam for as long as that system computes.
+"""Another system's collectives, through a Poplar :class:`~poplar.engine.collectives.Comm` while it computes.
 
-Poplar's engine calls its collectives through :mod:`poplar.engine.collectives`, where a
-device observes them (a GPU timer, an emulated network). A peer such as DeepSpeed calls
-``torch.distributed`` itself, so while it runs, :func:`seam_collectives` replaces those
-functions (and any references the peer cached to them) with wrappers that issue the
-same call through that seam: the device sees the launch, the bytes and the wait, and an
-asynchronous call's work comes back wrapped so that its ``wait()`` goes through it too.
+Poplar's engine issues its collectives through the ``Comm`` it is given, which a device
+observes (``device.comm``: a GPU timer, an emulated network). A peer such as DeepSpeed
+calls ``torch.distributed`` itself, so while it runs, :func:`seam_collectives` replaces
+those functions (and any references the peer cached to them) with wrappers that issue
+the same call through ``comm``: the device sees the launch, the bytes and the wait, and
+an asynchronous call's work comes back wrapped so that its ``wait()`` goes through it too.
 
->>> with seam_collectives():               # doctest: +SKIP
+>>> with seam_collectives(device.comm):    # doctest: +SKIP
 ...     deepspeed_engine.backward(loss)     # its all-reduce is timed as Poplar's would be
 """
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from poplar.engine import collectives as C
+from poplar.engine.collectives import Comm
 
 # Everything in torch.distributed that moves data between ranks or waits for them, and the
 # collective whose network time it takes.
@@ -49,8 +49,8 @@ def _nbytes(op: str, args, kwargs) -> int:
 
 
 @contextlib.contextmanager
-def seam_collectives(cached: tuple[tuple[object, str], ...] = ()) -> Iterator[None]:
-    """Route every ``torch.distributed`` collective through the seam until the block ends.
+def seam_collectives(comm: Comm, cached: tuple[tuple[object, str], ...] = ()) -> Iterator[None]:
+    """Route every ``torch.distributed`` collective through ``comm`` until the block ends.
 
     ``cached``: ``(object, attribute)`` pairs where the peer keeps its own reference to
     a collective (DeepSpeed's backend does, for all-gather and reduce-scatter).
@@ -82,9 +82,9 @@ def seam_collectives(cached: tuple[tuple[object, str], ...] = ()) -> Iterator[No
                     depth[0] -= 1
 
             if not takes_async:   # object collectives: blocking, seen as one launch and wait (they return None)
-                C.run(op, _nbytes(op, args, kwargs), lambda _a: _Done(issue(False)), False)
+                comm.run(op, _nbytes(op, args, kwargs), lambda _a: _Done(issue(False)), False)
                 return None
-            return C.run(op, _nbytes(op, args, kwargs), issue, is_async)
+            return comm.run(op, _nbytes(op, args, kwargs), issue, is_async)
 
         collective.__wrapped__ = fn
         return collective

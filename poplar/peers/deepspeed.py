@@ -6,7 +6,7 @@ every rank the same micro-batch (the largest the smallest device holds: the plan
 ``uniform`` plan) and the same accumulation, in the ZeRO stage Poplar chose.
 
 How it is run (:class:`DeepSpeedSetup` is the value the parent builds; every rank then
-calls ``setup.start(workload, device)`` and steps the :class:`DeepSpeedPeer`):
+calls ``setup.start(workload, device.comm)`` and steps the :class:`DeepSpeedPeer`):
 
 - ``deepspeed.initialize`` on the rank's already joined gloo group, with a config dict:
   ``zero_optimization.stage`` (all of 0-3 run on CPU over gloo in DeepSpeed 0.19.8),
@@ -17,13 +17,15 @@ calls ``setup.start(workload, device)`` and steps the :class:`DeepSpeedPeer`):
   ``auto`` values (``hidden_size**2`` elements; ZeRO-3: prefetch ``0.9 * hidden**2``,
   persistence threshold ``10 * hidden``): DeepSpeed's defaults (5e8 elements, a 2 GB
   fp32 bucket) are sized for 80 GB cards and would not fit an emulated device scaled
-  to a small model. DeepSpeed's CPU accelerator is required (``DS_ACCELERATOR=cpu``);
+  to a small model (``hidden_size=None`` keeps DeepSpeed's own: the engine benchmark,
+  on the real clock, runs it as its users get it). DeepSpeed's CPU accelerator is
+  required (``DS_ACCELERATOR=cpu``);
   its shared-memory all-reduce extension, which serves only inference, is not built
   (that would JIT-compile C++ for a minute on the first start and hold a file lock).
 - Time: the caller steps it inside its device's ``step(held)`` as it does Poplar's
   engine, and for as long as the step runs every ``torch.distributed`` collective, and
   the references DeepSpeed's backend caches to all-gather and reduce-scatter, go
-  through the collectives' one seam (:func:`poplar.peers.collectives.seam_collectives`):
+  through the rank's ``device.comm`` (:func:`poplar.peers.collectives.seam_collectives`):
   on an emulated device DeepSpeed's operators take the modelled GPU's time and its
   collectives the declared network's, exactly as Poplar's.
 - Memory: :meth:`DeepSpeedPeer.held_state` gives the device the bytes of every tensor
@@ -57,7 +59,9 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from poplar.engine.collectives import Comm
 from poplar.peers.collectives import seam_collectives
+from poplar.peers.uniform import UniformSetup
 from poplar.plan import Plan
 from poplar.workload import Workload
 
@@ -73,15 +77,12 @@ def unavailable() -> str | None:
 
 
 @dataclass(frozen=True)
-class DeepSpeedSetup:
+class DeepSpeedSetup(UniformSetup):
     """How DeepSpeed trains: its stage, every rank's micro-batch and accumulation (a picklable value)."""
 
-    zero_stage: int
-    micro_batch_size: int
-    accum_steps: int
-    world_size: int
-    hidden_size: int          # sizes the communication buckets (the HF Trainer's ``auto``)
+    hidden_size: int | None   # sizes the communication buckets (the HF Trainer's ``auto``); None: DeepSpeed's own
     lr: float = LR
+    seed: int = 0             # the model's initial weights (Workload.build)
 
     name = "deepspeed"
 
@@ -99,18 +100,13 @@ class DeepSpeedSetup:
                    accum_steps=plan.accum_steps[0], world_size=plan.world_size,
                    hidden_size=int(config.get("hidden_size") or config["d_model"]))
 
-    @property
-    def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.accum_steps * self.world_size
-
-    def local_batch_size(self, rank: int) -> int:
-        return self.micro_batch_size * self.accum_steps
-
     def config(self) -> dict:
         """The DeepSpeed config dict handed to ``deepspeed.initialize``."""
         h = self.hidden_size
-        zero = {"stage": self.zero_stage, "reduce_bucket_size": h * h, "allgather_bucket_size": h * h}
-        if self.zero_stage == 3:
+        zero = {"stage": self.zero_stage}
+        if h is not None:
+            zero.update(reduce_bucket_size=h * h, allgather_bucket_size=h * h)
+        if h is not None and self.zero_stage == 3:
             zero.update(stage3_prefetch_bucket_size=int(0.9 * h * h), stage3_param_persistence_threshold=10 * h)
         return {
             "train_batch_size": self.global_batch_size,
@@ -134,8 +130,9 @@ class DeepSpeedSetup:
     def to_dict(self) -> dict:
         return {**asdict(self), "config": self.config()}
 
-    def start(self, workload: Workload) -> DeepSpeedPeer:
-        return DeepSpeedPeer(self, workload)
+    def start(self, workload: Workload, comm: Comm | None = None) -> DeepSpeedPeer:
+        """DeepSpeed on this rank; its collectives go through ``comm`` (give ``device.comm`` to time them)."""
+        return DeepSpeedPeer(self, workload, comm)
 
 
 def _deepspeed():
@@ -157,13 +154,14 @@ def _deepspeed():
 class DeepSpeedPeer:
     """DeepSpeed training this rank's share of every global batch."""
 
-    def __init__(self, setup: DeepSpeedSetup, workload: Workload):
+    def __init__(self, setup: DeepSpeedSetup, workload: Workload, comm: Comm | None = None):
         deepspeed = _deepspeed()
         self.setup, self.workload = setup, workload
+        self.comm = comm if comm is not None else Comm()
         threads = torch.get_num_threads()
         with _quiet():
             deepspeed.init_distributed(dist_backend="gloo")   # adopts the group the rank has joined
-            model = workload.build()
+            model = workload.build(seed=setup.seed)
             optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr)
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=setup.config())
         torch.set_num_threads(threads)   # one torch thread per rank, as the device's clock needs
@@ -214,15 +212,12 @@ class DeepSpeedPeer:
     # -- training -----------------------------------------------------------------------
     def train_batch(self, local_batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         """One optimizer step on this rank's ``(inputs, targets)``; returns this rank's mean loss."""
-        inputs, targets = local_batch
-        m, a = self.setup.micro_batch_size, self.setup.accum_steps
-        if inputs.shape[0] != m * a:
-            raise ValueError(f"DeepSpeed takes {m * a} samples per rank ({a} micro-batches of {m}); "
-                             f"got {inputs.shape[0]}")
+        micro_batches = self.setup.micro_batches(local_batch)
+        a = len(micro_batches)
         total = torch.zeros(())
-        with _quiet(), seam_collectives(self._cached):
-            for i in range(a):
-                loss = self.workload.loss(self.engine, (inputs[i * m:(i + 1) * m], targets[i * m:(i + 1) * m]))
+        with _quiet(), seam_collectives(self.comm, self._cached):
+            for i, micro_batch in enumerate(micro_batches):
+                loss = self.workload.loss(self.engine, micro_batch)
                 self.engine.backward(loss)   # DeepSpeed divides by its accumulation steps itself
                 if i < a - 1:
                     self.engine.step()   # bookkeeping only: not at the accumulation boundary

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from poplar.devices import Device
-from poplar.engine import collectives as C
+from poplar.engine.collectives import ObservedComm
 from poplar.launch import spawn
 from tests.devices.workers import LATE_S, wait_for_a_late_rank
 
@@ -13,7 +13,7 @@ from tests.devices.workers import LATE_S, wait_for_a_late_rank
 def test_a_step_lasts_as_long_as_its_work_and_without_collectives_it_is_all_compute():
     device = Device()
     with device:
-        assert C.observer() is device                 # entering plugs it into the collectives' seam
+        assert isinstance(device.comm, ObservedComm) and device.comm.observer is device   # its collectives' seam
         with device.step():
             time.sleep(0.2)
         assert device.step_s >= 0.2
@@ -21,7 +21,6 @@ def test_a_step_lasts_as_long_as_its_work_and_without_collectives_it_is_all_comp
         with device.step():                           # each step is timed afresh
             pass
         assert device.step_s < 0.1
-    assert C.observer() is None                       # and leaving unplugs it
     assert device.capacity is None and device.dilation == 1.0 and device.overruns == 0
 
 
@@ -39,4 +38,5 @@ def test_a_wait_for_a_late_rank_is_waiting_not_compute():
     for rank in (early, late):
         assert rank["overlapped"]["step_s"] >= LATE_S
         assert rank["overlapped"]["wait_s"] < 0.1
-        assert rank["observer_after"]
+        # the device sees only what goes through its comm: nothing process-global
+        assert rank["plain_comm"]["wait_s"] == 0.0

@@ -5,7 +5,6 @@ import torch
 
 from poplar.devices import Device
 from poplar.devices.cuda import CudaDevice
-from poplar.engine import collectives as C
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -58,8 +57,8 @@ def test_a_wait_counts_only_the_collective_not_the_compute_queued_before_it():
     device = CudaDevice()
     with device, device.step():
         torch.cuda._sleep(CYCLES)          # compute queued before the wait: compute, not waiting
-        # through the collectives' seam, as the engine's are
-        C.run("all_reduce", 4, lambda async_op: _SpinningWork(), async_op=False)
+        # through the device's comm, as the engine's are
+        device.comm.run("all_reduce", 4, lambda async_op: _SpinningWork(), async_op=False)
     assert device.wait_s == pytest.approx(spin, rel=0.2)
     assert device.compute_s == pytest.approx(spin, rel=0.2)
     assert device.step_s == pytest.approx(2 * spin, rel=0.2)

@@ -7,7 +7,7 @@ import time
 import torch
 
 from poplar.devices import Device
-from poplar.engine import collectives as C
+from poplar.engine.collectives import Comm
 
 LATE_S = 0.3     # how long rank 1 computes before it joins the collective
 
@@ -15,6 +15,7 @@ LATE_S = 0.3     # how long rank 1 computes before it joins the collective
 def wait_for_a_late_rank(rank: int, world_size: int) -> dict:
     """Rank 1 computes (sleeps) before an all-reduce inside its step; rank 0 joins at once and waits for it."""
     device = Device()
+    C = device.comm
     with device:
         C.barrier()                   # outside a step: no wait is counted
         t = torch.full((4,), float(rank + 1))
@@ -31,4 +32,11 @@ def wait_for_a_late_rank(rank: int, world_size: int) -> dict:
             time.sleep(LATE_S)
             work.wait()
         overlapped = {"step_s": device.step_s, "wait_s": device.wait_s}
-    return {"sync": sync, "overlapped": overlapped, "observer_after": C.observer() is None}
+        # a plain Comm beside it is not the device's: rank 0's wait for the late rank goes unseen
+        C.barrier()
+        with device.step():
+            if rank == 1:
+                time.sleep(LATE_S)
+            Comm().all_reduce(torch.ones(4))
+        plain = {"step_s": device.step_s, "wait_s": device.wait_s}
+    return {"sync": sync, "overlapped": overlapped, "plain_comm": plain}

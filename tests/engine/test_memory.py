@@ -27,8 +27,8 @@ CASES = {  # name: (plan, config)
 
 @functools.cache
 def measured():
-    cases = [(plan, {**config, "track_memory": True}, MODEL) for plan, config in CASES.values()]
-    ranks = spawn(run_cases, WORLD, cases, 2, timeout_s=240)
+    cases = [(plan, config, MODEL) for plan, config in CASES.values()]
+    ranks = spawn(run_cases, WORLD, cases, 2, track_peak=True, timeout_s=240)
     return {name: [r[i] for r in ranks] for i, name in enumerate(CASES)}
 
 

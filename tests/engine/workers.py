@@ -7,13 +7,28 @@ import time
 import torch
 
 import poplar
+from poplar.engine.collectives import Comm
 from tests.models import OPTIMIZER, lm_loss, make_batches, make_model
 
 
-def train_with_plan(plan: poplar.Plan, n_steps: int, config=None, model_kw=None, optimizer=OPTIMIZER, seed=1):
+class PeakMemory:
+    """The most bytes of each kind the engine held, sampled as each unit's backward finishes (attached from outside)."""
+
+    def __init__(self, engine):
+        self.engine, self.peak = engine, {}
+        engine.on_unit_done.append(self.sample)
+
+    def sample(self) -> None:
+        now = self.engine.memory_report()
+        self.peak = {k: max(v, self.peak.get(k, 0)) for k, v in now.items()}
+
+
+def train_with_plan(plan: poplar.Plan, n_steps: int, config=None, model_kw=None, optimizer=OPTIMIZER, seed=1,
+                    track_peak=False):
     rank = torch.distributed.get_rank()
     model = make_model(**(model_kw or {}))
     engine = poplar.initialize(model, optimizer, plan, config or {})
+    peak = PeakMemory(engine) if track_peak else None
     lo, hi = plan.sample_range(rank)
     losses, norms = [], []
     for tokens, targets in make_batches(n_steps, plan.global_batch_size, seed=seed):
@@ -21,15 +36,15 @@ def train_with_plan(plan: poplar.Plan, n_steps: int, config=None, model_kw=None,
         norms.append(engine.last_grad_norm)
     state = engine.full_state_dict()
     out = {"losses": losses, "norms": norms, "state": state if rank == 0 else None,
-           "memory": engine.memory_report(), "peak": engine.peak_memory,
+           "memory": engine.memory_report(), "peak": peak.peak if peak else {},
            "unit_numels": [u.padded_numel for u in engine.units]}
     engine.close()
     return out
 
 
-def run_cases(rank, world_size, cases, n_steps, optimizer=OPTIMIZER):
+def run_cases(rank, world_size, cases, n_steps, optimizer=OPTIMIZER, track_peak=False):
     """Several (plan dict, config) cases one after another in the same process group."""
-    return [train_with_plan(poplar.Plan.from_dict(plan), n_steps, config, model_kw, optimizer)
+    return [train_with_plan(poplar.Plan.from_dict(plan), n_steps, config, model_kw, optimizer, track_peak=track_peak)
             for plan, config, model_kw in cases]
 
 
@@ -148,3 +163,74 @@ def skip_and_leave_out(rank, world_size, plan_dict):
     """A run whose second step is skipped (NaN on rank 0), and one that never saw that batch."""
     return (nonfinite_step(rank, world_size, plan_dict, "skip", 0, 1, 3),
             nonfinite_step(rank, world_size, plan_dict, "skip", -1, -1, 3, leave_out=1))
+
+
+class CountingComm(Comm):
+    """A Comm that records every collective as ``(op, nbytes)``, and the start of each micro-step as a marker."""
+
+    def __init__(self):
+        super().__init__()
+        self.log: list[tuple[str, int]] = []
+
+    def run(self, op, nbytes, issue, async_op):
+        self.log.append((op, nbytes))
+        return super().run(op, nbytes, issue, async_op)
+
+
+def count_collectives(rank, world_size, cases, model_kw, n_steps=2):
+    """Per (plan dict, config) case: each step's collectives in issue order, micro-steps marked.
+
+    A step's log reads ``[ops before the first forward, ("micro_step", 0), its ops, ("micro_step", 1), ...]``;
+    the last micro-step's segment ends with the step's own collectives.
+    """
+    out = []
+    for plan_dict, config in cases:
+        plan = poplar.Plan.from_dict(plan_dict)
+        comm = CountingComm()
+        engine = poplar.initialize(make_model(**model_kw), OPTIMIZER, plan, config, comm=comm)
+        lo, hi = plan.sample_range(rank)
+        steps = []
+        for tokens, targets in make_batches(n_steps, plan.global_batch_size):
+            comm.log = []
+            micro = iter(range(plan.accum_steps[rank]))
+
+            def loss_fn(model, batch):
+                comm.log.append(("micro_step", next(micro)))
+                return lm_loss(model, batch)
+            engine.train_batch((tokens[lo:hi], targets[lo:hi]), loss_fn)
+            steps.append(comm.log)
+        out.append({"steps": steps, "padded_numels": [u.padded_numel for u in engine.units]})
+        engine.close()
+    return out
+
+
+def _states(engine) -> list[tuple[str, str]]:
+    return [(u.param_state.value, u.grad_state.value) for u in engine.units]
+
+
+def unit_states(rank, world_size, model_kw):
+    """ZeRO-3 units' (parameter, gradient) states as backward finishes each unit, after a step, and on abandoning."""
+    plan = poplar.Plan(3, [1, 2], [2, 2])
+    engine = poplar.initialize(make_model(**model_kw), OPTIMIZER, plan)
+    done = []
+    engine.on_unit_done.append(lambda: done.append(_states(engine)))
+    tokens, targets = make_batches(1, plan.global_batch_size)[0]
+    lo, hi = plan.sample_range(rank)
+    engine.train_batch((tokens[lo:hi], targets[lo:hi]), lm_loss)
+    out = {"unit_done": done, "after_step": _states(engine)}
+    unit = engine.units[1]
+    unit.unshard(async_op=True)       # a gather in flight when the step is given up
+    works = unit.abandon_collectives()
+    out["abandoned"] = (unit.param_state.value, len(works))
+    for w in works:
+        w.wait()
+    unit.reset_after_abandon()
+    out["reset"] = (unit.param_state.value, unit.grad_state.value)
+    engine.close()
+    return out
+
+
+def collectives_and_states(rank, world_size, cases, model_kw):
+    """One launch for tests/engine/test_collectives.py: :func:`count_collectives`, then :func:`unit_states`."""
+    return {"counts": count_collectives(rank, world_size, cases, model_kw),
+            "states": unit_states(rank, world_size, model_kw)}

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from poplar.cluster.spec import parse_cluster
-from poplar.emulate import EmulatedDevice, GpuModel, WorkCounter
+from poplar.devices.emulated import EmulatedDevice
+from poplar.emulate import GpuModel, WorkCounter
 from poplar.workload import Workload
 
 WORKLOAD = Workload(model="llama-tiny", seq_len=32, vocab_size=512)
@@ -29,7 +30,7 @@ def deepspeed_time_and_memory(rank: int, world_size: int, cluster: dict, stage: 
     times = []
     with EmulatedDevice(spec, rank, dilation=dilation) as device:
         peer = DeepSpeedSetup(stage, micro_batch_size=8, accum_steps=2, world_size=world_size,
-                              hidden_size=64).start(WORKLOAD)
+                              hidden_size=64).start(WORKLOAD, device.comm)
         for _ in range(steps):
             with device.step(peer.held_state), contextlib.ExitStack() as counting:
                 counters = {kind: counting.enter_context(WorkCounter(gpu)) for kind, gpu in gpus.items()}
@@ -49,7 +50,7 @@ def deepspeed_time_and_memory(rank: int, world_size: int, cluster: dict, stage: 
                           "tflops": 10.0, "memory_bandwidth_gbs": 500.0}]}
     error = None
     with EmulatedDevice(parse_cluster(small), rank, dilation=dilation) as device:
-        peer = zero1.start(WORKLOAD)
+        peer = zero1.start(WORKLOAD, device.comm)
         try:
             with device.step(peer.held_state):
                 peer.train_batch(batch)
@@ -72,5 +73,5 @@ class BrokenSetup:
     def local_batch_size(self, rank: int) -> int:
         return 4
 
-    def start(self, workload):
+    def start(self, workload, comm=None):
         raise RuntimeError("this peer does not start")

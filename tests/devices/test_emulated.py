@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from poplar.launch import spawn
-from poplar.emulate.fidelity import collective_times, micro_steps, overlapped_collective
-from tests.emulate.workers import fits
+from poplar.devices.fidelity import collective_times, micro_steps, overlapped_collective
+from tests.devices.emulated_workers import fits
 
 TWO_KINDS = {"memory_scale": 0.001, "devices": [{"kind": "a100", "gpu": "A100-80GB"}, {"kind": "t4", "gpu": "T4-16GB"}]}
 FOUR = {"memory_scale": 0.001, "devices": [{"kind": "a100", "gpu": "A100-80GB", "count": 2},

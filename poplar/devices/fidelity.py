@@ -1,7 +1,7 @@
 """Rank functions that measure how faithfully an emulated cluster keeps its declared pace.
 
 Used by ``bench/bench_emulation.py`` (the figures in docs/devices.md) and by
-``tests/emulate``: each compares a wall-clock measurement over the dilation with the
+``tests/devices/test_emulated.py``: each compares a wall-clock measurement over the dilation with the
 declared time of the same work. Run them on every rank (``poplar.launch.spawn``).
 """
 
@@ -15,9 +15,8 @@ import torch
 
 import poplar
 from poplar.cluster.spec import parse_cluster
-from poplar.emulate.device import EmulatedDevice
+from poplar.devices.emulated import EmulatedDevice
 from poplar.emulate.model import WorkCounter
-from poplar.engine import collectives as C
 from poplar.workload import as_workload
 
 _OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-4)
@@ -36,14 +35,14 @@ def micro_steps(rank: int, world_size: int, cluster: dict, sizes: list[int], ste
     with EmulatedDevice(spec, rank, probe=lambda m: wl.loss(model, wl.random_batch(m)).backward()) as device:
         rows = []
         for m in sizes:
-            engine = poplar.initialize(wl.build(), _OPTIMIZER, poplar.Plan(0, [m] * world_size, 1))
+            engine = poplar.initialize(wl.build(), _OPTIMIZER, poplar.Plan(0, [m] * world_size, 1), comm=device.comm)
             batch = wl.random_batch(m, seed=rank)
             engine.train_batch(batch, wl.loss)
             with WorkCounter(device.gpu) as counter:      # not paced: no device step
                 engine.train_batch(batch, wl.loss)
             measured = []
             for _ in range(steps):
-                C.barrier()
+                device.comm.barrier()
                 start = time.perf_counter()
                 with device.step(engine.held_state):
                     engine.train_batch(batch, wl.loss)
@@ -63,9 +62,9 @@ def collective_times(rank: int, world_size: int, cluster: dict, sizes: list[int]
             runs = []
             for _ in range(repeats):
                 with device.step():
-                    C.barrier()                   # both ranks launch at the same device time
+                    device.comm.barrier()                   # both ranks launch at the same device time
                     start = device.origin + device.dilation * device.T    # that time, on the wall clock
-                    C.all_reduce(t)
+                    device.comm.all_reduce(t)
                     runs.append((time.time() - start) / device.dilation)
             rows.append({"bytes": nbytes, "measured": min(runs),
                          "declared": device.network.seconds("all_reduce", nbytes)})
@@ -87,8 +86,8 @@ def overlapped_collective(rank: int, world_size: int, cluster: dict, nbytes: int
         with WorkCounter(device.gpu) as counter:
             compute()
         with device.step():
-            C.barrier()
-            work = C.all_reduce(t, async_op=True)
+            device.comm.barrier()
+            work = device.comm.all_reduce(t, async_op=True)
             compute()
             before_wait = device.T
             work.wait()

@@ -1,6 +1,6 @@
 """Rank functions for the emulated cluster's tests (module level: spawned processes import them).
 
-The pace's own measurements are in :mod:`poplar.emulate.fidelity` (the benchmark uses them too).
+The pace's own measurements are in :mod:`poplar.devices.fidelity` (the benchmark uses them too).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 import poplar
 from poplar.cluster.spec import parse_cluster
-from poplar.emulate import EmulatedDevice
+from poplar.devices.emulated import EmulatedDevice
 from poplar.workload import as_workload
 
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-4)

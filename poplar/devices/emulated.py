@@ -47,6 +47,8 @@ OVERRUN_FLOOR_S = 0.002       # wall seconds of lateness never counted as an ove
 class EmulatedDevice(Device):
     """Rank ``rank`` of the emulated ``cluster``. Enter it on every rank at once (it agrees a clock)."""
 
+    timing_repeats = 1   # its time is its declared model's: deterministic, one timed round is the figure
+
     def __init__(self, cluster: ClusterSpec, rank: int, dilation: float | None = None,
                  probe: Callable[[int], Any] | None = None):
         """``dilation``: a fixed one (default: chosen at start); ``probe(m)``: the work the rank will run,
@@ -171,6 +173,23 @@ class EmulatedDevice(Device):
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
+
+    @contextlib.contextmanager
+    def memory_probe(self, model, state_bytes: int):
+        """Yields ``fits(run)``: ``run`` under this device's memory accounting (no clock), ``model``'s own
+        parameters counted among ``state_bytes``, not again when autograd saves them."""
+        own = {p.untyped_storage()._cdata for p in model.parameters()}
+
+        def fits(run: Callable[[], Any]) -> bool:
+            try:
+                self.check_fits(lambda: (state_bytes, own), run)
+                return True
+            except torch.OutOfMemoryError:
+                return False
+            finally:
+                model.zero_grad(set_to_none=True)
+                self.free_memory()
+        yield fits
 
     def check_fits(self, held: Held, fn: Callable[[], Any]) -> None:
         """Run ``fn`` (a forward and backward) under this device's memory accounting only (no clock)."""

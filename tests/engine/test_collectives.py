@@ -1,0 +1,132 @@
+"""Which collectives a step issues, in what order, on how many bytes: every stage, with and without accumulation.
+
+A counting Comm (:class:`tests.engine.workers.CountingComm`) records every collective the
+engine issues over real gloo ranks, and each micro-step's start (its ``loss_fn`` call).
+The expected sequences below are written from the units' padded sizes and the schedule
+each stage promises, so a collective added, dropped, resized or moved fails the test:
+
+- every step: the local batch sizes all-reduced (8 bytes a rank), then per stage; after
+  the micro-steps the loss all-reduced, and where gradients are sharded the squared norm;
+- gradient buckets are fp32 and reduced in reverse unit order (as backward finishes them);
+- stage 0: an all-reduce per unit in a rank's last micro-step only;
+- stage 1: a reduce-scatter per unit in the last micro-step, the parameters all-gathered after the update;
+- stage 2: a reduce-scatter per unit every micro-step, the parameters all-gathered after the update;
+- stage 3: the root gathered before each micro-step; each other unit gathered for its forward
+  and again for its backward (the next one prefetched), a reduce-scatter per unit every micro-step.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from poplar.launch import spawn
+from tests.engine.workers import collectives_and_states
+from tests.models import make_model
+
+WORLD = 2
+MODEL = {"layers": 3}
+CASES = {  # name: (plan, config); uneven micro-batches everywhere, ranks' accumulation differing where allowed
+    "stage0-accum": ({"zero_stage": 0, "micro_batch_sizes": [1, 2], "accum_steps": [3, 2]}, {}),
+    "stage0": ({"zero_stage": 0, "micro_batch_sizes": [3, 1], "accum_steps": [1, 1]}, {}),
+    "stage1-accum": ({"zero_stage": 1, "micro_batch_sizes": [1, 2], "accum_steps": [3, 2]}, {}),
+    "stage1": ({"zero_stage": 1, "micro_batch_sizes": [3, 1], "accum_steps": [1, 1]}, {}),
+    "stage1-bf16": ({"zero_stage": 1, "micro_batch_sizes": [3, 1], "accum_steps": [1, 1]}, {"mixed_precision": "bf16"}),
+    "stage2-accum": ({"zero_stage": 2, "micro_batch_sizes": [1, 2], "accum_steps": [2, 2]}, {}),
+    "stage2": ({"zero_stage": 2, "micro_batch_sizes": [3, 1], "accum_steps": [1, 1]}, {}),
+    "stage3-accum": ({"zero_stage": 3, "micro_batch_sizes": [1, 2], "accum_steps": [3, 3]}, {}),
+    "stage3": ({"zero_stage": 3, "micro_batch_sizes": [3, 1], "accum_steps": [1, 1]}, {}),
+    "stage3-bf16": ({"zero_stage": 3, "micro_batch_sizes": [1, 2], "accum_steps": [2, 2]}, {"mixed_precision": "bf16"}),
+}
+
+
+@functools.cache
+def launched():
+    return spawn(collectives_and_states, WORLD, list(CASES.values()), MODEL, timeout_s=180)
+
+
+def counted():
+    return {name: [r["counts"][i] for r in launched()] for i, name in enumerate(CASES)}
+
+
+def padded_numels() -> list[int]:
+    """The units' sizes from the model itself: the root (embedding, final norm; the head is tied), then each block."""
+    model = make_model(**MODEL)
+    in_blocks = {id(p) for p in model.blocks.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+    units = [root] + [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    return [-(-n // WORLD) * WORLD for n in units]
+
+
+def expected_step(stage: int, accum: int, itemsize: int) -> list[tuple[str, int]]:
+    """One rank's step: every collective as (op, bytes of the full buffer), and ("micro_step", k) where k starts."""
+    sizes = padded_numels()
+    last = len(sizes) - 1
+    grad = lambda i: 4 * sizes[i]            # noqa: E731  fp32 gradient bucket
+    param = lambda i: itemsize * sizes[i]    # noqa: E731  parameters in the compute precision
+    reduce = "all_reduce" if stage == 0 else "reduce_scatter"
+    out = [("all_reduce", 8 * WORLD)]        # every rank's local batch size, checked against the plan
+    for k in range(accum):
+        if stage == 3:
+            out.append(("all_gather", param(0)))    # the root, before anything of the micro-step runs
+        out.append(("micro_step", k))
+        if stage == 3:
+            out += [("all_gather", param(i)) for i in range(1, last + 1)]        # forward, prefetched one ahead
+            out += [("all_gather", param(last)), ("all_gather", param(last - 1))]  # backward's first, and the next
+            for i in range(last, 0, -1):
+                out.append(("reduce_scatter", grad(i)))
+                if i - 2 >= 1:
+                    out.append(("all_gather", param(i - 2)))   # prefetched while unit i-1 computes
+            out.append(("reduce_scatter", grad(0)))            # the root's, last: the root stays gathered
+        elif stage == 2 or k == accum - 1:
+            out += [(reduce, grad(i)) for i in range(last, -1, -1)]
+    out.append(("all_reduce", 4))                # the loss
+    if stage >= 1:
+        out.append(("all_reduce", 4))            # the squared gradient norm, summed over the shards
+    if stage in (1, 2):
+        out += [("all_gather", param(i)) for i in range(last + 1)]   # the updated parameters
+    return out
+
+
+def test_the_units_are_the_models_blocks_and_root():
+    for runs in counted().values():
+        assert [r["padded_numels"] for r in runs] == [padded_numels()] * WORLD
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_each_step_issues_exactly_the_stages_collectives(name):
+    plan, config = CASES[name]
+    itemsize = torch.finfo(torch.bfloat16 if config.get("mixed_precision") == "bf16" else torch.float32).bits // 8
+    for rank, run in enumerate(counted()[name]):
+        expected = expected_step(plan["zero_stage"], plan["accum_steps"][rank], itemsize)
+        for step in run["steps"]:   # the first step (forward order not yet known) and a later one alike
+            assert [tuple(c) for c in step] == expected, (name, rank)
+
+
+def test_ranks_issue_the_same_collectives_whatever_their_accumulation():
+    for name, runs in counted().items():
+        ops = [[tuple(c) for c in step if c[0] != "micro_step"] for run in runs for step in run["steps"]]
+        assert all(o == ops[0] for o in ops), name
+
+
+def test_a_zero3_units_states_follow_its_backward():
+    """(parameters, gradient) of units 0-3 as each unit's backward finishes: the one done is READY and still
+    gathered; the one before it is being prefetched; at most two reduce-scatters stay in flight."""
+    G, S, U = "gathering", "sharded", "unsharded"
+    acc, ready, reducing, reduced = "accumulating", "ready", "reducing", "reduced"
+    micro_step = [
+        [(U, acc), (S, acc), (G, acc), (U, ready)],
+        [(U, acc), (G, acc), (U, ready), (S, reducing)],
+        [(U, acc), (U, ready), (S, reducing), (S, reducing)],
+        [(U, ready), (S, reducing), (S, reducing), (S, reduced)],
+    ]
+    for rank in launched():
+        states = rank["states"]
+        assert [[tuple(u) for u in done] for done in states["unit_done"]] == micro_step * 2
+        assert [tuple(u) for u in states["after_step"]] == [(S, reduced)] * 4
+
+
+def test_abandoning_a_gather_hands_its_work_over_and_stays_gathering_until_reset():
+    for rank in launched():
+        assert tuple(rank["states"]["abandoned"]) == ("gathering", 1)
+        assert tuple(rank["states"]["reset"]) == ("sharded", "idle")
