@@ -78,8 +78,8 @@ class CommProfile(BaseModel):
     def seconds(self, which: str, numel: float) -> float:
         """Time of collective ``which`` on ``numel`` fp32 elements: its latency plus its share of the bandwidth.
 
-        >>> CommProfile(numel=1000, all_reduce_s=0.011, reduce_scatter_s=0.0, all_gather_s=0.0,
-        ...             latency_s={"all_reduce": 0.001}).seconds("all_reduce", 500)
+        >>> round(CommProfile(numel=1000, all_reduce_s=0.011, reduce_scatter_s=0.0, all_gather_s=0.0,
+        ...                   latency_s={"all_reduce": 0.001}).seconds("all_reduce", 500), 9)
         0.006
         """
         full = getattr(self, f"{which}_s")

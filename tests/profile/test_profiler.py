@@ -179,12 +179,12 @@ def test_a_bf16_profile_is_its_own_and_holds_more_samples(tmp_path):
     # compute it measured (the planner must not read an fp32 profile for a bf16 run)
     cluster = {"devices": [SMALL], "memory_scale": MEMORY_SCALE}
     fp32, _ = _stage0(cluster, tmp_path, n_points=2, repeats=1)
-    bf16, summary = _stage0(cluster, tmp_path, n_points=2, repeats=1, dtype="bf16")
+    bf16, summary = _stage0(cluster, tmp_path, n_points=2, repeats=1, precision="bf16")
     assert summary["measured"] == [("small", 0)]              # not the fp32 profile read back
     assert (fp32.model.dtype, bf16.model.dtype) == ("fp32", "bf16")
     assert bf16.stage("small", 0).max_micro_batch > fp32.stage("small", 0).max_micro_batch
     # the rating is the data sheet's peak in the profile's dtype (an A100's tensor cores in bf16)
     assert (fp32.devices["small"].rated_tflops, bf16.devices["small"].rated_tflops) == (19.5, 312.0)
-    assert cache_key("tiny", SMALL, 0, 1, dtype="bf16") != cache_key("tiny", SMALL, 0, 1)
+    assert cache_key("tiny", SMALL, 0, 1, precision="bf16") != cache_key("tiny", SMALL, 0, 1)
     with pytest.raises(ValueError, match="fp16.*fp32, bf16"):
-        _stage0(cluster, tmp_path, dtype="fp16")
+        _stage0(cluster, tmp_path, precision="fp16")

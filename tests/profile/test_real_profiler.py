@@ -10,12 +10,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 def test_the_largest_micro_batch_fits_and_one_more_runs_out_of_memory():
-    from poplar.devices.cuda import CudaDevice
-    from poplar.profile.profiler import _drop_grad, _forward_backward, _free_gpu, largest_micro_batch
+    from poplar.devices.cuda import CudaDevice, drop_grad
+    from poplar.profile.probe import forward_backward, largest_micro_batch
 
     device, wl = CudaDevice(), as_workload("small")
     assert largest_micro_batch(device, wl, 0, limit=1) == 1     # warm-up: cuBLAS keeps its workspace
-    _free_gpu()
+    device.free_memory()
     before = torch.cuda.memory_allocated(device.index)
     free, _ = torch.cuda.mem_get_info(device.index)
     state = free - 512 * 2**20            # model states that leave the probe ~0.5 GiB of the GPU
@@ -24,13 +24,13 @@ def test_the_largest_micro_batch_fits_and_one_more_runs_out_of_memory():
     assert torch.cuda.memory_allocated(device.index) == before    # out-of-memory errors leave nothing behind
     # the probe's conditions: its model on the GPU, the rest of the states reserved beside it
     model = wl.build().to(device.torch_device)
-    hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters()]
+    hooks = [p.register_post_accumulate_grad_hook(drop_grad) for p in model.parameters()]
     own = sum(p.numel() * p.element_size() for p in model.parameters())
     with device.reserve(state - own):
         with pytest.raises(torch.OutOfMemoryError):
-            _forward_backward(device, model, wl, limit + 1)
-        _free_gpu()
-        _forward_backward(device, model, wl, limit)            # and the limit still fits after it
+            forward_backward(device, model, wl, limit + 1)
+        device.free_memory()
+        forward_backward(device, model, wl, limit)            # and the limit still fits after it
     for h in hooks:
         h.remove()
     # fewer states leave room for more samples

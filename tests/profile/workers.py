@@ -4,7 +4,7 @@ import torch
 
 import poplar
 from poplar.cluster.spec import parse_cluster
-from poplar.emulate import EmulatedDevice
+from poplar.devices.emulated import EmulatedDevice
 from poplar.models import build_model, causal_lm_loss, random_token_batch
 
 
@@ -12,7 +12,7 @@ def train_at(rank, world_size, cluster: dict, micro_batch: int, stage: int = 0, 
     """Two steps at ``micro_batch`` on rank ``rank``'s emulated device: None, or the out-of-memory message."""
     with EmulatedDevice(parse_cluster(cluster), rank) as device:
         engine = poplar.initialize(build_model("tiny"), lambda p: torch.optim.AdamW(p, lr=1e-4),
-                                   poplar.Plan(stage, [micro_batch] * world_size, accum))
+                                   poplar.Plan(stage, [micro_batch] * world_size, accum), comm=device.comm)
         try:
             for _ in range(2):
                 with device.step(engine.held_state):
@@ -36,7 +36,8 @@ def declared_step_times(rank, world_size, cluster: dict, stage: int, sizes: list
     with EmulatedDevice(parse_cluster(cluster), rank, dilation=1.0) as device:
         out = []
         for row in sizes:
-            engine = poplar.initialize(wl.build(), lambda p: torch.optim.AdamW(p, lr=1e-4), poplar.Plan(stage, row, 1))
+            engine = poplar.initialize(wl.build(), lambda p: torch.optim.AdamW(p, lr=1e-4), poplar.Plan(stage, row, 1),
+                                       comm=device.comm)
             batch = wl.random_batch(row[rank])
             engine.train_batch(batch, wl.loss)
             with WorkCounter(device.gpu) as counter:
@@ -44,3 +45,14 @@ def declared_step_times(rank, world_size, cluster: dict, stage: int, sizes: list
             out.append((row[rank], counter.seconds))
             engine.close()
         return out
+
+
+def engine_unit_numels(rank, world_size, unit_numel: int):
+    """The parameters of each unit a real engine builds of the tiny model with ``unit_numel`` (the root first)."""
+    from poplar.engine.config import EngineConfig
+
+    engine = poplar.initialize(build_model("tiny"), lambda p: torch.optim.AdamW(p, lr=1e-4),
+                               poplar.Plan(0, [1] * world_size, 1), EngineConfig(unit_numel=unit_numel))
+    numels = [u.numel for u in engine.units]
+    engine.close()
+    return numels

@@ -1,0 +1,122 @@
+"""What each rank of a profiled cluster runs, and the typed figures it hands back (:class:`RankProfile`).
+
+Per stage, each rank
+1. builds the engine for that stage and takes two steps of two micro-batches of 1, so
+   the model states it holds at their most (optimizer states, and the gradients
+   accumulated between micro-steps) are all there;
+2. finds the largest micro-batch that fits its memory (:mod:`poplar.profile.probe`):
+   the activations do not depend on the stage, the model states do and come from step 1;
+3. times micro-batch sizes up to that limit (:mod:`poplar.profile.timing`).
+Then the collectives are timed at the model's size and at a tiny one (their latency).
+
+What differs between a real GPU and an emulated one is the device's
+(:class:`poplar.devices.Device`): how a probe decides whether a micro-batch fits, how
+much memory it leaves free, whether engines of several sizes may be alive at once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
+
+import poplar
+from poplar.cluster.spec import parse_cluster
+from poplar.engine.config import EngineConfig
+from poplar.profile.options import ProfileOptions
+from poplar.profile.probe import largest_micro_batch
+from poplar.profile.profile import CommProfile, StageProfile
+from poplar.profile.timing import RankRun, point_sizes, time_collectives, time_points, timed_step
+from poplar.workload import Workload, as_workload
+
+NOT_TIMED = "not timed: a device of this cluster does not fit micro-batch 1"
+
+
+class RankProfile(BaseModel):
+    """One rank's figures: its device kind's stage profiles as this rank measured them, the collectives' times."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str
+    stages: dict[int, StageProfile]
+    comm: CommProfile
+    dilation: float        # wall seconds per device second (1 but on an emulated device)
+    overruns: int          # spans whose real work ran past the device's time
+
+
+def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cluster: dict,
+                 options: ProfileOptions, config: EngineConfig, progress=None) -> RankProfile:
+    """What each rank of the cluster runs: ``options.stages`` profiled on its device, then the collectives.
+
+    ``progress``: where the first rank of each device kind reports ``(kind, stage, what)`` (``put``).
+    """
+    from poplar.devices import rank_device
+
+    spec = parse_cluster(cluster)
+    spec.check_world_size(world_size)
+    wl = as_workload(workload)
+    kind = spec.device(rank).kind
+    reports = [d.kind for d in spec.rank_devices()].index(kind) == rank   # the first rank of each kind
+    with rank_device(spec, rank, wl) as device:
+        device.check_cluster(spec, rank)
+        run = RankRun(device, rank, world_size, wl, config, options.warmup, options.repeats or device.timing_repeats,
+                      kind, progress if reports else None)
+        stages = {s: profile_stage(run, s, options) for s in options.stages}
+        return RankProfile(kind=kind, stages=stages, comm=time_collectives(device, wl.n_params()),
+                           dilation=device.dilation, overruns=device.overruns)
+
+
+def profile_stage(run: RankRun, stage: int, options: ProfileOptions) -> StageProfile:
+    """This rank's profile of its device in ``stage`` (every rank calls it at once: it agrees the sizes)."""
+    device = run.device
+    run.note(stage, "memory")
+    states = _model_states(run, stage, options.precision)
+    device.free_memory()   # the engine died with that frame: the probe holds the states itself
+    if states.most is None:
+        run.note(stage, "done")
+        return StageProfile(max_micro_batch=int(states.fits_one), state_bytes=states.before, note=NOT_TIMED)
+    state = states.most
+    # some capacity kept free: the whole local batch sits on the device during a step
+    # (the engine moves it there at once), more than the probe's single micro-batch
+    headroom = int(device.probe_headroom * device.capacity)
+    limit = largest_micro_batch(device, run.workload, state + headroom, limit=options.max_micro_batch,
+                                precision=options.precision)
+    points, per_step = time_points(run, stage, _agree_sizes(run, limit, options.n_points))
+    run.note(stage, "done")
+    return StageProfile(max_micro_batch=limit, state_bytes=state, points=points, per_step_s=per_step)
+
+
+class _States(NamedTuple):
+    fits_one: bool      # micro-batch 1 fits this rank's device
+    before: int         # model-state bytes before any step
+    most: int | None    # at their most, after two steps; None: a rank's device does not fit micro-batch 1
+
+
+def _model_states(run: RankRun, stage: int, precision: str) -> _States:
+    """The stage's model states, and whether every rank fits micro-batch 1 beside them."""
+    # two micro-steps of one sample: the states held between micro-steps (accumulated
+    # gradients) count too, as they will in any plan that accumulates
+    engine = run.engine(poplar.Plan(stage, [1] * run.world_size, 2))
+    before = engine.model_state_bytes()
+    held = run.device.state_to_reserve(before, engine.memory_report()["total"])
+    fits = largest_micro_batch(run.device, run.workload, held, limit=1, precision=precision) == 1
+    everyone = torch.tensor([int(fits)], device=run.device.torch_device)
+    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+    most = None
+    if everyone.item():
+        batch = run.workload.random_batch(2)
+        for _ in range(2):    # optimizer states, then accumulated gradients, exist now
+            timed_step(run.device, engine, batch, run.workload.loss)
+        most = engine.model_state_bytes()
+    engine.close()
+    return _States(fits, before, most)
+
+
+def _agree_sizes(run: RankRun, limit: int, n_points: int) -> list[list[int]]:
+    """Every rank's sizes to time, from every rank's limit: row ``i`` is round ``i``'s micro-batch per rank."""
+    sizes = torch.zeros(run.world_size, n_points, dtype=torch.int64, device=run.device.torch_device)
+    sizes[run.rank] = torch.tensor(point_sizes(limit, n_points))
+    dist.all_reduce(sizes)
+    return [[int(s) for s in sizes[:, i]] for i in range(n_points)]

@@ -1,0 +1,129 @@
+"""Timing steps and collectives on a rank's device clock, its waits for other ranks left out.
+
+Every rank times ``n_points`` micro-batch sizes up to its own limit (spaced
+geometrically), every rank at its own sizes: at each size a step of one micro-batch (the
+point), and at the smallest ``PER_STEP_SIZES`` also a step of two: their difference is
+what every further micro-step costs, and the rest what a step costs once (the update,
+the same at any size). After warm-up rounds, the median over the timed rounds.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+import poplar
+from poplar.devices.base import Device
+from poplar.engine.config import EngineConfig
+from poplar.profile.profile import CommProfile
+from poplar.workload import Workload
+
+PER_STEP_SIZES = 3   # the smallest sizes also timed with two micro-batches, for the once-per-step part
+_OPTIMIZER_LR = 1e-4
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=_OPTIMIZER_LR)
+
+
+@dataclass
+class RankRun:
+    """One rank's profiling: its device, the workload, the engine options, and how it reports progress."""
+
+    device: Device
+    rank: int
+    world_size: int
+    workload: Workload
+    config: EngineConfig        # the engine training will use: its units, its precision
+    warmup: int
+    repeats: int
+    kind: str = ""              # the device kind, as progress events name it
+    progress: Any = None        # where ``(kind, stage, what)`` events go (``put``), or None: this rank is silent
+
+    def engine(self, plan: poplar.Plan):
+        """An engine of the workload's model with ``plan``, its collectives seen by the device."""
+        return poplar.initialize(self.workload.build(), _adamw, plan, self.config, comm=self.device.comm)
+
+    def note(self, stage: int, what: str) -> None:
+        if self.progress is not None:
+            self.progress.put((self.kind, stage, what))
+
+
+def point_sizes(max_micro_batch: int, n_points: int) -> list[int]:
+    """``n_points`` micro-batch sizes from 1 to the limit, spaced geometrically (repeats allowed)."""
+    if max_micro_batch <= 0:
+        return [0] * n_points
+    return [int(round(v)) for v in np.geomspace(1, max_micro_batch, n_points)]
+
+
+def timed_step(device: Device, engine, batch, loss: Callable) -> float:
+    """Busy seconds of one step on the device's clock (its waits for collectives left out)."""
+    with device.step(engine.held_state):
+        engine.train_batch(batch, loss)
+    return device.compute_s
+
+
+def time_points(run: RankRun, stage: int, sizes: list[list[int]]) -> tuple[list[tuple[int, float]], float]:
+    """This rank's points ``(micro_batch, seconds)`` at ``sizes`` (round ``i``: every rank's size), and the
+    once-per-step part of a step (the median over the smallest sizes)."""
+    n = len(sizes)
+    twice = min(n, PER_STEP_SIZES)
+    plans = [poplar.Plan(stage, row, 1) for row in sizes] + [poplar.Plan(stage, row, 2) for row in sizes[:twice]]
+    times: list[list[float]] = [[] for _ in plans]
+    if run.device.many_engines_at_once:
+        groups = [list(range(len(plans)))]
+    else:   # one size at a time: its step of one micro-batch and, if any, its step of two
+        groups = [[i] + ([n + i] if i < twice else []) for i in range(n)]
+    for group in groups:
+        _time_group(run, stage, {i: plans[i] for i in group}, times)
+        run.device.free_memory()   # the group's engines died with its frame
+    one = [statistics.median(t) for t in times[:n]]
+    two = [statistics.median(t) for t in times[n:]]
+    per_step = [max(0.0, 2 * a - b) for a, b in zip(one, two)]
+    return [(plans[i].micro_batch_sizes[run.rank], one[i]) for i in range(n)], statistics.median(per_step)
+
+
+def _time_group(run: RankRun, stage: int, plans: dict[int, poplar.Plan], times: list[list[float]]) -> None:
+    """Rounds of a step of every plan's engine, alive together; the timed rounds' busy seconds into ``times``."""
+    wl = run.workload
+    engines = {i: run.engine(plan) for i, plan in plans.items()}
+    batches = {i: wl.random_batch(plan.local_batch_size(run.rank)) for i, plan in plans.items()}
+    rounds = run.warmup + run.repeats
+    for r in range(rounds):
+        run.note(stage, f"round {r + 1}/{rounds}")
+        for i, engine in engines.items():
+            busy = timed_step(run.device, engine, batches[i], wl.loss)
+            if r >= run.warmup:
+                times[i].append(busy)
+    for engine in engines.values():
+        engine.close()
+
+
+def time_collectives(device: Device, numel: int, repeats: int = 3) -> CommProfile:
+    """The collectives at the model's size and at a tiny one, on the device's clock (a step each)."""
+    comm = device.comm
+    world = comm.world_size
+    padded = -(-numel // world) * world
+    small = world * 64
+
+    def timed(op: str, n: int) -> float:
+        full, shard = torch.zeros(n, device=device.torch_device), torch.zeros(n // world, device=device.torch_device)
+        issue = {"all_reduce": lambda: comm.all_reduce(full),
+                 "reduce_scatter": lambda: comm.reduce_scatter(shard, full),
+                 "all_gather": lambda: comm.all_gather(full, shard)}[op]
+        out = []
+        for i in range(repeats + 1):
+            comm.barrier()
+            with device.step():
+                issue()
+            if i:
+                out.append(device.step_s)
+        return statistics.median(out)
+
+    ops = ("all_reduce", "reduce_scatter", "all_gather")
+    return CommProfile(numel=padded, **{f"{op}_s": timed(op, padded) for op in ops},
+                       latency_s={op: timed(op, small) for op in ops})

@@ -1,0 +1,52 @@
+"""The units a profile records are the engine's own, built with the engine options training uses."""
+
+import pytest
+
+from poplar.cluster.spec import parse_cluster
+from poplar.engine.config import EngineConfig
+from poplar.launch import spawn
+from poplar.profile.cache import ProfileCache, cache_key, engine_key
+from poplar.profile.options import ProfileOptions
+from poplar.profile.profile import CommProfile, StageProfile
+from poplar.profile.profiler import profile_cluster, unit_numels
+from poplar.workload import as_workload
+from tests.profile.workers import engine_unit_numels
+
+SMALL_UNITS = 20_000   # below the tiny model's block size: its blocks' linear layers become units of their own
+ONE = {"devices": [{"kind": "small", "gpu": "A100-40GB"}], "memory_scale": 0.0005}
+
+
+def test_a_non_default_unit_size_gives_the_units_the_engine_builds():
+    default, small = unit_numels("tiny"), unit_numels("tiny", EngineConfig(unit_numel=SMALL_UNITS))
+    assert len(small) > len(default) == 3 and sum(small) == sum(default)
+    assert spawn(engine_unit_numels, 1, SMALL_UNITS, timeout_s=120) == [small]
+
+
+def test_the_cache_key_holds_the_engine_options_that_change_a_profile():
+    kind = ONE["devices"][0]
+    plain = cache_key("tiny", kind, 0, 1)
+    # the defaults add nothing: profiles cached before engine options were keyed are still read
+    assert cache_key("tiny", kind, 0, 1, config=EngineConfig()) == plain
+    assert cache_key("tiny", kind, 0, 1, config=EngineConfig(clip_grad_norm=1.0, check_batches=False)) == plain
+    assert cache_key("tiny", kind, 0, 1, config=EngineConfig(unit_numel=SMALL_UNITS)) != plain
+    assert cache_key("tiny", kind, 0, 1, config=EngineConfig(max_inflight_reduces=4)) != plain
+    assert cache_key("tiny", kind, 0, 1, config=EngineConfig(prefetch=False)) != plain
+    assert engine_key(EngineConfig(unit_classes=["Block"])) == {"unit_classes": ["Block"]}
+
+
+def test_a_profile_read_from_the_cache_records_the_units_of_its_engine_options(tmp_path):
+    config = EngineConfig(unit_numel=SMALL_UNITS)
+    options = ProfileOptions(stages=(0,), cache_dir=tmp_path)
+    wl, spec = as_workload("tiny"), parse_cluster(ONE)
+    stage = StageProfile(max_micro_batch=4, state_bytes=10, points=[(1, 0.1), (4, 0.3)])
+    cache = ProfileCache(tmp_path, wl, spec, options.stages, options.precision, options.max_micro_batch, config)
+    cache.save({("small", 0): stage}, CommProfile(numel=8, all_reduce_s=1e-3, reduce_scatter_s=1e-3, all_gather_s=1e-3))
+    prof, summary = profile_cluster("tiny", ONE, options, config=config)     # nothing to measure: no rank spawned
+    assert summary["from_cache"] == [("small", 0)] and summary["measured"] == []
+    assert prof.model.unit_numels == unit_numels("tiny", config) != unit_numels("tiny")
+    assert prof.stage("small", 0) == stage
+    # the same cluster with the default units is another profile: not read from this cache
+    other = ProfileCache(tmp_path, wl, spec, options.stages, options.precision, options.max_micro_batch, None)
+    assert other.stages() == {} and other.comm() is not None      # the collectives do not depend on the units
+    with pytest.raises(ValueError, match="precision 'fp16': choose one of fp32, bf16"):
+        ProfileOptions(precision="fp16")
