@@ -27,6 +27,13 @@ import torch.multiprocessing as mp
 from poplar.engine.dist import init_distributed, shutdown
 
 
+# A rank that stops because another died or failed exits with these (poplar.train.watchdog does).
+EXIT_PEER_DIED = 3
+EXIT_PEER_FAILED = 4
+WATCH_EXITS = (EXIT_PEER_DIED, EXIT_PEER_FAILED)
+WATCH_SETTLE_S = 2.0    # how long the launcher waits for the death such an exit follows to show
+
+
 class RankFailed(RuntimeError):
     """A spawned rank raised or died; the message carries that rank's traceback or how it ended."""
 
@@ -97,66 +104,90 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
     results = ctx.SimpleQueue()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
-    port = store.port
     coll_timeout = collective_timeout_s or max(10.0, timeout_s / 2)
-    pc = mp.start_processes(_entry, args=(fn, world_size, port, coll_timeout, threads, results, args, kwargs),
+    pc = mp.start_processes(_entry, args=(fn, world_size, store.port, coll_timeout, threads, results, args, kwargs),
                             nprocs=world_size, join=False, start_method="spawn")
-    outputs: dict[int, Any] = {}
-    errors: dict[int, tuple[str | None, str, str]] = {}   # rank: (exception type, message, details)
-    deadline = time.monotonic() + timeout_s
-
-    def drain():
-        while not results.empty():
-            rank, status, payload = results.get()
-            if status == "ok":
-                outputs[rank] = pickle.loads(payload)
-            else:
-                errors[rank] = payload
-
-    procs = pc.processes
-    previous = _forward_sigterm(procs)
+    ranks = _Ranks(pc.processes, results)
+    previous = _forward_sigterm(pc.processes)
     try:
-        while len(outputs) < world_size:
-            drain()
-            if errors:
-                break
-            # A rank that died before handing in its result failed. One that dies after
-            # (gloo can abort in its own teardown at exit) has done its work.
-            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outputs]
-            if dead:
-                drain()
-                dead = [r for r in dead if r not in outputs]
-                if dead and not errors:
-                    # the cause, not the ranks that stopped because of it (a watch's exit codes 3 and 4)
-                    first = min(dead, key=lambda r: procs[r].exitcode in (3, 4))
-                    how = f"rank {first} {exit_reason(procs[first].exitcode)} before returning"
-                    errors[first] = (None, how, how)
-                if errors:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world_size} ranks did not finish within {timeout_s:.0f} s")
-            if on_poll is not None:
-                on_poll()
-            time.sleep(0.02)
+        if not ranks.supervise(time.monotonic() + timeout_s, on_poll):
+            raise TimeoutError(f"{world_size} ranks did not finish within {timeout_s:.0f} s")
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-        # With every result in, the ranks only leave the group: give them a moment.
-        grace = time.monotonic() + (10.0 if len(outputs) == world_size else 0.0)
-        for p in procs:
+        ranks.stop()
+    del store
+    return ranks.outputs_or_raise()
+
+
+class _Ranks:
+    """The spawned ranks as the launcher watches them: their results, their errors, how they ended."""
+
+    def __init__(self, procs, results):
+        self.procs, self.results = procs, results
+        self.outputs: dict[int, Any] = {}
+        self.errors: dict[int, tuple[str | None, str, str]] = {}   # rank: (exception type, message, details)
+
+    def drain(self) -> None:
+        while not self.results.empty():
+            rank, status, payload = self.results.get()
+            if status == "ok":
+                self.outputs[rank] = pickle.loads(payload)
+            else:
+                self.errors[rank] = payload
+
+    def supervise(self, deadline: float, on_poll: Callable[[], None] | None) -> bool:
+        """Until every rank handed in its result or one failed or died (True), or the deadline passed (False)."""
+        while len(self.outputs) < len(self.procs):
+            self.drain()
+            if self.errors or self._died():
+                return True
+            if time.monotonic() > deadline:
+                return False
+            if on_poll is not None:
+                on_poll()
+            time.sleep(0.02)
+        return True
+
+    def _died(self) -> bool:
+        """A rank that died before handing in its result failed (one that dies after has done its work)."""
+        dead = self._dead()
+        if not dead:
+            return False
+        # ranks a watch stopped (exit codes 3, 4) stopped because another died: let that death show too
+        settle = time.monotonic() + WATCH_SETTLE_S
+        while all(self.procs[r].exitcode in WATCH_EXITS for r in dead) and time.monotonic() < settle:
+            time.sleep(0.02)
+            dead = self._dead()
+        self.drain()
+        dead = [r for r in dead if r not in self.outputs]
+        if dead and not self.errors:
+            first = min(dead, key=lambda r: self.procs[r].exitcode in WATCH_EXITS)   # the cause, not its echoes
+            how = f"rank {first} {exit_reason(self.procs[first].exitcode)} before returning"
+            self.errors[first] = (None, how, how)
+        return bool(self.errors)
+
+    def _dead(self) -> list[int]:
+        return [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in self.outputs]
+
+    def stop(self) -> None:
+        """With every result in, the ranks only leave the group: give them a moment; then stop what is left."""
+        grace = time.monotonic() + (10.0 if len(self.outputs) == len(self.procs) else 0.0)
+        for p in self.procs:
             p.join(timeout=max(0.0, grace - time.monotonic()))
-        for p in procs:
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-    del store
-    if errors:
-        rank = next(iter(errors))   # the first to fail: the others may only have lost it
-        error, message, details = errors[rank]
-        line = message.strip().splitlines()[0] if message.strip() else error
-        raise RankFailed(f"rank {rank} failed:\n{details}", rank=rank, error=error, error_message=message,
-                         line=line if error is None else f"rank {rank}: {error}: {line}")
-    missing = [r for r in range(world_size) if r not in outputs]
-    if missing:
-        raise RankFailed(f"ranks {missing} returned no result")
-    return [outputs[r] for r in range(world_size)]
+
+    def outputs_or_raise(self) -> list[Any]:
+        if self.errors:
+            rank = next(iter(self.errors))   # the first to fail: the others may only have lost it
+            error, message, details = self.errors[rank]
+            line = message.strip().splitlines()[0] if message.strip() else error
+            raise RankFailed(f"rank {rank} failed:\n{details}", rank=rank, error=error, error_message=message,
+                             line=line if error is None else f"rank {rank}: {error}: {line}")
+        missing = [r for r in range(len(self.procs)) if r not in self.outputs]
+        if missing:
+            raise RankFailed(f"ranks {missing} returned no result")
+        return [self.outputs[r] for r in range(len(self.procs))]

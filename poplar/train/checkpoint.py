@@ -23,17 +23,18 @@ another.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-
-from poplar.train import faults
+from torch.distributed.checkpoint.api import CheckpointException
 
 MANIFEST, META = "manifest.json", "poplar.json"
 
@@ -65,12 +66,29 @@ def _agree_ok(ok: bool) -> bool:
     return float(flag) == 0.0
 
 
+@contextlib.contextmanager
+def _dcp_errors(doing: str, path: Path, fix: str):
+    """``torch.distributed.checkpoint``'s failures (a ``BaseException`` with every rank's traceback) in one line."""
+    try:
+        yield
+    except CheckpointException as e:
+        rank, (error, _) = next(iter(e.failures.items())) if e.failures else (None, (e, None))
+        what = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise CheckpointError(f"checkpoint {path} could not be {doing} (rank {rank}: {type(error).__name__}"
+                              f"{': ' + what if what else ''}): {fix}") from None
+
+
 def _finite(engine) -> bool:
     return all(bool(torch.isfinite(u.master).all()) for u in engine.units)
 
 
-def save_checkpoint(engine, root: str | Path, step: int, meta: dict, keep: int = 2) -> Path:
-    """Every rank calls this; returns the checkpoint's directory. Refuses to write non-finite parameters."""
+def save_checkpoint(engine, root: str | Path, step: int, meta: dict, keep: int = 2,
+                    on_shard_written: Callable[[int], None] | None = None) -> Path:
+    """Every rank calls this; returns the checkpoint's directory. Refuses to write non-finite parameters.
+
+    ``on_shard_written(step)``: called once this rank's shard is written, before the
+    checkpoint is complete (a test's crash goes there).
+    """
     if not _agree_ok(_finite(engine)):
         raise CheckpointError(f"step {step}: the parameters hold NaN or infinity on some rank; no checkpoint was "
                               "written (the last complete one stands)")
@@ -82,8 +100,10 @@ def save_checkpoint(engine, root: str | Path, step: int, meta: dict, keep: int =
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dcp.save(engine.sharded_state_dict(), checkpoint_id=str(tmp))
-    faults.point("save", dist.get_rank(), step)
+    with _dcp_errors("written", tmp, f"check the free space and the permissions under {root}"):
+        dcp.save(engine.sharded_state_dict(), checkpoint_id=str(tmp))
+    if on_shard_written is not None:
+        on_shard_written(step)
     dist.barrier()
     if rank0:
         full_meta = {**meta, "step": step, "layout": engine.layout(),
@@ -214,6 +234,7 @@ def load_checkpoint(engine, path: str | Path, expect: dict) -> dict:
         raise CheckpointError(f"checkpoint {path} holds another model's units ({len(meta.get('layout') or [])} "
                               f"units, this model has {len(engine.layout())}): resume the model it was written with")
     state = engine.prepare_sharded_load()
-    dcp.load(state, checkpoint_id=str(path))
+    with _dcp_errors("read", path, "it is damaged: remove it to resume from the one before, or start a new run"):
+        dcp.load(state, checkpoint_id=str(path))
     engine.load_sharded_state_dict(state, meta.get("optimizer"))
     return meta

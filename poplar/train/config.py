@@ -1,12 +1,29 @@
-"""The training configuration: a typed YAML file, with command-line overrides."""
+"""The training configuration: a typed YAML file, with command-line overrides.
+
+The engine's options are the engine's own :class:`~poplar.engine.config.EngineConfig`,
+held under ``engine:`` (``engine.unit_numel=500000`` on the command line). The ones
+people set most may also be written at the top level, as earlier configs did
+(``clip_grad_norm``, ``mixed_precision``, ``on_nonfinite``; ``on_nonfinite: stop`` is
+the engine's ``raise``).
+
+>>> cfg = TrainConfig(mixed_precision="bf16")
+>>> cfg.engine.mixed_precision, cfg.engine.clip_grad_norm
+('bf16', 1.0)
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from poplar.engine.config import EngineConfig
+
+# engine options accepted at the top level of a training config, as earlier configs wrote them
+FLAT_ENGINE_FIELDS = ("clip_grad_norm", "mixed_precision", "on_nonfinite")
+ENGINE_DEFAULTS = {"clip_grad_norm": 1.0}   # where training's default differs from the engine's
 
 
 class TrainConfig(BaseModel):
@@ -25,8 +42,8 @@ class TrainConfig(BaseModel):
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.01, ge=0)
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up")
-    clip_grad_norm: float | None = Field(1.0, gt=0)
-    mixed_precision: Literal["none", "bf16"] = "none"
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(**ENGINE_DEFAULTS),
+                                 description="the engine's options (poplar.engine.config.EngineConfig)")
     seed: int = 0
     cluster: str | None = Field("both-differ", description="emulated cluster: a preset or a YAML file; "
                                 "none: plain ranks (torchrun's, or --nproc), which need --plan")
@@ -39,14 +56,30 @@ class TrainConfig(BaseModel):
                                   "leaves another to resume from)")
     resume: bool = Field(False, description="continue from the newest intact checkpoint in `out`, on this cluster "
                          "or another (a changed cluster is profiled and planned anew)")
-    on_nonfinite: Literal["stop", "skip"] = Field("stop", description="a NaN or infinite loss or gradient: stop "
-                                                  "(naming the step and rank), or skip that step's update")
     dead_rank_timeout_s: float = Field(30.0, gt=0, description="a rank silent this long is taken for dead and the "
                                        "run stops (a rank on the same host whose process is gone: at once)")
     log_every: int = Field(1, gt=0)
     profile_cache: bool = True
     peak_tflops: float | None = Field(None, gt=0, description="each GPU's peak dense TFLOP/s in the compute dtype, "
                                       "for model FLOPs utilisation where poplar does not know the GPU")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_fields(cls, data: Any) -> Any:
+        """Top-level engine options (as earlier configs wrote them) go into ``engine``."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        engine = data.get("engine") or {}
+        if isinstance(engine, EngineConfig):
+            engine = engine.model_dump(exclude_unset=True)
+        if not isinstance(engine, dict):
+            return data   # pydantic says what is wrong with it
+        flat = {k: data.pop(k) for k in FLAT_ENGINE_FIELDS if k in data}
+        if flat.get("on_nonfinite") == "stop":
+            flat["on_nonfinite"] = "raise"
+        data["engine"] = {**ENGINE_DEFAULTS, **engine, **flat}
+        return data
 
     @field_validator("cluster", mode="before")
     @classmethod
@@ -73,9 +106,9 @@ class TrainConfig(BaseModel):
     @field_validator("stages")
     @classmethod
     def _stages(cls, v: list[int]) -> list[int]:
-        if not v or any(s not in (0, 1, 2, 3) for s in v):
-            raise ValueError("choose stages from 0, 1, 2, 3")
-        return sorted(set(v))
+        from poplar.stages import parse_stages
+
+        return parse_stages(v)
 
 
 def _errors(e: ValidationError, source: str) -> str:
@@ -104,7 +137,16 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
             raise ValueError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of fields, got {type(data).__name__}")
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, dot, field = key.partition(".")
+        if dot:   # engine.unit_numel=...: a field of a section
+            if not isinstance(data.get(section, {}), dict):
+                raise ValueError(f"{key}: {section} is not a section of the config")
+            data[section] = {**(data.get(section) or {}), field: value}
+        else:
+            data[key] = value
     try:
         return TrainConfig(**data)
     except ValidationError as e:

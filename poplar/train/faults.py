@@ -64,40 +64,65 @@ def armed() -> Fault | None:
     return Fault.parse(text)
 
 
-_fired = False
+class FaultInjector:
+    """The fault armed for this rank, as a component the trainer holds: it strikes at its point, once.
 
+    The trainer calls :meth:`on_step_start` and :meth:`on_step_end` as it calls every
+    component's; the forward and backward points are hooks on the model, the save point
+    runs inside a checkpoint's writing (:meth:`on_shard_written`).
+    """
 
-def point(where: str, rank: int, step: int) -> None:
-    """Called where a fault may strike; ``step`` counts from 1."""
-    global _fired
-    fault = armed()
-    if fault is None or _fired or (fault.where, fault.rank, fault.step) != (where, rank, step):
-        return
-    _fired = True
-    if where == "collective":
-        time.sleep(0.5)
-    os.kill(os.getpid(), WHAT[fault.what])
+    def __init__(self, fault: Fault, rank: int):
+        self.fault, self.rank = fault, rank
+        self.fired = False
+        self.step = 0          # the step in progress, from 1
+        self._device = None
+        self._hooks: list = []
 
+    @classmethod
+    def for_rank(cls, rank: int) -> FaultInjector | None:
+        fault = armed()
+        return None if fault is None else cls(fault, rank)
 
-def shrink(device, rank: int, step: int) -> None:
-    """At the start of step ``step`` (from 1): the ``shrink`` fault lowers an emulated device's memory."""
-    global _fired
-    fault = armed()
-    if fault is None or _fired or fault.what != "shrink" or (fault.rank, fault.step) != (rank, step):
-        return
-    if not hasattr(device, "capacity"):
-        raise ValueError("POPLAR_FAULT=shrink@...: only an emulated device's memory can shrink")
-    _fired = True
-    device.capacity = int(device.capacity * fault.to)
+    def attach(self, model: torch.nn.Module, device) -> FaultInjector:
+        """Hooks for the ``forward`` and ``backward`` points; ``device`` is the one a ``shrink`` lowers."""
+        self._device = device
+        if self.fault.rank != self.rank or self.fault.where not in ("forward", "backward"):
+            return self
+        if self.fault.where == "forward":
+            self._hooks.append(model.register_forward_pre_hook(lambda m, a: self.point("forward", self.step)))
+        else:   # the last linear layer (the head) is the first the backward pass reaches
+            last = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+            self._hooks.append(last.register_full_backward_pre_hook(lambda m, g: self.point("backward", self.step)))
+        return self
 
+    def point(self, where: str, step: int) -> None:
+        """Where a fault may strike; ``step`` counts from 1."""
+        f = self.fault
+        if self.fired or (f.where, f.rank, f.step) != (where, self.rank, step):
+            return
+        self.fired = True
+        if where == "collective":   # linger: the others are surely waiting inside the collective
+            time.sleep(0.5)
+        os.kill(os.getpid(), WHAT[f.what])
 
-def install(model, rank: int, current_step) -> list:
-    """Hooks on ``model`` for the ``forward`` and ``backward`` points; ``current_step()`` gives the step (from 1)."""
-    fault = armed()
-    if fault is None or fault.where not in ("forward", "backward") or fault.rank != rank:
-        return []
-    if fault.where == "forward":
-        return [model.register_forward_pre_hook(lambda m, a: point("forward", rank, current_step()))]
-    # the last linear layer (the head) is the first the backward pass reaches
-    last = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
-    return [last.register_full_backward_pre_hook(lambda m, g: point("backward", rank, current_step()))]
+    def on_step_start(self, step: int) -> None:
+        self.step = step
+        f = self.fault
+        if self.fired or f.what != "shrink" or (f.rank, f.step) != (self.rank, step):
+            return
+        if getattr(self._device, "capacity", None) is None:
+            raise ValueError("POPLAR_FAULT=shrink@...: only an emulated device's memory can shrink")
+        self.fired = True
+        self._device.capacity = int(self._device.capacity * f.to)
+
+    def on_step_end(self, step: int) -> None:
+        self.point("collective", step)
+
+    def on_shard_written(self, step: int) -> None:
+        self.point("save", step)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

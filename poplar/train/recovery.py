@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from poplar.engine.dist import can_rebuild, rebuild_process_group
+from poplar.engine.engine import UpdateOutOfMemoryError
 from poplar.train.watchdog import lost_peer
 
 NOTICE_WAIT_S = 10.0
@@ -56,7 +57,7 @@ class StepRecovery:
             try:
                 return attempt()
             except torch.OutOfMemoryError as e:
-                if self._store is None or self.engine.in_update:
+                if self._store is None or isinstance(e, UpdateOutOfMemoryError):   # ranks may be apart
                     raise
                 notice = {"rank": self.rank, "step": step + 1,
                           "micro_batch": self.engine.plan.micro_batch_sizes[self.rank],

@@ -27,8 +27,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-EXIT_PEER_DIED = 3
-EXIT_PEER_FAILED = 4
+from poplar.launch import EXIT_PEER_DIED, EXIT_PEER_FAILED  # noqa: F401  (defined where the launcher reads them)
+
 DEFAULT_DEAD_AFTER_S = float(os.environ.get("POPLAR_DEAD_AFTER_S", "30"))
 
 

@@ -11,7 +11,8 @@ import torch
 
 import poplar
 from poplar.train.config import load_config
-from poplar.train.run import get_plan, run_training
+from poplar.train.planning import get_plan
+from poplar.train.run import run_training
 from poplar.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[2]

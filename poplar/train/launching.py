@@ -1,0 +1,88 @@
+"""How a run's ranks come to be, decided once at the edge: :class:`Launch`.
+
+``poplar train`` runs in one of three ways, and everything that tells them apart (the
+environment torchrun sets, the GPUs here, the cluster file, ``--nproc``) is read here
+and nowhere else:
+
+- under ``torchrun`` (``WORLD_SIZE`` is set): this process is one rank of the group;
+- one GPU here and no cluster file: this process is the one rank, on its GPU;
+- otherwise the launcher starts the ranks itself (:func:`poplar.launch.spawn`): one per
+  device of the emulated cluster, or ``--nproc`` plain CPU ranks (which need a plan).
+
+>>> from poplar.train.config import TrainConfig
+>>> resolve_launch(TrainConfig(cluster="both-differ"), None, env={}, gpus=0)
+Launch(in_process=False, world_size=2, devices='emulated', restarted=False)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from poplar.train.config import TrainConfig
+
+Devices = Literal["emulated", "cuda", "cpu"]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One run's launch: whether this process is a rank, how many ranks, on which devices, a restart or not."""
+
+    in_process: bool      # this process is one rank (torchrun's, or the one GPU's here); else it spawns them
+    world_size: int
+    devices: Devices      # the emulated cluster's GPUs, real CUDA devices, or this host's CPU
+    restarted: bool       # torchrun restarted the group after a failure: the run resumes by itself
+
+    def device(self, cfg: TrainConfig, rank: int, workload):
+        """This rank's device, which times its steps (and, emulated, paces them and caps their memory)."""
+        from poplar.devices import Device
+        from poplar.devices.cuda import CudaDevice
+
+        if self.devices == "emulated":
+            from poplar.cluster.spec import load_cluster
+            from poplar.devices import rank_device
+
+            return rank_device(load_cluster(cfg.cluster), rank, workload)
+        return CudaDevice() if self.devices == "cuda" else Device()
+
+
+def resolve_launch(cfg: TrainConfig, nproc: int | None = None, env: Mapping[str, str] | None = None,
+                   gpus: int | None = None) -> Launch:
+    """The :class:`Launch` of ``cfg`` here; refuses (``ValueError``, one line) a launch that cannot work."""
+    env = os.environ if env is None else env
+    if gpus is None:
+        from poplar.profile.discover import cuda_devices_here
+
+        gpus = cuda_devices_here()
+    restarted = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    world = _cluster_world(cfg)
+    if "WORLD_SIZE" in env:
+        ranks = int(env["WORLD_SIZE"])
+        if world is not None and world != ranks:
+            raise ValueError(f"torchrun started {ranks} ranks, but the cluster file describes {world} devices: "
+                             "launch one rank per device")
+        return Launch(True, ranks, "emulated" if cfg.cluster else ("cuda" if gpus else "cpu"), restarted)
+    if world is None and nproc is None and gpus == 1:   # the one GPU here: this process is its rank
+        return Launch(True, 1, "cuda", restarted)
+    if world is not None:
+        if nproc is not None and nproc != world:
+            raise ValueError(f"--nproc {nproc}, but the cluster file describes {world} devices: give one of them")
+        return Launch(False, world, "emulated", restarted)
+    if nproc:
+        return Launch(False, nproc, "cpu", restarted)
+    if gpus > 1:
+        raise ValueError(f"{gpus} CUDA devices here: launch one rank per device, `torchrun --standalone "
+                         f"--nproc-per-node {gpus} -m poplar.cli.main train ...`; or give --cluster FILE|PRESET "
+                         "(an emulated cluster), or --nproc with --plan (plain CPU ranks)")
+    raise ValueError("no cluster file and no CUDA device to discover here: give --cluster FILE|PRESET (an "
+                     "emulated cluster), or --nproc with --plan (plain CPU ranks), or launch under torchrun")
+
+
+def _cluster_world(cfg: TrainConfig) -> int | None:
+    if not cfg.cluster:
+        return None
+    from poplar.cluster.spec import load_cluster
+
+    return load_cluster(cfg.cluster).world_size

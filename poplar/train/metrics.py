@@ -1,0 +1,130 @@
+"""A run's figures per step: gathered from every rank, one JSON line each in ``log.jsonl``, one printed line.
+
+Model FLOPs per token, as counted here: ``6 * N + 12 * L * d * s`` for a training step
+(forward and backward), with ``N`` the parameters outside the input embedding, ``L``
+layers, ``d`` the hidden size and ``s`` the sequence length (the attention scores).
+On real and emulated GPUs the log also holds the model FLOPs utilisation (MFU): that
+rate over the sum of every GPU's peak dense TFLOP/s in the compute dtype (the
+catalogue's, :mod:`poplar.cluster.catalogue`, a cluster file's declared figures, or
+``peak_tflops`` in the config). Times are on the devices' clock: an emulated cluster's
+are its declared seconds, and a step where an emulated device's real work ran past its
+declared time says so (``overruns``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from poplar.train.config import TrainConfig
+from poplar.workload import Workload
+
+
+def flops_per_token(model: torch.nn.Module, wl: Workload) -> float:
+    n = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else getattr(model, "embed", None)
+    if embed is not None:
+        n -= embed.weight.numel()
+    cfg = getattr(model, "config", None)
+    layers = getattr(cfg, "num_hidden_layers", None) or len(getattr(model, "blocks", [])) or 1
+    hidden = getattr(cfg, "hidden_size", None) or getattr(getattr(model, "embed", None), "embedding_dim", 0)
+    return 6.0 * n + 12.0 * layers * hidden * wl.seq_len
+
+
+def peak_tflops(device, cfg: TrainConfig) -> float:
+    """This rank's peak TFLOP/s for MFU (0: unknown, or the host's CPU)."""
+    from poplar.cluster.catalogue import peak_tflops as catalogue_peak
+    from poplar.devices.cuda import CudaDevice
+    from poplar.precision import precision
+
+    dtype = precision(cfg.engine.mixed_precision)
+    declared = getattr(device, "kind", None)   # an emulated device's declared GPU
+    if declared is not None:
+        return declared.peak_tflops(dtype)
+    if not isinstance(device, CudaDevice):
+        return 0.0
+    return cfg.peak_tflops or catalogue_peak(device.properties.name, dtype) or 0.0
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth over the run (a function of the step: resumable)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """One step as every rank saw it: the slowest rank's time, each rank's busy time and MFU peak."""
+
+    step_s: float
+    busy_s: list[float]
+    overruns: int
+    peaks: list[float]
+    grad_norm: float | None
+
+    @classmethod
+    def gather(cls, device, comm, overruns_before: int, peak: float, grad_norm: float | None) -> StepFigures:
+        """Every rank calls this (one small all-gather)."""
+        mine = torch.tensor([device.step_s, device.compute_s, device.overruns - overruns_before, peak],
+                            dtype=torch.float64, device=getattr(device, "torch_device", None) or "cpu")
+        every = torch.zeros(comm.world_size * 4, dtype=torch.float64, device=mine.device)
+        comm.all_gather(every, mine)
+        rows = every.view(comm.world_size, 4).tolist()
+        return cls(step_s=max(r[0] for r in rows), busy_s=[r[1] for r in rows],
+                   overruns=int(sum(r[2] for r in rows)), peaks=[r[3] for r in rows],
+                   grad_norm=grad_norm if grad_norm is None or math.isfinite(grad_norm) else None)
+
+
+class StepLog:
+    """Rank 0's ``log.jsonl`` and printed line per logged step; every rank gathers the figures."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, device, comm, global_batch: int, flops_per_token: float):
+        self.cfg, self.device, self.comm = cfg, device, comm
+        self.global_batch, self.fpt = global_batch, flops_per_token
+        self.tokens = global_batch * cfg.seq_len
+        self.peak = peak_tflops(device, cfg)
+        self._file = open(Path(cfg.out) / "log.jsonl", "a") if rank == 0 else None
+        self._overruns = device.overruns
+
+    def step_started(self) -> None:
+        self._overruns = self.device.overruns
+
+    def step_done(self, step: int, loss: float, grad_norm: float | None, skipped: bool, last: bool) -> None:
+        if not (step % self.cfg.log_every == 0 or last or skipped):
+            return
+        figures = StepFigures.gather(self.device, self.comm, self._overruns, self.peak, grad_norm)
+        if self._file is not None:
+            record = self.record(step, loss, figures, skipped)
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+            print(self.line(record, loss), flush=True)
+
+    def record(self, step: int, loss: float, fig: StepFigures, skipped: bool) -> dict:
+        record = {"step": step, "loss": loss if math.isfinite(loss) else None, "lr": learning_rate(self.cfg, step),
+                  "step_s": fig.step_s, "samples_per_s": self.global_batch / fig.step_s,
+                  "tokens_per_s": self.tokens / fig.step_s, "tflops": self.fpt * self.tokens / fig.step_s / 1e12,
+                  "busy_s": fig.busy_s, "idle_s": [max(0.0, fig.step_s - b) for b in fig.busy_s],
+                  "grad_norm": fig.grad_norm, "overruns": fig.overruns}
+        if skipped:
+            record["skipped"] = "non-finite loss or gradient: the update was left out"
+        if all(p > 0 for p in fig.peaks):
+            record["mfu"] = record["tflops"] / sum(fig.peaks)
+        return record
+
+    def line(self, r: dict, loss: float) -> str:
+        return (f"step {r['step'] + 1}/{self.cfg.steps}  loss {loss:.4f}  {r['samples_per_s']:,.0f} samples/s  "
+                f"{r['tflops']:.1f} TFLOP/s" + (f" (MFU {100 * r['mfu']:.1f}%)" if "mfu" in r else "")
+                + f"  most idle {100 * max(r['idle_s']) / r['step_s']:.0f}%"
+                + (f"  {r['overruns']} overruns" if r["overruns"] else "")
+                + ("  SKIPPED (non-finite)" if "skipped" in r else ""))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

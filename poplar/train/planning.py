@@ -1,0 +1,113 @@
+"""The plan a run trains with: ``--plan``, the run's own on resume, or profile + plan on its cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import poplar
+from poplar.plan import check_global_batch
+from poplar.train.config import TrainConfig
+from poplar.train.run_dir import same_cluster
+from poplar.workload import Workload
+
+
+def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, distributed: bool = False, progress=None):
+    """The plan to train with, and the planner's result (None with --plan or when resuming).
+
+    ``progress(title)``: a context that hears of the profiling's progress
+    (:class:`poplar.cli.output.Progress`).
+    """
+    given = given_plan(cfg, wl, world_size)
+    if given is not None:
+        return given, None
+    check_global_batch(cfg.global_batch, world_size)
+    spec = _cluster_spec(cfg, distributed)
+    spec.check_world_size(world_size)
+    return plan_on(cfg, wl, spec, distributed, progress)
+
+
+def given_plan(cfg: TrainConfig, wl: Workload, world_size: int):
+    """The plan the run is given (``--plan``, or its own on a resume on the same cluster); None: it plans."""
+    if cfg.plan:
+        plan = load_plan_for(cfg, wl)
+        plan.check_world_size(world_size)
+        return plan
+    previous = Path(cfg.out) / "plan.json"
+    if cfg.resume and previous.exists() and same_cluster(cfg, world_size):   # the run's own plan, as it was
+        return poplar.Plan.load(previous)
+    return None
+
+
+def global_batch_of(cfg: TrainConfig, wl: Workload, world_size: int) -> int:
+    """The global batch the run trains with, known before anything is profiled."""
+    given = given_plan(cfg, wl, world_size)
+    return cfg.global_batch if given is None else given.global_batch_size
+
+
+def _cluster_spec(cfg: TrainConfig, distributed: bool):
+    from poplar.cluster.spec import load_cluster
+    from poplar.profile.discover import discover_cluster
+
+    if cfg.cluster:
+        return load_cluster(cfg.cluster)
+    if distributed and _on_cuda():   # no cluster file: the ranks' own GPUs
+        return discover_cluster()
+    raise ValueError("without a cluster file only real CUDA ranks are profiled (torchrun's on GPUs, or the one "
+                     "GPU here), and these are plain CPU ranks: give --plan, or --cluster FILE|PRESET for an "
+                     "emulated cluster")
+
+
+def plan_on(cfg: TrainConfig, wl: Workload, spec, distributed: bool, progress=None):
+    """Profile (or read the cache) on ``spec`` and plan; the chosen allocation's plan and the planner's result."""
+    from poplar.planner import make_plan
+    from poplar.profile.options import ProfileOptions
+    from poplar.profile.profiler import profile_cluster
+
+    options = ProfileOptions(stages=cfg.stages, use_cache=cfg.profile_cache,
+                             max_micro_batch=min(256, cfg.global_batch), precision=cfg.engine.mixed_precision)
+    title = f"{cfg.cluster or 'the GPUs here'}: profiling {wl.model} (cached after the first run)"
+    with progress(title) if progress is not None else contextlib.nullcontext() as events:
+        profile, _ = profile_cluster(wl, spec.model_dump(), options, config=cfg.engine, distributed=distributed,
+                                     progress=events)
+    result = make_plan(profile, cfg.global_batch, cfg.stages)
+    if cfg.baseline == "poplar":
+        return result.plan, result
+    alloc = result.stages[result.stage].allocations[cfg.baseline]
+    if alloc.plan is None:
+        raise ValueError(f"the {cfg.baseline} baseline cannot run stage {result.stage}: {alloc.why_not}")
+    return alloc.plan, result
+
+
+def load_plan_for(cfg: TrainConfig, wl: Workload):
+    """``cfg.plan``, refused where it was planned for another model or sequence length, or is not a plan."""
+    path = Path(cfg.plan)
+    if not path.is_file():
+        raise ValueError(f"--plan {path}: no such file; give a plan.json written by `poplar plan` or by hand")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"--plan {path}: not valid JSON ({e}); write it again with `poplar plan`") from None
+    planned = (data.get("meta") or {}).get("model") if isinstance(data, dict) else None
+    if planned and (planned.get("name"), planned.get("seq_len")) != (wl.model, wl.seq_len):
+        raise ValueError(f"--plan {path} was planned for {planned.get('name')} at {planned.get('seq_len')} tokens "
+                         f"per sample, this run trains {wl.model} at {wl.seq_len}: plan for this model "
+                         "(`poplar profile` then `poplar plan`), or leave --plan out")
+    try:
+        plan = poplar.Plan.from_dict(data)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--plan {path}: {e}") from None
+    if plan.global_batch_size != cfg.global_batch and "global_batch" in cfg.model_fields_set:
+        raise ValueError(f"--plan {path} splits a global batch of {plan.global_batch_size} samples, and "
+                         f"--global-batch is {cfg.global_batch}: give one of them (the plan's is used without it)")
+    return plan
+
+
+def _on_cuda() -> bool:
+    """This rank computes on its own GPU (the process group runs over NCCL)."""
+    import torch.distributed as dist
+
+    from poplar.engine.dist import context
+
+    return dist.is_initialized() and context().device.type == "cuda"

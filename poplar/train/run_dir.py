@@ -1,0 +1,103 @@
+"""A run's directory and the files that say what the run is: ``plan.json``, ``config.yaml``, ``cluster.json``.
+
+``plan.json`` is one schema, written here and read by :func:`read_plan` (and by
+``poplar.Plan.load``, which ignores the planner's figures beside the plan): the plan the
+run trains with on top, with the planner's result (if it planned) and which allocation
+it took. A resumed run keeps its earlier plan and config beside the new ones
+(``plan.1.json``, ...) rather than overwriting them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import poplar
+from poplar.train.config import TrainConfig
+
+
+def check_out(cfg: TrainConfig, restarted: bool = False) -> Path:
+    """Refuse to clobber an earlier run, or to resume one that is not there."""
+    out_dir = Path(cfg.out)
+    held = out_dir.exists() and ((out_dir / "log.jsonl").exists() or (out_dir / "checkpoints").exists())
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file: give a directory for the run")
+    if held and not cfg.resume:
+        raise ValueError(f"{out_dir} already holds a run: pass --resume to continue it, or choose another --out "
+                         "(nothing is overwritten)")
+    if cfg.resume and not held and not restarted:
+        raise ValueError(f"--resume: {out_dir} holds no run to continue (no log, no checkpoints): check --out, "
+                         "or leave --resume out to start one")
+    return out_dir
+
+
+def cluster_record(cfg: TrainConfig, world_size: int) -> dict:
+    """What the run's cluster was, to tell on resume whether it changed (a changed one is planned anew)."""
+    if cfg.cluster:
+        from poplar.cluster.spec import load_cluster
+
+        return {"world_size": world_size, "cluster": load_cluster(cfg.cluster).model_dump(mode="json")}
+    return {"world_size": world_size, "cluster": None}
+
+
+def same_cluster(cfg: TrainConfig, world_size: int) -> bool:
+    recorded = Path(cfg.out) / "cluster.json"
+    try:
+        return json.loads(recorded.read_text()) == cluster_record(cfg, world_size)
+    except (OSError, ValueError):
+        return False
+
+
+def plan_record(plan, result=None, allocation: str = "poplar") -> dict:
+    """``plan.json``'s content: the plan trained with on top, the planner's figures beside it."""
+    if result is None:
+        return plan.to_dict()
+    d = result.to_dict()
+    if plan != result.plan:   # a baseline's allocation: its plan and its prediction
+        d.update(plan.to_dict(), predicted=result.stages[result.stage].allocations[allocation].predicted.to_dict())
+    d["meta"]["allocation"] = allocation
+    return d
+
+
+def read_plan(path: Path):
+    """The plan a run's ``plan.json`` holds (whichever wrote it)."""
+    return poplar.Plan.load(path)
+
+
+def write_plan(out_dir: Path, plan, result=None, allocation: str = "poplar") -> None:
+    """Write ``plan.json`` (the earlier one kept aside, unless it is the same plan with nothing to add)."""
+    path = out_dir / "plan.json"
+    if result is None and path.exists() and read_plan(path) == plan:
+        return
+    keep_aside(path)
+    path.write_text(json.dumps(plan_record(plan, result, allocation), indent=2) + "\n")
+
+
+def write_run_files(cfg: TrainConfig, out_dir: Path, plan, result) -> None:
+    import yaml
+
+    write_plan(out_dir, plan, result, cfg.baseline)
+    keep_aside(out_dir / "config.yaml")
+    (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    (out_dir / "cluster.json").write_text(json.dumps(cluster_record(cfg, plan.world_size), indent=2) + "\n")
+
+
+def keep_aside(path: Path) -> None:
+    """A resumed run's earlier plan or config is kept beside the new one (``plan.1.json``, ...), not overwritten."""
+    if not path.exists():
+        return
+    n = 1
+    while path.with_name(f"{path.stem}.{n}{path.suffix}").exists():
+        n += 1
+    path.rename(path.with_name(f"{path.stem}.{n}{path.suffix}"))
+
+
+def keep_log_before(log_path: Path, start: int) -> None:
+    """A resumed run repeats the steps after its checkpoint: their earlier records go (the rest stay)."""
+    if not log_path.exists():
+        return
+    kept = [line for line in log_path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start]
+    tmp = log_path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, log_path)

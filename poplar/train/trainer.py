@@ -1,0 +1,132 @@
+"""One rank's training, top to bottom: :class:`Trainer`.
+
+``__init__`` builds the engine and the components the loop holds; ``train_step`` is one
+optimizer step; ``train`` is the loop. Everything else is a component with one job:
+
+- :class:`~poplar.train.checkpointer.Checkpointer`: resume, and save when due;
+- :class:`~poplar.train.metrics.StepLog`: every step's figures, gathered, logged, printed;
+- :class:`~poplar.train.recovery.StepRecovery`: a rank out of memory mid-step, recovered;
+- :class:`~poplar.train.preemption.Preemption`: SIGTERM, a checkpoint and a clean exit;
+- :class:`~poplar.train.watchdog.Watchdog`: a dead rank stops every rank, with one line;
+- :class:`~poplar.train.faults.FaultInjector`: a fault armed by a test (``POPLAR_FAULT``).
+
+Components that follow the steps (``on_step_start(step)``, ``on_step_end(step)``, steps
+counted from 1) are in ``self.callbacks``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import poplar
+from poplar.engine.collectives import Comm
+from poplar.train.checkpointer import Checkpointer
+from poplar.train.config import TrainConfig
+from poplar.train.dataset import prepare_data
+from poplar.train.faults import FaultInjector
+from poplar.train.metrics import StepLog, flops_per_token, learning_rate
+from poplar.train.preemption import Preemption
+from poplar.train.recovery import StepRecovery
+from poplar.train.run_dir import keep_log_before, write_plan
+from poplar.train.watchdog import Watchdog, lost_peer, store_address
+from poplar.workload import Workload
+
+
+class Trainer:
+    """Trains ``wl`` with ``plan`` on this rank's ``device`` (the process group is joined already)."""
+
+    def __init__(self, cfg: TrainConfig, plan, wl: Workload, device, rank: int, world_size: int):
+        self.cfg, self.wl, self.device, self.rank, self.world_size = cfg, wl, device, rank, world_size
+        _, self.batches = prepare_data(cfg)
+        model = wl.build(seed=cfg.seed)
+        optimizer = lambda params: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # noqa: E731
+        self.engine = poplar.initialize(model, optimizer, plan, cfg.engine, comm=device.comm)
+        self.comm = Comm()   # the loop's own small collectives (SIGTERM agreed, figures gathered): unpaced
+        self.faults = FaultInjector.for_rank(rank)
+        self.callbacks = [self.faults.attach(model, device)] if self.faults else []
+        self.checkpointer = Checkpointer(cfg, self.engine, wl, world_size,
+                                         on_shard_written=self.faults.on_shard_written if self.faults else None)
+        self.start = self.step = self.checkpointer.resume(rank)
+        self.last = min(cfg.steps, cfg.stop_at or cfg.steps)
+        self.recovery = StepRecovery(rank, self.engine, self._plan_lowered)
+        self.preemption = Preemption(self.comm, self.engine.device)
+        self.watchdog = (Watchdog(rank, world_size, dead_after_s=cfg.dead_rank_timeout_s,
+                                  where=lambda: self.checkpointer.where(self.step))
+                         if world_size > 1 and store_address() is not None else None)
+        if rank == 0 and cfg.resume:
+            keep_log_before(Path(cfg.out) / "log.jsonl", self.start)
+        self.log = StepLog(cfg, rank, device, self.comm, plan.global_batch_size, flops_per_token(model, wl))
+        self.losses: list[float] = []
+        self.preempted: int | None = None
+
+    def train_step(self, step: int) -> float:
+        """Optimizer step ``step`` (from 0) on this rank's slice of the global batch; the global mean loss."""
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = learning_rate(self.cfg, step)
+
+        def attempt() -> float:
+            local = self.batches.local(step, self.engine.plan, self.rank)
+            with self.device.step(self.engine.held_state):   # waits for the other ranks included
+                return self.engine.train_batch(local, self.wl.loss)
+        return self.recovery.run(step, attempt)
+
+    def train(self) -> dict:
+        """Steps from the checkpoint resumed (or 0) to the last; what rank 0's caller reports."""
+        if self.watchdog is not None:
+            self.watchdog.start()
+        try:
+            with self.preemption:
+                self.comm.barrier()                     # the ranks start together
+                for step in range(self.start, self.last):
+                    if self._one_step(step):
+                        break
+        except BaseException as e:
+            if self.watchdog is not None:
+                self.watchdog.fail(str(e).splitlines()[0] if str(e) else type(e).__name__, lost_peer=lost_peer(e))
+            raise
+        finally:
+            self.log.close()
+        return {"losses": self.losses, "start": self.start, "preempted": self.preempted}
+
+    def _one_step(self, step: int) -> bool:
+        """Step ``step`` with what surrounds it; True when the run stops here (preempted)."""
+        self.step = step
+        for c in self.callbacks:
+            c.on_step_start(step + 1)
+        skipped = self.engine.skipped_steps
+        self.log.step_started()
+        loss = self.train_step(step)
+        self.losses.append(loss)
+        self.log.step_done(step, loss, self.engine.last_grad_norm, self.engine.skipped_steps > skipped,
+                           last=step == self.last - 1)
+        for c in self.callbacks:
+            c.on_step_end(step + 1)
+        stop = self.preemption.agreed()
+        self.checkpointer.step_done(step + 1, self.last, stopping=stop)
+        if stop:
+            self.preempted = step + 1
+            if self.rank == 0:
+                print(f"poplar: preempted (SIGTERM) after step {step + 1}: checkpoint {self.checkpointer.root}/step-"
+                      f"{step + 1:08d} written; continue with `poplar train --resume --out {self.cfg.out}`",
+                      flush=True)
+        return stop
+
+    def _plan_lowered(self, plan, notice: dict) -> None:
+        """A rank ran out of memory: its micro-batch is lowered (every rank alike) and the step runs again."""
+        self.checkpointer.plan_changed(plan, notice["step"])
+        if self.rank == 0:
+            print(f"poplar: rank {notice['rank']} ran out of memory in step {notice['step']} with micro-batches of "
+                  f"{notice['micro_batch']} ({notice['error']}); its micro-batches are lowered to "
+                  f"{plan.micro_batch_sizes[notice['rank']]}, the plan is now {plan}; the step runs again",
+                  flush=True)
+            write_plan(Path(self.cfg.out), plan)
+
+    def close(self) -> None:
+        """Remove the engine's and the components' hooks; tell the watch this rank is done."""
+        if self.faults is not None:
+            self.faults.close()
+        self.engine.close()
+        if self.watchdog is not None:
+            self.watchdog.finished()
