@@ -33,11 +33,28 @@ ALLOCATIONS = ("poplar", "uniform", "proportional", "measured-peak")
 OOM_RETRIES = 2   # smaller micro-batches DeepSpeed is given after it ran out of memory
 
 
-def plan_cluster(cluster: str, workload: Workload, global_batch: int,
-                 use_cache: bool = True) -> tuple[ClusterSpec, PlanResult]:
-    """Profile ``workload`` on the cluster (or read the cache) and plan ``global_batch``."""
+def check_clusters(arg: str, global_batch: int) -> list[str]:
+    """The clusters ``arg`` names (see :func:`clusters`), each loaded and checked against ``global_batch``.
+
+    Everything a benchmark can be refused for is found here, before anything is profiled.
+    """
+    names = clusters(arg)
+    if not names:
+        raise ValueError(f"--cluster {arg!r}: give a preset, a YAML file, several comma-separated, or 'all'")
+    for name in names:
+        load_cluster(name).check_global_batch(global_batch)
+    return names
+
+
+def plan_cluster(cluster: str, workload: Workload, global_batch: int, use_cache: bool = True,
+                 progress=None) -> tuple[ClusterSpec, PlanResult]:
+    """Profile ``workload`` on the cluster (or read the cache) and plan ``global_batch``.
+
+    ``progress``: where the profiler's events go (an object with ``put((kind, stage, what))``).
+    """
     spec = load_cluster(cluster)
-    profile, _ = profile_cluster(workload, spec.model_dump(), use_cache=use_cache,
+    spec.check_global_batch(global_batch)
+    profile, _ = profile_cluster(workload, spec.model_dump(), use_cache=use_cache, progress=progress,
                                  max_micro_batch=min(256, global_batch))
     return spec, make_plan(profile, global_batch)
 
@@ -96,9 +113,12 @@ def measure_with_peer(workload: Workload, cluster: dict, plans: list, setup, ste
 
 
 def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: int = 12, rounds: int = 3,
-                  use_cache: bool = True, peers: bool = True) -> dict:
-    """Measure Poplar's plan, the baselines and (``peers``) DeepSpeed on one cluster; see the module's docstring."""
-    spec, result = plan_cluster(cluster, workload, global_batch, use_cache)
+                  use_cache: bool = True, peers: bool = True, progress=None) -> dict:
+    """Measure Poplar's plan, the baselines and (``peers``) DeepSpeed on one cluster; see the module's docstring.
+
+    ``progress`` receives the profiler's events (see :func:`plan_cluster`).
+    """
+    spec, result = plan_cluster(cluster, workload, global_batch, use_cache, progress)
     stage = result.stages[result.stage]
     allocs = [stage.allocations[n] for n in ALLOCATIONS if stage.allocations[n].plan is not None]
     # an allocation whose plan is another's (Poplar keeps a baseline's split when it
@@ -112,6 +132,9 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
         setup, why = deepspeed_setup(result, workload)
         if why:
             notes["deepspeed"] = why
+    if progress is not None:
+        progress.phase(f"{cluster}: measuring {len(plans)} plans" + (f" and {setup.name}" if setup else "")
+                       + f" in ZeRO-{result.stage}, {rounds} rounds of {steps} steps")
     if setup is not None:
         measured, notes[setup.name] = measure_with_peer(workload, spec.model_dump(), plans, setup, steps, rounds)
     else:
@@ -149,3 +172,39 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
 def clusters(arg: str) -> list[str]:
     """``all``: every preset; otherwise comma-separated presets or YAML files."""
     return presets() if arg == "all" else [c.strip() for c in arg.split(",") if c.strip()]
+
+
+def results_table(results: list[dict], title: str):
+    """The benchmark's table (a rich ``Table``), and the lines to print under it (legend, peers left out)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("cluster", "stage", "allocation", "samples/s", "vs uniform", "vs proportional",
+                "vs measured-peak", "vs deepspeed", "of ideal", "predicted", "overruns"):
+        table.add_column(col, justify="right", overflow="fold")   # a narrow terminal: folded, not cut
+    notes = ["samples/s: on an emulated cluster, in its devices' declared time; predicted: the plan's predicted step "
+             "time against the measured one; overruns: spans whose real work ran past their declared time (0: the "
+             "figures are the declared devices')"]
+    if any(a.get("same_plan_as") for r in results for a in r["allocations"].values()):
+        notes.append("(= name): the same plan as that allocation's, measured once")
+    for r in results:
+        rows = dict(r["allocations"])
+        for name, peer in r["peers"].items():
+            if isinstance(peer, dict):
+                rows[name] = peer
+            else:
+                notes.append(f"{r['cluster']}: {name}: {peer}")
+
+        def vs(a: dict, name: str) -> str:
+            return f"{a['samples_per_s'] / rows[name]['samples_per_s']:.2f}x" if name in rows else "-"
+
+        for name, a in rows.items():
+            label = f"{name} (= {a['same_plan_as']})" if a.get("same_plan_as") else name
+            error = f"{100 * a['prediction_error']:+.1f}%" if "prediction_error" in a else "-"
+            table.add_row(r["cluster"], str(r["zero_stage"]), label, f"{a['samples_per_s']:.1f}",
+                          vs(a, "uniform"), vs(a, "proportional"), vs(a, "measured-peak"), vs(a, "deepspeed"),
+                          f"{100 * a['samples_per_s'] / r['ideal_samples_per_s']:.0f}%", error,
+                          str(a.get("overruns", "-")))
+        table.add_row(r["cluster"], str(r["zero_stage"]), "ideal", f"{r['ideal_samples_per_s']:.1f}",
+                      "-", "-", "-", "-", "100%", "-", "-")
+    return table, notes

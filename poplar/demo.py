@@ -12,43 +12,53 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from poplar.cluster.spec import load_cluster
 from poplar.train.config import load_config
 from poplar.train.report import plot_runs, read_log, summarize
 from poplar.train.run import run_training
 
 ALLOCATIONS = ("poplar", "uniform", "proportional")
+WORKLOAD = {"model": "llama-tiny", "seq_len": 64, "vocab_size": 1024}   # the tokenizer's vocabulary, as trained
+
+
+def check_demo(cluster: str, out: str | Path, global_batch: int) -> None:
+    """Everything the demo can be refused for, found before anything is profiled or written."""
+    load_cluster(cluster).check_global_batch(global_batch)
+    if Path(out).is_file():
+        raise ValueError(f"--out {out} is a file: give a directory for the demo's runs")
 
 
 def run_demo(steps: int = 12, cluster: str = "both-differ", out: str | Path = "runs/demo", global_batch: int = 96,
-             console: Console | None = None) -> dict:
+             console: Console | None = None, progress: Callable[[str], object] | None = None) -> dict:
+    """Profile, plan and train each allocation; print the table. ``progress(title)``: a context reporting a wait."""
     console = console or Console()
+    check_demo(cluster, out, global_batch)
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)       # the demo's own directory: each run starts afresh
     out.mkdir(parents=True)
     summaries, logs, result = {}, {}, None
     for name in ALLOCATIONS:
-        cfg = load_config(None, {"model": "llama-tiny", "seq_len": 64, "vocab_size": 1024, "cluster": cluster,
-                                 "global_batch": global_batch, "steps": steps, "lr": 2e-3, "warmup_steps": 2,
-                                 "baseline": name, "out": str(out / name)})
-        console.print(f"[bold]{name}[/]: " + ("profiling and planning (cached after the first run), then "
-                                             if result is None else "") + f"training {steps} steps")
-        run = run_training(cfg)
+        cfg = load_config(None, {**WORKLOAD, "cluster": cluster, "global_batch": global_batch, "steps": steps,
+                                 "lr": 2e-3, "warmup_steps": 2, "baseline": name, "out": str(out / name)})
+        console.print(f"[bold]{name}[/]: " + ("planning, then " if result is None else "") + f"training {steps} steps")
+        run = run_training(cfg, progress=progress)   # the first profiles; the others read the cache
         result = result or run["planning"]
         logs[name] = read_log(out / name / "log.jsonl")
         summaries[name] = summarize(logs[name])
-        console.print(f"  {run['plan']}")
+        console.print(f"  {run['plan']}", markup=False, highlight=False)
     stage = result.stages[result.stage]
     ideal = stage.ideal_samples_per_s
     table = Table(title=f"llama-tiny on {cluster}: ZeRO-{result.stage}, global batch {global_batch}, "
                         f"medians of steps 2-{steps}")
     for col in ("allocation", "samples/s", "vs uniform", "of ideal", "predicted", "loss"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", overflow="fold")
     for name in ALLOCATIONS:
         s = summaries[name]
         predicted = stage.allocations[name].predicted.samples_per_s
@@ -62,6 +72,7 @@ def run_demo(steps: int = 12, cluster: str = "both-differ", out: str | Path = "r
                   "finishes together, only the communication no plan hides; predicted: the planner's figure against the measured one",
                   highlight=False)
     plot = plot_runs(logs, out / "comparison.png", title=f"llama-tiny on {cluster}")
-    console.print(f"planner's choice: {result.reason}")
-    console.print(f"plots: {plot} (all three), {out}/<allocation>/report.png; logs: {out}/<allocation>/log.jsonl")
+    for line in (f"planner's choice: {result.reason}",
+                 f"plots: {plot} (all three), {out}/<allocation>/report.png; logs: {out}/<allocation>/log.jsonl"):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     return {"summaries": summaries, "ideal_samples_per_s": ideal, "planning": result, "plot": plot}

@@ -68,7 +68,10 @@ def _forward_sigterm(procs):
     return signal.signal(signal.SIGTERM, forward)
 
 
-def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float, threads: int, results, args, kwargs):
+def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float, threads: int, results, env, args, kwargs):
+    # A rank forked from the server has the server's environment: the launcher's, as it is now, replaces it.
+    os.environ.clear()
+    os.environ.update(env)
     # The launcher hosts the rendezvous store, as torchrun's agent does: it outlives any rank.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
@@ -88,6 +91,17 @@ def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float, threads:
         pass
 
 
+# Ranks are forked from a server that imported torch and poplar once (a fresh interpreter would spend
+# seconds importing them for every rank); the server never touches a GPU or starts threads.
+START_METHOD = "forkserver"
+
+
+def _context():
+    ctx = mp.get_context(START_METHOD)
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "poplar", "poplar.launch"])
+    return ctx
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0, threads: int = 1,
           collective_timeout_s: float | None = None, on_poll: Callable[[], None] | None = None,
           **kwargs) -> list[Any]:
@@ -100,13 +114,14 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
     A rank that dies stops the others at once. SIGTERM sent to this process is passed on
     to every rank (a rank that handles it, as training does, can save and return).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.SimpleQueue()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     coll_timeout = collective_timeout_s or max(10.0, timeout_s / 2)
-    pc = mp.start_processes(_entry, args=(fn, world_size, store.port, coll_timeout, threads, results, args, kwargs),
-                            nprocs=world_size, join=False, start_method="spawn")
+    pc = mp.start_processes(_entry, args=(fn, world_size, store.port, coll_timeout, threads, results,
+                                          dict(os.environ), args, kwargs),
+                            nprocs=world_size, join=False, start_method=START_METHOD)
     ranks = _Ranks(pc.processes, results)
     previous = _forward_sigterm(pc.processes)
     try:

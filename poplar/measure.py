@@ -33,10 +33,10 @@ from poplar.workload import Workload, as_workload
 class _Peer:
     """A started peer with this rank's batch; whatever fails in it is a :class:`PeerFailed` naming it."""
 
-    def __init__(self, setup, wl: Workload, rank: int):
+    def __init__(self, setup, wl: Workload, rank: int, comm):
         self.setup, self.rank = setup, rank
         with self._failing():
-            self.peer = setup.start(wl)
+            self.peer = setup.start(wl, comm)
             self.batch = wl.random_batch(setup.local_batch_size(rank), seed=rank)
 
     @contextlib.contextmanager
@@ -65,7 +65,7 @@ def _measure_rank(rank: int, world_size: int, workload: dict, cluster: dict, pla
 
 def _measure(device, rank: int, wl: Workload, plans: list[dict], steps: int, warmup: int, rounds: int,
              peers) -> list[dict]:
-    started = [_Peer(setup, wl, rank) for setup in peers]
+    started = [_Peer(setup, wl, rank, device.comm) for setup in peers]
     runs: list[tuple[Callable[[], float], Callable]] = []   # one step of each contender, and what it holds
     for peer in started:     # warm-up, before Poplar's engines exist
         for _ in range(warmup):
@@ -75,7 +75,7 @@ def _measure(device, rank: int, wl: Workload, plans: list[dict], steps: int, war
     engines = []
     for p in plans:
         plan = poplar.Plan.from_dict(p)
-        engine = poplar.initialize(wl.build(), optimizer, plan)
+        engine = poplar.initialize(wl.build(), optimizer, plan, comm=device.comm)
         batch = wl.random_batch(plan.local_batch_size(rank), seed=rank)
         engines.append(engine)
         runs.append((lambda engine=engine, batch=batch: engine.train_batch(batch, wl.loss), engine.held_state))

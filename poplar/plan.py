@@ -38,6 +38,13 @@ def _positive_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def check_global_batch(global_batch: int, world_size: int) -> None:
+    """Every rank takes at least one sample of every global batch: known before anything is profiled."""
+    if global_batch < world_size:
+        raise ValueError(f"global batch {global_batch} is smaller than the {world_size} ranks (every rank takes "
+                         f"at least one sample): give --global-batch {world_size} or more")
+
+
 @dataclass(frozen=True)
 class Plan:
     """Per-rank micro-batch sizes and accumulation steps for one ZeRO stage.

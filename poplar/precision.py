@@ -11,7 +11,7 @@ names from here.
 >>> precision("fp16")
 Traceback (most recent call last):
 ...
-ValueError: precision 'fp16': choose fp32 (or none) or bf16
+ValueError: precision 'fp16': choose one of fp32, bf16 (none is fp32)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def precision(name: str | None) -> str:
     key = "fp32" if name is None else str(name).strip().lower()
     key = ALIASES.get(key, key)
     if key not in DTYPES:
-        raise ValueError(f"precision {name!r}: choose fp32 (or none) or bf16")
+        raise ValueError(f"precision {name!r}: choose one of {', '.join(DTYPES)} (none is fp32)")
     return key
 
 

@@ -71,3 +71,27 @@ def stage(number: int) -> ZeroStage:
     if isinstance(number, bool) or number not in tuple(STAGES):   # a tuple: unhashable input fails clearly too
         raise ValueError(f"zero_stage = {number!r}: choose one of {', '.join(map(str, STAGES))}")
     return STAGES[int(number)]
+
+
+
+def parse_stages(stages) -> list[int]:
+    """The stages a command may use, sorted, once each: from ``"0,1,3"`` or a list of numbers.
+
+    The one check of a stage list (command lines, the training config, the planner).
+
+    >>> parse_stages("3, 0,1"), parse_stages([2, 2])
+    ([0, 1, 3], [2])
+    >>> parse_stages("0,7")
+    Traceback (most recent call last):
+    ...
+    ValueError: choose stages from 0, 1, 2, 3, e.g. 0,1,2,3 (got '0,7')
+    """
+    items = [s.strip() for s in stages.split(",") if s.strip()] if isinstance(stages, str) else stages
+    try:
+        numbers = {s if isinstance(s, int) and not isinstance(s, bool) else int(s, 10) for s in items}
+    except (TypeError, ValueError):   # "1.5", "one", a bool, a number that is not whole
+        numbers = {None}
+    if not numbers or any(n not in STAGES for n in numbers):
+        raise ValueError(f"choose stages from {', '.join(map(str, STAGES))}, e.g. {','.join(map(str, STAGES))} "
+                         f"(got {stages!r})")
+    return sorted(numbers)

@@ -1,6 +1,7 @@
-"""Bad input, every case: a one-line error naming what to change, exit code != 0, no traceback, nothing written.
+"""Bad input, every case: a one-line error naming what to change, exit code != 0, no traceback, nothing written,
+in under 10 s (before anything is profiled or launched).
 
-The table in docs/bad-input.md lists the same cases with the messages they give
+The table in docs/reliability.md lists the same cases with the messages they give
 (``python -m tests.test_bad_input`` prints it).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -20,8 +22,9 @@ from poplar.cli.main import app
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER3 = str(ROOT / "examples" / "cluster-3.yaml")
 TINY = ["--set", "seq_len=32", "--set", "vocab_size=512"]
-
-
+LIMIT_S = 10   # every case can be known before anything is profiled or launched
+# refused only after the cluster is profiled and planned (~90 s here): train checks a resume after planning.
+# To move before it (issue 20), then to leave this set empty.
 def _files(tmp: Path) -> dict:
     """Every file under ``tmp`` and its digest: what a refused command must leave as it was."""
     return {str(p.relative_to(tmp)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -47,6 +50,10 @@ def _setup(tmp: Path, earlier_run: Path) -> None:
     poplar.Plan.from_local_batches(1, [6, 4, 2], 1).save(tmp / "plan-3.json")
     (tmp / "profile-corrupt.json").write_text("{not json")
     (tmp / "profile-wrong.json").write_text(json.dumps({"model": {"name": "x"}, "ranks": ["a"]}))
+    (tmp / "misspelt-gpu.yaml").write_text("devices:\n  - kind: x\n    gpu: A100-80G\n  - kind: y\n    gpu: t4-16gb\n")
+    (tmp / "cuda-name.yaml").write_text("devices:\n  - kind: x\n    gpu: NVIDIA H100 PCIe\n")
+    (tmp / "binary.txt").write_bytes(b"PK\x03\x04\x00\x00" + bytes(range(256)))
+    (tmp / "latin-1.txt").write_bytes("Caf\u00e9s and na\u00efve r\u00e9sum\u00e9s\n".encode("latin-1") * 50)
     (tmp / "empty.txt").write_text("")
     (tmp / "short.txt").write_text("just a few words\n")
     (tmp / "empty-dir").mkdir()
@@ -67,6 +74,8 @@ CASES = [
     ("a field out of range", _train("--set", "lr=0", "--out", "{tmp}/r"), "lr: Input should be greater than 0", 2),
     ("an unknown field", _train("--set", "colour=red", "--out", "{tmp}/r"), "colour: unknown field", 2),
     ("--set without =", _train("--set", "lr", "--out", "{tmp}/r"), "write field=value", 2),
+    ("--set with a value that is not YAML", _train("--set", "stages=[0, 1", "--out", "{tmp}/r"),
+     "--set 'stages=[0, 1': the value is not YAML", 2),
     ("a missing config file", _train("--config", "{tmp}/nope.yaml", "--out", "{tmp}/r"), "no such file", 2),
     ("a config file that is not YAML", _train("--config", "{tmp}/bad.yaml", "--out", "{tmp}/r"),
      "not valid YAML", 2),
@@ -86,6 +95,11 @@ CASES = [
     ("a cluster of no devices", ["train", "--cluster", "{tmp}/no-devices.yaml", *TINY, "--out", "{tmp}/r"],
      "devices", 2),
     ("a device count of 0", ["train", "--cluster", "{tmp}/zero-count.yaml", *TINY, "--out", "{tmp}/r"], "count", 2),
+    ("a misspelt GPU name", ["train", "--cluster", "{tmp}/misspelt-gpu.yaml", *TINY, "--out", "{tmp}/r"],
+     "unknown GPU 'A100-80G': did you mean A100-80GB", 2),
+    ("a CUDA device name for a catalogue name", ["profile", "--cluster", "{tmp}/cuda-name.yaml", "--out",
+                                                 "{tmp}/p.json"], "did you mean H100-PCIe", 2),
+    ("a preset that does not exist", ["bench", "--cluster", "both-differs"], "no cluster file 'both-differs'", 2),
     # plans
     ("a plan for another world size", _train("--plan", "{tmp}/plan-2.json", "--out", "{tmp}/r"),
      "plan is for 2 ranks", 2),
@@ -113,6 +127,32 @@ CASES = [
     ("a text shorter than one sequence", _train("--set", "data={tmp}/short.txt", "--out", "{tmp}/r"),
      "fewer than one sequence", 2),
     ("a data directory with no text", _train("--set", "data={tmp}/empty-dir", "--out", "{tmp}/r"), "no .txt file", 2),
+    ("a data file that is binary", _train("--set", "data={tmp}/binary.txt", "--out", "{tmp}/r"),
+     "is a binary file, not text", 2),
+    ("a data file that is not UTF-8", _train("--set", "data={tmp}/latin-1.txt", "--out", "{tmp}/r"),
+     "is not UTF-8 text (byte 3 is 0xe9): convert it to UTF-8", 2),
+    # known from the command line and the cluster file: refused before anything is profiled
+    ("a global batch smaller than the ranks", ["train", "--cluster", "uneven-quantity", "--global-batch", "2",
+                                               *TINY, "--out", "{tmp}/r"], "smaller than the 4 ranks", 2),
+    ("bench: a global batch smaller than the ranks", ["bench", "--cluster", "uneven-quantity", "--global-batch", "2"],
+     "global batch 2 is smaller than the 4 ranks", 2),
+    ("demo: a global batch smaller than the ranks", ["demo", "--cluster", "uneven-quantity", "--global-batch", "3",
+                                                     "--out", "{tmp}/r"], "global batch 3 is smaller than the 4", 2),
+    ("demo: a cluster that does not exist", ["demo", "--cluster", "{tmp}/nope.yaml", "--out", "{tmp}/r"],
+     "no cluster file", 2),
+    ("demo: --out that is a file", ["demo", "--out", "{tmp}/a-file"], "is a file", 2),
+    ("bench: an unknown model", ["bench", "--cluster", "both-differ", "--model", "gpt-17"],
+     "model 'gpt-17': choose one of", 2),
+    ("bench: no cluster named", ["bench", "--cluster", ","], "--cluster ','", 2),
+    ("bench: --json into a missing directory", ["bench", "--cluster", "both-differ", "--json", "{tmp}/no/b.json"],
+     "no directory", 2),
+    ("plan: --out into a missing directory", ["plan", "--profile", "{tmp}/profile-corrupt.json", "--global-batch",
+                                              "8", "--out", "{tmp}/no/p.json"], "no directory", 2),
+    ("plan: a ZeRO stage that does not exist", ["plan", "--profile", "{tmp}/profile-corrupt.json", "--global-batch",
+                                                "8", "--stages", "0,9", "--out", "{tmp}/p.json"],
+     "--stages: choose stages from 0, 1, 2, 3", 2),
+    ("profile: a ZeRO stage that does not exist", ["profile", "--cluster", "both-differ", "--stages", "1,4",
+                                                   "--out", "{tmp}/p.json"], "choose stages from 0, 1, 2, 3", 2),
     # run directories and checkpoints
     ("a run directory holding a run, without --resume", _train("--out", "{tmp}/earlier"), "already holds a run", 2),
     ("--resume with no run there", _train("--resume", "--out", "{tmp}/empty-dir"), "holds no run to continue", 2),
@@ -160,15 +200,18 @@ def caches(tmp_path_factory, monkeypatch):
 
 
 def run_case(args: list[str], tmp: Path):
+    """The exit code, the output and the seconds the command took."""
+    start = time.perf_counter()
     result = CliRunner().invoke(app, [a.replace("{tmp}", str(tmp)) for a in args])
-    return result.exit_code, result.output.strip()
+    return result.exit_code, result.output.strip(), time.perf_counter() - start
 
 
 @pytest.mark.parametrize("what, args, words, code", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gets_one_line_and_changes_nothing(cases_dir, what, args, words, code):
     before = _files(cases_dir)
-    exit_code, output = run_case(args, cases_dir)
+    exit_code, output, seconds = run_case(args, cases_dir)
     assert exit_code == code, output
+    assert seconds < LIMIT_S, f"refused after {seconds:.1f} s: {output}"
     assert len(output.splitlines()) == 1 and output.startswith("error: "), output
     assert words in output and "Traceback" not in output, output
     assert _files(cases_dir) == before                       # nothing written, nothing overwritten
@@ -180,8 +223,9 @@ def test_there_are_at_least_25_cases():
 
 
 def main() -> None:
-    """Print the table of docs/bad-input.md: every case, the line it gives, its exit code."""
+    """Print the table of docs/reliability.md: every case (or those whose names hold an argument's words)."""
     import os
+    import sys
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
@@ -194,7 +238,9 @@ def main() -> None:
         _setup(cases, tmp / "run")
         print("| what is wrong | command (`poplar ...`) | the line it prints | exit |\n|---|---|---|---|")
         for what, args, _, _ in CASES:
-            code, output = run_case(args, cases)
+            if len(sys.argv) > 1 and not any(word in what for word in sys.argv[1:]):   # only the cases named
+                continue
+            code, output, _ = run_case(args, cases)
             shown = " ".join(a.replace("{tmp}/", "").replace(str(ROOT) + "/", "") for a in args)
             line = output.replace(str(cases) + "/", "").replace(str(cases), ".").replace("|", "\\|")
             print(f"| {what} | `{shown}` | {line} | {code} |")

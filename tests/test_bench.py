@@ -1,6 +1,7 @@
 """`poplar bench`'s bookkeeping, without processes: which plans are measured, how rows are filled."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -56,3 +57,21 @@ def test_an_allocation_with_another_ones_plan_is_measured_once_and_says_so(measu
     assert rows["uniform"]["samples_per_s"] == 200.0
     assert (rows["poplar"]["overruns"], rows["proportional"]["overruns"], rows["uniform"]["overruns"]) == (0, 0, 1)
     assert result["poplar_vs_proportional"] == 1.0 and result["poplar_vs_uniform"] == 0.5
+
+
+def test_the_table_and_a_missing_peers_hint_read_whole_in_a_log(measured, monkeypatch):
+    from typer.testing import CliRunner
+
+    from poplar.cli.main import app
+    from poplar.peers.deepspeed import INSTALL_HINT
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(poplar.peers.deepspeed, "unavailable", lambda: INSTALL_HINT)
+    run = CliRunner().invoke(app, ["bench", "--cluster", "uneven-quantity,both-differ", "--global-batch", "16",
+                                   "--steps", "3"])
+    assert run.exit_code == 0, run.output
+    header = next(line for line in run.output.splitlines() if "cluster" in line and "allocation" in line)
+    assert all(col in header for col in ("vs proportional", "vs measured-peak", "vs deepspeed", "overruns")), header
+    assert "uneven-quantity" in run.output and "\u2026" not in run.output
+    assert "both-differ: deepspeed: not installed: pip install 'poplar-zero[bench]'" in run.output.splitlines()
+    assert re.search(r"^uneven-quantity: measuring \d plans in ZeRO-\d, 3 rounds of 3 steps$", run.output, re.M)

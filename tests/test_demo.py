@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_demo_then_bench_on_an_emulated_cluster(tmp_path):
     # a global batch of 24 caps every micro-batch the profiler tries at 24: a shorter profile
-    # the pace does not matter here (what does is tested in tests/emulate): a small dilation runs it fast
-    env = {**os.environ, "COLUMNS": "200", "POPLAR_CACHE_DIR": str(tmp_path / "profiles"),
-           "POPLAR_DATA_CACHE": str(tmp_path / "data"), "POPLAR_DILATION": "3"}
+    # the pace does not matter here (what does is tested in tests/devices/test_emulated.py): a small dilation runs it fast
+    # piped, as into a log: no COLUMNS set, so nothing but the console's own choice decides the width
+    env = {**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
+           "POPLAR_CACHE_DIR": str(tmp_path / "profiles"), "POPLAR_DATA_CACHE": str(tmp_path / "data"),
+           "POPLAR_DILATION": "3"}
     out = tmp_path / "demo"
     run = subprocess.run([sys.executable, "-m", "poplar.cli.main", "demo", "--steps", "3", "--global-batch", "24",
                           "--out", str(out)],
@@ -24,6 +27,11 @@ def test_demo_then_bench_on_an_emulated_cluster(tmp_path):
     for word in ("poplar", "uniform", "proportional", "ideal", "samples/s", "predicted", "comparison.png"):
         assert word in run.stdout, word
     assert (out / "comparison.png").stat().st_size > 20_000
+    # empty caches: the profiling reports every stage as it starts and ends, a line each in a log
+    for stage in range(4):
+        assert re.search(rf"^both-differ: (\S+ )?stage {stage}: memory$", run.stdout, re.M), run.stdout[:3000]
+        assert re.search(rf"^both-differ: (\S+ )?stage {stage}: done \(\d+ s\)$", run.stdout, re.M), run.stdout[:3000]
+    assert "\u2026" not in run.stdout and "vs uniform" in run.stdout      # the table whole, no column cut
     logs = {name: read_log(out / name / "log.jsonl") for name in ("poplar", "uniform", "proportional")}
     # however the batch is spread, the update is the same: so are the losses
     for name in ("uniform", "proportional"):
@@ -35,6 +43,11 @@ def test_demo_then_bench_on_an_emulated_cluster(tmp_path):
                            capture_output=True, text=True, timeout=600)
     assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
     (result,) = json.loads((tmp_path / "bench.json").read_text())
+    header = next(line for line in bench.stdout.splitlines() if "allocation" in line and "cluster" in line)
+    for column in ("samples/s", "vs uniform", "vs proportional", "vs measured-peak", "vs deepspeed", "of ideal",
+                   "predicted", "overruns"):
+        assert column in header, header                                   # whole, in the 80 columns of no terminal
+    assert "\u2026" not in bench.stdout and "both-differ: measuring" in bench.stdout, bench.stdout
     assert set(result["allocations"]) == {"poplar", "uniform", "proportional", "measured-peak"}
     assert all(a["samples_per_s"] > 0 for a in result["allocations"].values())
     assert result["ideal_samples_per_s"] > 0 and result["poplar_of_ideal"] > 0

@@ -87,3 +87,29 @@ def test_world_size_check_and_bad_json():
         Plan.from_json('{"zero_stage": 1, "micro_batch_sizes": [1]}')
     with pytest.raises(ValueError, match="rank 3 is outside"):
         plan.sample_range(3)
+
+
+@pytest.mark.parametrize("given, stages", [("0,1,2,3", [0, 1, 2, 3]), ("3, 0,1", [0, 1, 3]), ([2, 2, 0], [0, 2]),
+                                           ((1,), [1])])
+def test_a_stage_list_is_read_once_for_every_command(given, stages):
+    from poplar.stages import parse_stages
+
+    assert parse_stages(given) == stages
+
+
+@pytest.mark.parametrize("given", ["0,7", "", "1.5", "one", [], [True], [0, -1], None])
+def test_a_stage_list_naming_no_stage_or_an_unknown_one_is_refused(given):
+    from poplar.stages import parse_stages
+
+    with pytest.raises(ValueError) as e:
+        parse_stages(given)
+    assert str(e.value) == f"choose stages from 0, 1, 2, 3, e.g. 0,1,2,3 (got {given!r})"
+
+
+def test_the_stage_module_examples_run():
+    import doctest
+
+    import poplar.stages
+
+    failed, tried = doctest.testmod(poplar.stages)
+    assert tried > 0 and failed == 0

@@ -11,6 +11,9 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import typer
 
+from poplar.cli.output import console as _console
+from poplar.cli.output import say
+
 app = typer.Typer(help="Poplar: ZeRO data parallelism for clusters of different GPUs.", no_args_is_help=True,
                   add_completion=False)
 
@@ -20,11 +23,43 @@ def _error(console, message) -> None:
     from pydantic import ValidationError
     from rich.markup import escape
 
-    if isinstance(message, ValidationError):
-        message = "; ".join(f"{'.'.join(map(str, e['loc'])) or type(message).__name__}: {e['msg']}"
+    if isinstance(message, ValidationError):   # each error, where it is (a field) and pydantic's words
+        message = "; ".join(": ".join(filter(None, (".".join(map(str, e["loc"])),
+                                                    e["msg"].removeprefix("Value error, "))))
                             for e in message.errors())
     line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
     console.print(f"[red]error:[/] {escape(line)}", soft_wrap=True)
+
+
+# Bad input: what the user must change (one line, exit 2), not a failure of the run. Pydantic's ValidationError,
+# CheckpointError and PlanningError are ValueErrors. Ranks refuse a wrong argument with a TypeError too.
+BAD_INPUT_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError)
+BAD_INPUT_IN_RANKS: tuple[type[Exception], ...] = (*BAD_INPUT_ERRORS, TypeError)
+
+
+def is_bad_input_in_rank(error: str | None) -> bool:
+    """Whether a rank's error, which reaches this process as its class's name, is bad input.
+
+    It is where it names one of ``BAD_INPUT_IN_RANKS`` or a subclass of one (as ``except`` would match it here).
+    """
+    # the subclasses ranks raise, defined here so their names are known (both are ValueErrors)
+    from poplar.planner import PlanningError  # noqa: F401
+    from poplar.train.checkpoint import CheckpointError  # noqa: F401
+
+    def names(cls: type) -> set[str]:
+        return {cls.__name__}.union(*(names(sub) for sub in cls.__subclasses__()))
+
+    return error is not None and any(error in names(cls) for cls in BAD_INPUT_IN_RANKS)
+
+
+def stages_option(stages: str) -> list[int]:
+    """``--stages 0,1,3``: the stages, or one line saying which exist (:func:`poplar.stages.parse_stages`)."""
+    from poplar.stages import parse_stages
+
+    try:
+        return parse_stages(stages)
+    except ValueError as e:
+        raise ValueError(f"--stages: {e}") from None
 
 
 @app.callback()
@@ -40,12 +75,15 @@ def demo(
     global_batch: int = typer.Option(96, min=1, help="samples per optimizer step, over all ranks"),
 ) -> None:
     """The main job: profile, plan and train a small Llama on real text with Poplar's plan and both baselines."""
+    from poplar.cli.output import Progress
     from poplar.demo import run_demo
 
+    console = _console()
     try:
-        run_demo(steps=steps, cluster=cluster, out=out, global_batch=global_batch)
-    except (ValueError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
+        run_demo(steps=steps, cluster=cluster, out=out, global_batch=global_batch, console=console,
+                 progress=lambda title: Progress(console, title))
+    except BAD_INPUT_ERRORS as e:
+        _error(console, e)
         raise typer.Exit(2) from None
 
 
@@ -81,114 +119,46 @@ def profile(
                                                      "(the engine's bf16 mixed precision)"),
 ) -> None:
     """Measure every device kind of a cluster (emulated, or the real CUDA devices) in every ZeRO stage."""
-    import multiprocessing as mp
-    import os
+    import contextlib
     import time
 
-    from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
+    from pydantic import ValidationError
 
-    from poplar.cluster.spec import load_cluster
+    from poplar.cli.output import Progress
+    from poplar.profile.options import ProfileOptions
     from poplar.profile.plot import plot_profile
-    from poplar.profile.profiler import compute_dtype, profile_cluster
+    from poplar.profile.report import cluster_line, comm_line, profile_table
+    from poplar.profile.run import cluster_to_profile, run_profile
+    from poplar.workload import Workload
 
-    console = Console()
-    under_torchrun = "WORLD_SIZE" in os.environ
+    console = _console()
     try:
-        discover = cluster is None or cluster.strip().lower() in ("", "none")
-        spec = None if discover else load_cluster(cluster)
-        stage_list = sorted({int(s) for s in stages.split(",") if s.strip()})
-        if not stage_list or any(s not in (0, 1, 2, 3) for s in stage_list):
-            raise ValueError(f"--stages {stages!r}: give stages from 0, 1, 2, 3, e.g. 0,1,2,3")
-        dtype = compute_dtype(mixed_precision)
-        from pydantic import ValidationError
-
-        from poplar.workload import Workload
+        options = ProfileOptions(stages=stages, n_points=points, repeats=repeats, use_cache=not no_cache,
+                                 max_micro_batch=max_micro_batch, precision=mixed_precision)
         try:
             workload = Workload(model=model, seq_len=seq_len)
         except ValidationError as e:
             raise ValueError(f"--model/--seq-len: {e.errors()[0]['msg']}") from None
-        if discover:
-            spec = _discover_devices("profile")
+        spec = cluster_to_profile(cluster)   # the real GPUs discovered: this joins their process group
     except (ValueError, FileNotFoundError) as e:
         _error(console, e)
         raise typer.Exit(2) from None
-    if spec.is_real:
-        console.print(f"profiling [bold]{model}[/] on {spec.world_size} CUDA ranks: "
-                      + ", ".join(f"{d.count} x {d.kind}" for d in spec.devices))
-    else:
-        console.print(f"profiling [bold]{model}[/] on {spec.world_size} emulated ranks: "
-                      + spec.describe())
     start = time.perf_counter()
-    with Progress(console=console, transient=True, disable=under_torchrun and os.environ.get("RANK") != "0") as bar:
-        task = bar.add_task("starting ranks", total=len(stage_list) * ((repeats or 3) + 3))
-
-        class ToBar:   # progress events from rank 0 (in this process under torchrun)
-            def put(self, event):
-                bar.update(task, advance=1, description=f"stage {event[0]}: {event[1]}")
-
-        if under_torchrun or spec.is_real:   # this process is a rank (torchrun's, or the one GPU's here)
-            from poplar.engine.dist import init_distributed, shutdown
-
-            ctx = init_distributed()
-            spec.check_world_size(ctx.world_size)
-            prof, summary = profile_cluster(workload, spec.model_dump(), stage_list, n_points=points, repeats=repeats,
-                                            use_cache=not no_cache, progress=ToBar(), distributed=True,
-                                            max_micro_batch=max_micro_batch, dtype=dtype)
-            shutdown()
-            if ctx.rank != 0:
-                return
-        else:
-            queue = mp.get_context("spawn").Queue()
-
-            def on_poll():
-                while not queue.empty():
-                    ToBar().put(queue.get())
-
-            prof, summary = profile_cluster(workload, spec.model_dump(), stage_list, n_points=points, repeats=repeats,
-                                            use_cache=not no_cache, progress=queue, on_poll=on_poll,
-                                            max_micro_batch=max_micro_batch, dtype=dtype)
+    shown = os.environ.get("RANK", "0") == "0"   # under torchrun, rank 0 reports
+    with (Progress(console, f"profile of {model}: {cluster_line(spec)}", steps=(repeats or 3) + 3) if shown
+          else contextlib.nullcontext()) as progress:
+        result = run_profile(workload, spec, options, progress=progress)
+    if result is None:
+        return
+    prof, summary = result
     prof.save(out)
-    table = Table(title=f"profile of {model} ({prof.model.n_params:,} parameters, {dtype}), "
-                        f"{time.perf_counter() - start:.0f} s")
-    for col in ("device", "stage", "max mbs", "state MiB", "ms@1", "ms@max", "samples/s", "source"):
-        table.add_column(col, justify="right", no_wrap=True)
-    for kind, dev in prof.devices.items():
-        for stage, sp in sorted(dev.stages.items()):
-            source = "cache" if (kind, stage) in summary["from_cache"] else "measured"
-            if sp.points:
-                top = sp.max_micro_batch
-                table.add_row(kind, str(stage), str(top), f"{sp.state_bytes / 2**20:.2f}", f"{1000 * sp.time(1):.1f}",
-                              f"{1000 * sp.time(top):.1f}", f"{sp.throughput(top):.1f}", source)
-            else:
-                table.add_row(kind, str(stage), str(sp.max_micro_batch), f"{sp.state_bytes / 2**20:.2f}", "-", "-",
-                              "-", sp.note or source)
-    console.print(table)
-    if prof.comm:
-        c = prof.comm
-        console.print(f"collectives at {c.numel:,} fp32 elements: all-reduce {1000 * c.all_reduce_s:.1f} ms, "
-                      f"reduce-scatter {1000 * c.reduce_scatter_s:.1f} ms, all-gather {1000 * c.all_gather_s:.1f} ms")
-    console.print(f"wrote {out}")
+    console.print(profile_table(prof, summary, f"profile of {model} ({prof.model.n_params:,} parameters, "
+                                               f"{options.precision}), {time.perf_counter() - start:.0f} s"))
+    if line := comm_line(prof):
+        say(console, line)
+    say(console, f"wrote {out}")
     if plot:
-        console.print(f"wrote {plot_profile(prof, plot)}")
-
-
-def _discover_devices(command: str):
-    """The real CUDA devices the ranks run on; joins the process group (torchrun's, or one rank here)."""
-    import os
-
-    from poplar.engine.dist import init_distributed
-    from poplar.profile.discover import cuda_devices_here, discover_cluster, no_devices_message
-
-    n = cuda_devices_here()
-    if n == 0:
-        raise ValueError(no_devices_message())
-    if "WORLD_SIZE" not in os.environ and n > 1:
-        raise ValueError(f"{n} CUDA devices here: launch one rank per device, `torchrun --standalone "
-                         f"--nproc-per-node {n} -m poplar.cli.main {command} ...` (or CUDA_VISIBLE_DEVICES=0 for one)")
-    init_distributed()
-    return discover_cluster()
+        say(console, f"wrote {plot_profile(prof, plot)}")
 
 
 @app.command()
@@ -201,20 +171,14 @@ def plan(
                                                                   "not only the chosen one's"),
 ) -> None:
     """Choose the ZeRO stage and every rank's micro-batch and accumulation for the most throughput."""
-    from rich.console import Console
-
-    from poplar.planner import PlanningError, make_plan
+    from poplar.planner import make_plan
     from poplar.planner.report import comparison_table, stage_table
     from poplar.profile.profile import Profile
 
-    console = Console()
+    console = _console()
     try:
-        stage_list = sorted({int(s) for s in stages.split(",") if s.strip()})
-    except ValueError:
-        stage_list = []
-    try:
-        if not stage_list or any(s not in (0, 1, 2, 3) for s in stage_list):
-            raise ValueError(f"--stages {stages!r}: give stages from 0, 1, 2, 3, e.g. 0,1,2,3")
+        stage_list = stages_option(stages)
+        _check_writable(out, "--out")
         if not profile.exists():
             raise ValueError(f"--profile {profile}: no such file; write one with `poplar profile`")
         try:
@@ -227,19 +191,16 @@ def plan(
             raise ValueError(f"--profile {profile}: not a Poplar profile ({what}); write one with "
                              "`poplar profile`") from None
         result = make_plan(prof, global_batch, stage_list)
-    except (ValueError, PlanningError) as e:
+    except BAD_INPUT_ERRORS as e:   # PlanningError is one
         _error(console, e)
         raise typer.Exit(2) from None
     for s, sp in result.stages.items():
         if not sp.excluded and (all_stages or s == result.stage):
             console.print(stage_table(result, sp))
     console.print(comparison_table(result))
-    console.print(f"[bold]chosen:[/] {result.reason}")
+    say(console, f"chosen: {result.reason}")
     result.save(out)
-    console.print(f"wrote {out} ({result.plan})")
-
-
-BAD_INPUT_ERRORS = ("ValueError", "FileNotFoundError", "CheckpointError", "ValidationError", "TypeError")
+    say(console, f"wrote {out} ({result.plan})")
 
 
 def _where_run_stands(cfg) -> str:
@@ -279,48 +240,62 @@ def train(
     rank stops every rank with one line naming it and the last checkpoint. --resume continues on this cluster or
     another (other devices, another world size: planned anew). See docs/reliability.md.
     """
-    from rich.console import Console
-
+    from poplar.cli.output import Progress
     from poplar.launch import RankFailed
     from poplar.train.config import load_config
     from poplar.train.run import run_training
 
-    console = Console()
+    console = _console()
     cfg = None
     overrides = {"model": model, "cluster": cluster, "global_batch": global_batch, "steps": steps, "plan": plan,
                  "baseline": baseline, "out": out, "resume": resume or None}
     try:
-        for item in set_:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ValueError(f"--set {item!r}: write field=value")
-            import yaml
-
-            overrides[key.strip()] = yaml.safe_load(value)
-        cfg = load_config(config, overrides)
-        result = run_training(cfg, nproc=nproc)
-    except (ValueError, FileNotFoundError) as e:
+        cfg = load_config(config, {**overrides, **_set_options(set_)})
+        shown = os.environ.get("RANK", "0") == "0"   # under torchrun, rank 0 reports the profiling
+        result = run_training(cfg, nproc=nproc, progress=(lambda title: Progress(console, title)) if shown else None)
+    except BAD_INPUT_ERRORS as e:
         _error(console, e)
         raise typer.Exit(2) from None
     except RankFailed as e:
         _error(console, f"{e.line}{_where_run_stands(cfg)}")
-        raise typer.Exit(2 if e.error in BAD_INPUT_ERRORS else 1) from None
+        raise typer.Exit(2 if is_bad_input_in_rank(e.error) else 1) from None
     except (TimeoutError, RuntimeError, FloatingPointError) as e:   # this process is a rank (torchrun's)
         line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         _error(console, f"{line}{_where_run_stands(cfg)}")
         raise typer.Exit(1) from None
+    _say_trained(console, cfg, result)
+
+
+def _set_options(items: list[str]) -> dict:
+    """``--set field=value`` options: each value read as YAML (numbers, lists, booleans)."""
+    import yaml
+
+    fields = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: write field=value")
+        try:
+            fields[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--set {item!r}: the value is not YAML ({getattr(e, 'problem', None) or e}); quote "
+                             "it or write it as YAML, e.g. --set stages=[0,1]") from None
+    return fields
+
+
+def _say_trained(console, cfg, result: dict) -> None:
     if result.get("preempted"):
-        console.print(f"preempted: stopped after step {result['preempted']} with a checkpoint; continue with "
-                      f"`poplar train --resume --out {cfg.out}`", soft_wrap=True)
+        say(console, f"preempted: stopped after step {result['preempted']} with a checkpoint; continue with "
+                     f"`poplar train --resume --out {cfg.out}`")
         return
     losses = result["losses"]
     if losses and "summary" in result:      # rank 0 (or the launcher)
         s = result["summary"]
-        console.print(f"trained steps {result['start'] + 1}-{cfg.steps} with {result['plan']}: "
-                      f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; steady steps (median): "
-                      f"{s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:,.0f} tokens/s, "
-                      f"{s['tflops']:.2f} TFLOP/s" + (f", MFU {100 * s['mfu']:.1f}%" if "mfu" in s else "")
-                      + f"; log {cfg.out}/log.jsonl, report {result['report']}")
+        say(console, f"trained steps {result['start'] + 1}-{cfg.steps} with {result['plan']}: "
+                     f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; steady steps (median): "
+                     f"{s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:,.0f} tokens/s, "
+                     f"{s['tflops']:.2f} TFLOP/s" + (f", MFU {100 * s['mfu']:.1f}%" if "mfu" in s else "")
+                     + f"; log {cfg.out}/log.jsonl, report {result['report']}")
 
 
 @app.command()
@@ -339,62 +314,40 @@ def bench(
     """Measure Poplar's plan against the uniform, proportional and measured-peak splits, DeepSpeed, the ideal bound."""
     import json
 
-    from rich.console import Console
-    from rich.table import Table
-
-    from poplar.bench import bench_cluster, clusters
+    from poplar.bench import bench_cluster, check_clusters, results_table
+    from poplar.cli.output import Progress
     from poplar.workload import Workload
 
-    console = Console()
-    try:
+    console = _console()
+    try:   # everything that can be refused is, before anything is profiled
         builtin = model in ("tiny", "small", "base")
         workload = Workload(model=model, seq_len=None if builtin else seq_len,
                             vocab_size=None if builtin else vocab_size)
+        names = check_clusters(cluster, global_batch)
+        _check_writable(json_out, "--json")
         results = []
-        for c in clusters(cluster):
-            console.print(f"[bold]{c}[/]: profiling (cached after the first run), planning, measuring")
-            results.append(bench_cluster(c, workload, global_batch, steps, use_cache=not no_cache,
-                                         peers=not no_peers))
-    except (ValueError, FileNotFoundError) as e:
+        for c in names:
+            with Progress(console, f"{c}: profiling (cached after the first run), planning, measuring") as progress:
+                results.append(bench_cluster(c, workload, global_batch, steps, use_cache=not no_cache,
+                                             peers=not no_peers, progress=progress))
+    except BAD_INPUT_ERRORS as e:
         _error(console, e)
         raise typer.Exit(2) from None
-    table = Table(title=f"{model}, global batch {global_batch}: measured, {steps} steps per allocation")
-    for col in ("cluster", "stage", "allocation", "samples/s", "vs uniform", "vs proportional",
-                "vs measured-peak", "vs deepspeed", "of ideal", "predicted", "overruns"):
-        table.add_column(col, justify="right")
-    notes = []
-    for r in results:
-        rows = dict(r["allocations"])
-        for name, peer in r["peers"].items():
-            if isinstance(peer, dict):
-                rows[name] = peer
-            else:
-                notes.append(f"{r['cluster']}: {name}: {peer}")
-
-        def vs(a: dict, name: str) -> str:
-            return f"{a['samples_per_s'] / rows[name]['samples_per_s']:.2f}x" if name in rows else "-"
-
-        for name, a in rows.items():
-            label = f"{name} (= {a['same_plan_as']})" if a.get("same_plan_as") else name
-            error = f"{100 * a['prediction_error']:+.1f}%" if "prediction_error" in a else "-"
-            table.add_row(r["cluster"], str(r["zero_stage"]), label, f"{a['samples_per_s']:.1f}",
-                          vs(a, "uniform"), vs(a, "proportional"), vs(a, "measured-peak"), vs(a, "deepspeed"),
-                          f"{100 * a['samples_per_s'] / r['ideal_samples_per_s']:.0f}%", error,
-                          str(a.get("overruns", "-")))
-        table.add_row(r["cluster"], str(r["zero_stage"]), "ideal", f"{r['ideal_samples_per_s']:.1f}",
-                      "-", "-", "-", "-", "100%", "-", "-")
+    table, notes = results_table(results, f"{model}, global batch {global_batch}: measured, {steps} steps per "
+                                          "allocation")
     console.print(table)
-    console.print("samples/s: on an emulated cluster, in its devices' declared time; predicted: the plan's "
-                  "predicted step time against the measured one; overruns: spans whose real work ran past "
-                  "their declared time (0: the figures are the declared devices')", highlight=False)
-    if any(a.get("same_plan_as") for r in results for a in r["allocations"].values()):
-        console.print("(= name): the same plan as that allocation's, measured once", highlight=False)
     for note in notes:
-        console.print(note, highlight=False)
+        say(console, note)
     if json_out:
         json_out.write_text(json.dumps(results, indent=2) + "\n")
-        console.print(f"wrote {json_out}")
+        say(console, f"wrote {json_out}")
 
+
+def _check_writable(path: Path | None, option: str) -> None:
+    """A file a command writes at its end: its directory is there, and it is no directory itself."""
+    if path is not None and (path.is_dir() or not path.parent.is_dir()):
+        raise ValueError(f"{option} {path}: " + ("is a directory: give a file name" if path.is_dir() else
+                                                  f"no directory {path.parent}: create it or give another path"))
 
 if __name__ == "__main__":
     app()

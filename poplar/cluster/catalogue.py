@@ -25,6 +25,7 @@ True
 
 from __future__ import annotations
 
+import difflib
 import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -181,8 +182,35 @@ def _find(name: str) -> GpuSpec | None:
     return _BY_KEY.get(name.strip().lower()) or match_cuda_name(name)
 
 
+def gpu_by_key(name: str) -> GpuSpec:
+    """A catalogue entry by its exact key, in any case, as a cluster file names it.
+
+    A person writes these names, so a misspelt one is refused with the close names (a
+    CUDA device name is refused too, saying which key it is): nothing is guessed.
+
+    >>> gpu_by_key("h100-pcie").name
+    'H100-PCIe'
+    >>> gpu_by_key("A100-80G")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown GPU 'A100-80G': did you mean A100-80GB, H100-80GB, A800-80GB, A100-40GB? ...
+    """
+    spec = _BY_KEY.get(name.strip().lower())
+    if spec is not None:
+        return spec
+    close = [_BY_KEY[c].name for c in difflib.get_close_matches(name.strip().lower(), list(_BY_KEY), n=3, cutoff=0.6)]
+    cuda = match_cuda_name(name)   # "NVIDIA H100 PCIe", "t4": the entry their words name
+    if cuda is not None and cuda.name not in close:
+        close.append(cuda.name)
+    known = f"did you mean {', '.join(close)}?" if close else f"the catalogue knows {', '.join(CATALOGUE)}"
+    raise ValueError(f"unknown GPU {name!r}: {known} (or declare the device's own memory_gb, tflops and "
+                     "memory_bandwidth_gbs in the cluster file)")
+
+
 def gpu(name: str) -> GpuSpec:
     """A catalogue entry by its key (any case: "a100-80gb") or by a CUDA device name.
+
+    For what a real GPU reports; a cluster file's names go through :func:`gpu_by_key`.
 
     >>> gpu("h200").memory_gb
     141.0

@@ -27,12 +27,13 @@ its kinds carries the GPU's properties (``cuda``) instead of figures.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
-from poplar.cluster.catalogue import gpu as catalogue_gpu
+from poplar.cluster.catalogue import gpu_by_key as catalogue_gpu
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 KERNEL_OVERHEAD_US = 5.0     # launch cost of one eager kernel, host side included
@@ -99,7 +100,7 @@ class DeviceGroup(BaseModel):
                 raise ValueError(f"kind {self.kind!r} is a real CUDA device: it has no declared {', '.join(declared)}")
             return self
         if self.gpu is not None:
-            catalogue_gpu(self.gpu)   # an unknown name fails here, naming the known ones
+            catalogue_gpu(self.gpu)   # exactly a catalogue name: a misspelt one fails here, naming the close ones
             return self
         missing = [f for f in ("memory_gb", "tflops", "memory_bandwidth_gbs") if getattr(self, f) is None]
         if missing:
@@ -204,6 +205,12 @@ class ClusterSpec(BaseModel):
             raise ValueError(f"the cluster file describes {self.world_size} devices ({counts}) but {world_size} "
                              f"ranks were launched: launch {self.world_size} ranks or change the devices' counts")
 
+    def check_global_batch(self, global_batch: int) -> None:
+        """Every rank takes at least one sample of every global batch: known before anything is profiled."""
+        from poplar.plan import check_global_batch
+
+        check_global_batch(global_batch, self.world_size)
+
     def describe(self) -> str:
         """One line a person reads: the kinds, their nodes and the links."""
         kinds = ", ".join(f"{d.count} x {d.kind}" + (f" ({d.gpu})" if d.gpu else "")
@@ -251,15 +258,20 @@ def parse_cluster(data, source: str = "cluster") -> ClusterSpec:
 def load_cluster(path_or_preset: str | Path) -> ClusterSpec:
     """Load a cluster file, or a preset by name (see :func:`presets`)."""
     path = Path(path_or_preset)
-    if not path.exists() and (PRESETS_DIR / f"{path_or_preset}.yaml").exists():
+    if not path.is_file() and (PRESETS_DIR / f"{path_or_preset}.yaml").is_file():
         path = PRESETS_DIR / f"{path_or_preset}.yaml"
-    if not path.exists():
-        raise FileNotFoundError(f"no cluster file {str(path_or_preset)!r}; give a YAML path or one of the presets: "
-                                f"{', '.join(presets())}")
+    if not path.is_file():
+        close = difflib.get_close_matches(str(path_or_preset), presets(), n=1)
+        raise FileNotFoundError(f"no cluster file {str(path_or_preset)!r}; " + (f"did you mean {close[0]}? " if close
+                                else "") + f"give a YAML path or one of the presets: {', '.join(presets())}")
     try:
         data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    except yaml.YAMLError as e:   # the place and the problem, on one line (yaml's own message is a drawing)
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}): give a YAML cluster file") from None
     return parse_cluster(data, str(path))
 
 

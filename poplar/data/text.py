@@ -24,6 +24,7 @@ slice (``plan.sample_range(rank)``) from the same global batch.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 from pathlib import Path
@@ -65,17 +66,50 @@ def load_text(source: str = "embedded") -> list[str]:
     files = sorted(str(p) for p in path.rglob("*.txt")) if path.is_dir() else [str(path)]
     if not files:
         raise ValueError(f"--data {source!r}: the directory holds no .txt file")
-    if all(not Path(f).read_bytes().strip() for f in files):
+    if not any([_holds_text(f, source) for f in files]):   # every file checked: a bad one is named
         raise ValueError(f"--data {source!r}: the text is empty")
     import datasets
     from datasets import load_dataset
 
     datasets.disable_progress_bars()   # a run's output is its own lines
-    ds = load_dataset("text", data_files=files, split="train", sample_by="paragraph")
+    try:
+        ds = load_dataset("text", data_files=files, split="train", sample_by="paragraph")
+    except Exception as e:   # what the checks above did not foresee: one line, not the library's traceback
+        line = next((x for x in str(e).splitlines() if x.strip()), "")
+        raise ValueError(f"--data {source!r}: Hugging Face datasets could not read it ({type(e).__name__}: "
+                         f"{line[:200]}); give UTF-8 text files (.txt)") from None
     docs = [t for t in ds["text"] if t.strip()]
     if not docs:
         raise ValueError(f"--data {source!r}: the text is empty")
     return docs
+
+
+def _holds_text(path: str, source: str) -> bool:
+    """Whether ``path`` holds any text (False: empty or blank); a file that is not UTF-8 text is refused, named.
+
+    Read in chunks, so a large file is checked without holding it whole.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    blank, offset = True, 0
+    where = f"--data {source!r}" + ("" if path == source else f": {path}")
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            if b"\0" in chunk:   # valid UTF-8, but no text has NUL bytes: an archive, an image, a tensor file
+                raise ValueError(f"{where} is a binary file, not text (byte "
+                                 f"{offset + chunk.index(0)} is NUL): give UTF-8 text files (.txt)")
+            try:
+                blank = not decoder.decode(chunk).strip() and blank
+                offset += len(chunk)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where} is not UTF-8 text (byte {offset + e.start} is "
+                                 f"{chunk[e.start]:#04x}): convert it to UTF-8 (e.g. iconv -t UTF-8) or give "
+                                 "another file") from None
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise ValueError(f"{where} is not UTF-8 text (it ends inside a character): convert "
+                             "it to UTF-8 or give another file") from None
+    return not blank
 
 
 def train_tokenizer(docs: list[str], vocab_size: int = 2048):
@@ -87,7 +121,10 @@ def train_tokenizer(docs: list[str], vocab_size: int = 2048):
         digest.update(d.encode())
     path = _cache_dir() / f"tokenizer-{digest.hexdigest()[:16]}-{vocab_size}.json"
     if path.exists():
-        return Tokenizer.from_file(str(path))
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception:   # a damaged cache file (a full disk, a crash): it is only a cache, train again
+            path.unlink(missing_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

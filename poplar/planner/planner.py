@@ -19,6 +19,7 @@ from poplar.planner.cost import CostModel, Prediction
 from poplar.planner.search import (Infeasible, allocate, ideal_samples_per_s, measured_proportional, proportional,
                                    uniform)
 from poplar.profile.profile import Profile
+from poplar.stages import parse_stages
 
 ALLOCATIONS = {"poplar": allocate, "uniform": uniform, "proportional": proportional,
                "measured-peak": measured_proportional}
@@ -146,9 +147,7 @@ def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanR
     """
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise PlanningError(f"global batch {global_batch!r}: give a positive whole number of samples")
-    stages = sorted(set(stages))
-    if not stages or any(s not in (0, 1, 2, 3) for s in stages):
-        raise PlanningError(f"stages {stages}: choose among 0, 1, 2, 3")
+    stages = parse_stages(stages)
     world = profile.world_size
     if global_batch < world:
         raise PlanningError(

@@ -96,6 +96,24 @@ def test_an_unknown_gpu_names_the_ones_the_catalogue_knows():
     assert all(name in message for name in CATALOGUE)
 
 
+@pytest.mark.parametrize("name, close", [
+    ("A100-80G", "did you mean A100-80GB, "),             # a letter short: the close names, nearest first
+    ("rtx4090", "did you mean RTX-4090, RTX-3090?"),
+    ("T4", "did you mean T4-16GB?"),
+    ("NVIDIA A100-SXM4-80GB", "did you mean A100-80GB"),   # what a real GPU reports is not a catalogue name
+    ("A999", "the catalogue knows A100-80GB, A100-40GB, "),   # nothing close: every name
+])
+def test_a_cluster_file_names_catalogue_gpus_exactly(name, close):
+    message = error({"devices": [{"kind": "x", "gpu": name}]})
+    assert message.startswith(f"cluster: devices.0: unknown GPU '{name}': {close}"), message
+
+
+def test_catalogue_names_are_taken_in_any_case():
+    spec = parse_cluster({"devices": [{"kind": "x", "gpu": "a100-80gb"}, {"kind": "y", "gpu": " H100-PCIE "}]})
+    assert [d.memory_gib for d in spec.devices] == [80.0, 80.0]
+    assert spec.devices[1].peak_tflops("fp32") == CATALOGUE["H100-PCIe"].peak_tflops["fp32"]
+
+
 def test_a_speed_is_refused_saying_to_give_a_gpu():
     message = error({"devices": [{"kind": "x", "speed": 0.5, "memory_gb": 1}]})
     assert "devices.0.speed" in message and "gpu: NAME" in message and "tflops" in message
@@ -144,6 +162,14 @@ def test_files_that_are_not_there_or_not_yaml(tmp_path):
     bad.write_text("devices: [\n")
     with pytest.raises(ValueError, match="not valid YAML"):
         load_cluster(bad)
+    with pytest.raises(ValueError) as e:
+        load_cluster(bad)
+    assert str(e.value) == f"{bad}: not valid YAML at line 2, column 1: expected the node content, but found " \
+                           "'<stream end>'"
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"devices: \xff\xfe\n")
+    with pytest.raises(ValueError, match="binary.yaml: not UTF-8 text"):
+        load_cluster(binary)
     speed = tmp_path / "old.yaml"
     speed.write_text("devices:\n  - kind: x\n    speed: 1.0\n    memory_gb: 1\n")
     with pytest.raises(ValueError, match=f"{speed}: devices.0.speed"):   # the error names the file too

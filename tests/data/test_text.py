@@ -77,6 +77,32 @@ def test_local_text_files_load_through_datasets(tmp_path):
         load_text(str(tmp_path / "missing.txt"))
 
 
+@pytest.mark.parametrize("content, words", [
+    (b"text, then \x00\x01 bytes", "is a binary file, not text (byte 11 is NUL): give UTF-8 text files"),
+    ("café au lait\n".encode("latin-1"), "is not UTF-8 text (byte 3 is 0xe9): convert it to UTF-8"),
+    ("fine, then a cut \u20ac".encode()[:-1], "is not UTF-8 text (it ends inside a character)"),
+    (b"", "the text is empty"),
+    (b" \n\n \n", "the text is empty"),
+])
+def test_a_file_that_is_not_text_is_refused_in_one_line_naming_it(tmp_path, content, words):
+    (tmp_path / "data.txt").write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        load_text(str(tmp_path / "data.txt"))
+    assert words in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "good.txt").write_text("A paragraph of fine text.\n")
+    if content.strip():   # in a directory: the bad file among good ones, named (an empty one is left out)
+        with pytest.raises(ValueError, match=f"{tmp_path / 'data.txt'} is"):
+            load_text(str(tmp_path))
+
+
+def test_a_damaged_tokenizer_cache_is_trained_again(tmp_path):
+    docs = embedded_text()[:40]
+    tok = train_tokenizer(docs, 300)
+    (cached,) = (tmp_path / "data-cache").glob("tokenizer-*.json")
+    cached.write_text('{"version": "1.0", "trunc')
+    assert train_tokenizer(docs, 300).to_str() == tok.to_str()
+
+
 def test_masked_positions_are_the_same_count_per_sequence_and_reproducible():
     tokens = torch.randint(0, 100, (4, 40))
     pos = masked_positions(tokens)

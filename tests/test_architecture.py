@@ -1,0 +1,101 @@
+"""The package's shape, checked: data flows one way, no import circles, readable sizes.
+
+cluster -> profile -> plan -> engine -> train -> report: a part never imports a part
+downstream of it (imports inside functions count too), and no two parts import each other.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "poplar"
+
+# what each part may never import (downstream of it, or beside it where it must not know)
+FORBIDDEN = {
+    "poplar.cluster": {"poplar.engine", "poplar.devices", "poplar.emulate", "poplar.profile", "poplar.planner",
+                       "poplar.train", "poplar.measure", "poplar.peers"},
+    "poplar.engine": {"poplar.cluster", "poplar.devices", "poplar.emulate", "poplar.profile", "poplar.planner",
+                      "poplar.train", "poplar.measure", "poplar.peers", "poplar.launch", "poplar.workload"},
+    "poplar.emulate": {"poplar.profile", "poplar.planner", "poplar.train", "poplar.measure", "poplar.peers"},
+    "poplar.devices": {"poplar.profile", "poplar.planner", "poplar.train", "poplar.measure", "poplar.peers"},
+    "poplar.profile": {"poplar.planner", "poplar.train", "poplar.measure", "poplar.peers", "poplar.bench",
+                       "poplar.demo"},
+    "poplar.planner": {"poplar.engine", "poplar.devices", "poplar.emulate", "poplar.train", "poplar.measure",
+                       "poplar.peers", "poplar.launch", "poplar.bench", "poplar.demo"},
+    "poplar.train": {"poplar.bench", "poplar.demo", "poplar.measure", "poplar.peers", "poplar.cli"},
+}
+# the values every part reads: they import nothing of poplar but these
+LEAVES = {"poplar.stages": set(), "poplar.precision": set(), "poplar.plan": {"poplar.stages"}}
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _part(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def imports() -> dict[str, set[str]]:
+    """Every poplar module's poplar imports, wherever in the module they are."""
+    out: dict[str, set[str]] = collections.defaultdict(set)
+    for path in ROOT.rglob("*.py"):
+        me = _module(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("poplar"):
+                out[me].add(node.module)
+            elif isinstance(node, ast.Import):
+                out[me].update(a.name for a in node.names if a.name.startswith("poplar"))
+    return out
+
+
+def part_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = collections.defaultdict(set)
+    for me, targets in imports().items():
+        for t in targets:
+            if _part(t) != _part(me) and t != "poplar":
+                graph[_part(me)].add(_part(t))
+    return graph
+
+
+def test_no_part_imports_downstream():
+    bad = []
+    for me, targets in imports().items():
+        for t in targets:
+            if _part(t) == _part(me) or (t == "poplar" and _part(me) not in LEAVES):
+                continue
+            if _part(t) in FORBIDDEN.get(_part(me), set()) or (
+                    _part(me) in LEAVES and _part(t) not in LEAVES[_part(me)]):
+                bad.append(f"{me} imports {t}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_no_import_circle_between_parts():
+    graph = part_graph()
+    circles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in graph.get(node, ()):
+            if nxt in path:
+                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif len(path) < len(graph) + 1:
+                visit(nxt, path + [nxt])
+
+    for start in list(graph):
+        visit(start, [start])
+    assert not circles, "\n".join(sorted(set(circles)))
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_files_and_functions_are_read_at_once(path):
+    src = path.read_text()
+    if path.name != "catalogue.py":   # a data table
+        assert src.count("\n") <= 400, f"{path}: {src.count(chr(10))} lines (at most 400)"
+    long = [f"{node.name}: {node.end_lineno - node.lineno + 1} lines" for node in ast.walk(ast.parse(src))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
+    assert not long, f"{path}: " + "; ".join(long)
