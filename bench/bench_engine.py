@@ -145,8 +145,9 @@ def run_rank(rank: int, world_size: int, key: str, s: Settings, run_dir: str) ->
     loss = torch.tensor([float(v) for v in losses], dtype=torch.float64)
     dist.all_reduce(loss)
     close()
+    t = os.times()   # this rank's CPU: its launcher does not reap it (the ranks are forked from a server)
     return {"step_s": step_s.tolist(), "wall_step_s": wall_step_s, "losses": (loss / world_size).tolist(),
-            "setup_s": setup_s, "num_threads": torch.get_num_threads()}
+            "setup_s": setup_s, "num_threads": torch.get_num_threads(), "cpu_s": t.user + t.system}
 
 
 # ----------------------------------------------------------------------------- the parent
@@ -156,8 +157,9 @@ def run_system(key: str, s: Settings, run_dir: str, timeout_s: float, pg_timeout
     """Launch ``world_size`` ranks for one system; its result, or ``{"error": one line, "traceback": ...}``."""
     os.makedirs(run_dir, exist_ok=True)
     try:
-        return spawn(run_rank, s.world_size, key, s, run_dir, timeout_s=timeout_s,
-                     collective_timeout_s=pg_timeout_s)[0]
+        ranks = spawn(run_rank, s.world_size, key, s, run_dir, timeout_s=timeout_s,
+                      collective_timeout_s=pg_timeout_s)
+        return {**ranks[0], "cpu_s": sum(r["cpu_s"] for r in ranks)}
     except RankFailed as e:
         return {"error": e.line, "traceback": str(e)}
     except TimeoutError as e:
@@ -166,7 +168,7 @@ def run_system(key: str, s: Settings, run_dir: str, timeout_s: float, pg_timeout
 
 def _cpu_seconds() -> tuple[float, float] | None:
     """(CPU-seconds the whole machine was busy, CPU-seconds of this process and its reaped children); None off
-    Linux. Their difference over a run is other people's load."""
+    Linux. Their difference over a run, less the ranks' own CPU, is other people's load."""
     try:
         with open("/proc/stat") as f:
             vals = [int(v) for v in f.readline().split()[1:9]]
@@ -183,7 +185,8 @@ def _timed_run(key: str, s: Settings, run_dir: str, timeout_s: float,
     t0, cpu0 = time.monotonic(), _cpu_seconds()
     r = run_system(key, s, run_dir, timeout_s, pg_timeout_s)
     wall, cpu1 = time.monotonic() - t0, _cpu_seconds()
-    other = max(0.0, ((cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1])) / wall) if cpu0 and cpu1 else None
+    ranks = r.get("cpu_s", 0.0)
+    other = max(0.0, ((cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1]) - ranks) / wall) if cpu0 and cpu1 else None
     return r, wall, other
 
 
