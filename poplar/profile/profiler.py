@@ -114,7 +114,9 @@ def _run_ranks(wl: Workload, spec: ClusterSpec, options: ProfileOptions, config:
         if on_poll is not None:
             on_poll()
 
-    return spawn(profile_rank, spec.world_size, *args, queue, timeout_s=options.timeout_s, on_poll=poll)
+    ranks = spawn(profile_rank, spec.world_size, *args, queue, timeout_s=options.timeout_s, on_poll=poll)
+    poll()   # the last events (a stage done) may arrive after the last wait
+    return ranks
 
 
 def merge_stage(entries: list[StageProfile]) -> StageProfile:

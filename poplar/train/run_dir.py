@@ -1,7 +1,7 @@
 """A run's directory and the files that say what the run is: ``plan.json``, ``config.yaml``, ``cluster.json``.
 
-``plan.json`` is one schema, written here and read by :func:`read_plan` (and by
-``poplar.Plan.load``, which ignores the planner's figures beside the plan): the plan the
+``plan.json`` is one schema, written here and read by ``poplar.Plan.load`` (which
+ignores the planner's figures beside the plan): the plan the
 run trains with on top, with the planner's result (if it planned) and which allocation
 it took. A resumed run keeps its earlier plan and config beside the new ones
 (``plan.1.json``, ...) rather than overwriting them.
@@ -60,15 +60,10 @@ def plan_record(plan, result=None, allocation: str = "poplar") -> dict:
     return d
 
 
-def read_plan(path: Path):
-    """The plan a run's ``plan.json`` holds (whichever wrote it)."""
-    return poplar.Plan.load(path)
-
-
 def write_plan(out_dir: Path, plan, result=None, allocation: str = "poplar") -> None:
     """Write ``plan.json`` (the earlier one kept aside, unless it is the same plan with nothing to add)."""
     path = out_dir / "plan.json"
-    if result is None and path.exists() and read_plan(path) == plan:
+    if result is None and path.exists() and poplar.Plan.load(path) == plan:
         return
     keep_aside(path)
     path.write_text(json.dumps(plan_record(plan, result, allocation), indent=2) + "\n")
