@@ -72,7 +72,7 @@ class StepFigures:
     def gather(cls, device, comm, overruns_before: int, peak: float, grad_norm: float | None) -> StepFigures:
         """Every rank calls this (one small all-gather)."""
         mine = torch.tensor([device.step_s, device.compute_s, device.overruns - overruns_before, peak],
-                            dtype=torch.float64, device=getattr(device, "torch_device", None) or "cpu")
+                            dtype=torch.float64, device=device.torch_device)
         every = torch.zeros(comm.world_size * 4, dtype=torch.float64, device=mine.device)
         comm.all_gather(every, mine)
         rows = every.view(comm.world_size, 4).tolist()
