@@ -231,9 +231,9 @@ class Engine:
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
         """The global L2 norm of the gradient (NaN or infinity when any part of it is)."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            sq += g.float().pow(2).sum()
+        # one pass over each gradient, no temporary of its size (as clip_grad_norm_ does)
+        norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=self.device)]
+        sq = torch.linalg.vector_norm(torch.stack(norms).float()).square()
         if self.stage.shards_optimizer:   # each rank holds a gradient shard: the squares add up across ranks
             self.comm.all_reduce(sq)
         return float(sq.sqrt())
@@ -265,8 +265,7 @@ class Engine:
         if self.config.clip_grad_norm is not None:
             coef = self.config.clip_grad_norm / (norm + 1e-6)
             if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
+                torch._foreach_mul_(grads, coef)
         for unit, g in zip(self.units, grads):
             unit.attach_grad(g)
         try:
