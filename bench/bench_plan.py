@@ -24,12 +24,13 @@ from poplar.workload import as_workload
 
 
 def bench_preset(name: str, model: str, global_batch: int, steps: int, rounds: int, use_cache: bool,
-                 all_stages: bool) -> list[dict]:
-    def pick(result):   # every allocation of the chosen stage, and Poplar's plan of the others
+                 all_stages: bool, every_allocation: bool = False, warmup: int = 2, timeout_s: float = 900) -> list[dict]:
+    def pick(result):   # every allocation of the chosen stage, and Poplar's plan of the others (or all of theirs)
         return [(s, n) for s, sp in result.stages.items() if not sp.excluded
-                for n in sp.allocations if s == result.stage or (all_stages and n == "poplar")]
+                for n in sp.allocations if s == result.stage or (all_stages and (every_allocation or n == "poplar"))]
 
-    result, measured = plan_and_measure(name, as_workload(model), global_batch, pick, steps, rounds, use_cache)
+    result, measured = plan_and_measure(name, as_workload(model), global_batch, pick, steps, rounds, use_cache,
+                                        warmup, timeout_s)
     return [{"preset": name, "stage": stage, "allocation": alloc.name, "chosen": stage == result.stage,
              "plan": str(alloc.plan), "predicted_step_s": alloc.predicted.step_s,
              "predicted_samples_per_s": alloc.predicted.samples_per_s,
@@ -47,6 +48,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds the steps are spread over")
     p.add_argument("--no-cache", action="store_true", help="profile again")
     p.add_argument("--chosen-stage-only", action="store_true", help="skip Poplar's plans of the other stages")
+    p.add_argument("--every-allocation", action="store_true", help="every allocation of every stage, not only "
+                   "Poplar's plan of the stages not chosen")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per plan")
+    p.add_argument("--timeout", type=float, default=900, help="seconds the measuring launch may take")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     console = Console()
@@ -54,7 +59,7 @@ def main() -> None:
     start = time.perf_counter()
     for name in [s.strip() for s in args.presets.split(",") if s.strip()]:
         rows += bench_preset(name, args.model, args.global_batch, args.steps, args.rounds, not args.no_cache,
-                             not args.chosen_stage_only)
+                             not args.chosen_stage_only, args.every_allocation, args.warmup, args.timeout)
     table = Table(title=f"predicted vs measured step time, {args.model}, global batch {args.global_batch} "
                         f"({time.perf_counter() - start:.0f} s)")
     for col in ("preset", "stage", "allocation", "plan", "predicted ms", "measured ms", "error", "measured samples/s"):

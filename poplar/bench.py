@@ -60,7 +60,7 @@ def plan_cluster(cluster: str, workload: Workload, global_batch: int, use_cache:
 
 
 def plan_and_measure(cluster: str, workload: Workload, global_batch: int, pick, steps: int = 12, rounds: int = 3,
-                     use_cache: bool = True):
+                     use_cache: bool = True, warmup: int = 2, timeout_s: float = 900):
     """Profile (or read the cache), plan, and measure the ``(stage, allocation)`` pairs ``pick(result)`` names.
 
     All of them in one launch of the cluster, in alternating rounds. Returns the
@@ -69,7 +69,8 @@ def plan_and_measure(cluster: str, workload: Workload, global_batch: int, pick, 
     spec, result = plan_cluster(cluster, workload, global_batch, use_cache)
     pairs = [(s, result.stages[s].allocations[n]) for s, n in pick(result)
              if result.stages[s].allocations[n].plan is not None]
-    measured = measure_plans(workload, spec.model_dump(), [a.plan for _, a in pairs], steps=steps, rounds=rounds)
+    measured = measure_plans(workload, spec.model_dump(), [a.plan for _, a in pairs], steps=steps, rounds=rounds,
+                             warmup=warmup, timeout_s=timeout_s)
     return result, [(s, a, m) for (s, a), m in zip(pairs, measured)]
 
 

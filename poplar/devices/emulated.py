@@ -6,9 +6,11 @@ the numbers it trains are real. Its *time* is the declared model's:
 - Compute. Inside a step, every operator adds its modelled GPU time
   (:mod:`poplar.emulate.model`) to the rank's device clock ``T``.
 - Collectives. Each is launched at the rank's ``T``; a small all-reduce beside it tells
-  every rank the latest launch, and the collective completes at that moment plus its
-  time over the declared links (:mod:`poplar.emulate.network`). It overlaps compute as
-  on a GPU: a rank that waits for it later than that waits for nothing.
+  every rank the latest launch. The collectives of the group hold the link one after
+  another, in issue order (as on a GPU's communication stream): one in a step starts at
+  the later of its latest launch and the end of the one before it, and takes its time
+  over the declared links (:mod:`poplar.emulate.network`). It overlaps compute as on a GPU: a
+  rank that waits for it later than that waits for nothing.
 - Pace. One time dilation ``D`` for the whole cluster maps device seconds to wall
   seconds. Wherever the rank could be observed (a wait for a collective, a read of the
   clock) it sleeps until the wall clock reads ``origin + D * T``. ``D`` is chosen at
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
+from dataclasses import dataclass
 import weakref
 from typing import Any, Callable
 
@@ -42,6 +46,18 @@ from poplar.emulate.network import NetworkModel
 _side_all_reduce = dist.all_reduce
 OVERRUN_TOLERANCE = 0.01      # of the step's time so far: lateness below this is timer noise, not an overrun
 OVERRUN_FLOOR_S = 0.002       # wall seconds of lateness never counted as an overrun
+
+
+@dataclass
+class _Launched:
+    """One collective launched on this rank: its launch-time all-reduce, and when it is done (once known)."""
+
+    side: Any
+    launched: torch.Tensor
+    op: str
+    nbytes: int
+    in_step: bool        # outside a step (set-up, barriers between steps) a collective holds no step's link
+    done: float | None = None
 
 
 class EmulatedDevice(Device):
@@ -65,6 +81,8 @@ class EmulatedDevice(Device):
         self.T = 0.0                   # the device clock, in declared seconds since origin
         self._step_T = 0.0             # where the step in progress began
         self.peak_state_bytes = 0
+        self._on_link: deque[_Launched] = deque()   # launched collectives whose time on the link is not known yet
+        self._link_free = 0.0          # when the link has carried every collective settled so far
 
     # -- start: one clock for the cluster -----------------------------------------------
     def start(self) -> None:
@@ -109,16 +127,28 @@ class EmulatedDevice(Device):
         launched = torch.tensor([self.T], dtype=torch.float64)
         # launches meet in issue order on every rank, so this pairs with the same collective everywhere
         side = _side_all_reduce(launched, op=dist.ReduceOp.MAX, async_op=True) if dist.is_initialized() else None
-        return side, launched, op, nbytes
+        token = _Launched(side, launched, op, nbytes, self._in_step)
+        self._on_link.append(token)
+        return token
+
+    def _settle(self, token: "_Launched") -> float:
+        """When ``token`` is done: the collectives before it, in issue order, hold the link first."""
+        while token.done is None:
+            first = self._on_link.popleft()
+            if first.side is not None:
+                first.side.wait()
+            seconds = self.network.seconds(first.op, first.nbytes)
+            if first.in_step:
+                first.done = self._link_free = max(float(first.launched[0]), self._link_free) + seconds
+            else:
+                first.done = float(first.launched[0]) + seconds
+        return token.done
 
     def wait(self, token: Any, real_wait: Callable[[], Any]) -> None:
-        side, launched, op, nbytes = token
         before = self.T
         real_wait()
-        if side is not None:
-            side.wait()
+        done = self._settle(token)
         ops = self.T - before    # operators the wait itself ran (a gloo work's copies): compute, after it
-        done = float(launched[0]) + self.network.seconds(op, nbytes)
         if not self._in_step:
             self._follow_wall()
             return

@@ -94,3 +94,19 @@ def overlapped_collective(rank: int, world_size: int, cluster: dict, nbytes: int
         return {"step": device.step_s, "wait": device.wait_s, "compute": counter.seconds,
                 "network": device.network.seconds("all_reduce", nbytes), "overruns": device.overruns,
                 "waited_for": device.T - before_wait}
+
+
+def queued_collectives(rank: int, world_size: int, cluster: dict, nbytes: int) -> dict:
+    """A step that launches two all-reduces at once and waits for both: they share the link, one after the other."""
+    spec = parse_cluster(cluster)
+    with EmulatedDevice(spec, rank, dilation=20.0) as device:   # slow enough that gloo's real work fits
+        a, b = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
+        with device.step():
+            device.comm.barrier()
+            before = device.T
+            first, second = device.comm.all_reduce(a, async_op=True), device.comm.all_reduce(b, async_op=True)
+            first.wait()
+            after_first = device.T
+            second.wait()
+        return {"first": after_first - before, "both": device.T - before,
+                "network": device.network.seconds("all_reduce", nbytes)}

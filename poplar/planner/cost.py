@@ -9,24 +9,29 @@ model reads ``g`` on whole micro-batch sizes ``1..max_micro_batch`` and makes it
 non-decreasing (a larger micro-batch never takes less time; a measured dip is noise).
 
 Communication. The profile times all-reduce, reduce-scatter and all-gather of the
-whole model and of a tiny buffer; a bucket of ``n`` parameters takes the tiny one's
-time (the latency) plus its share ``n / numel`` of the rest. The engine
-launches a unit's gradient collective as soon as backward has produced it, so it
-overlaps the backward of the units still to come; what is left exposed is the last
-bucket's collective (the root unit: embeddings and head finish last in backward).
+whole model and of a tiny buffer; a unit's collective on ``n`` parameters takes the tiny
+one's time (the latency) plus its share ``n / numel`` of the rest. What of it is exposed
+is found by following the engine's schedule unit by unit (:mod:`poplar.planner.schedule`):
+each unit computes its share of a micro-step (its share of the model's forward FLOPs; the
+backward twice the forward), a unit's gradient collective is issued when its backward is
+done, ZeRO-3 gathers each unit before it computes (the next one prefetched), the
+collectives hold the link one after another in issue order, each starting when the last
+rank has issued it, and a rank waits where the engine waits:
 
-- ZeRO-0: one all-reduce per step; the root's is exposed.
-- ZeRO-1: one reduce-scatter per step (the root's exposed), then all-gathering the
-  updated parameters, which nothing overlaps.
-- ZeRO-2: a reduce-scatter on every micro-step (each one's root exposed), then the
-  parameter all-gather.
-- ZeRO-3: on every micro-step the root is gathered before anything can run and its
-  gradient reduce-scattered last (both exposed); the other units' gathers are prefetched
-  behind compute. Parameters stay sharded after the step.
+- ZeRO-0/1: the gradient collectives of the last micro-step only (a rank's earlier
+  micro-steps accumulate); ZeRO-1 then all-gathers the updated parameters unit by unit,
+  which nothing overlaps.
+- ZeRO-2: reduce-scatters on every micro-step (at most two in flight), then the
+  parameter all-gathers.
+- ZeRO-3: on every micro-step every unit gathered for its forward and again for its
+  backward, and its gradient reduce-scattered. Parameters stay sharded after the step.
 
-A rank waits for the slowest at the step's synchronisation (and in ZeRO-2/3 at every
-micro-step, where every rank runs the same number), so the step takes the slowest
-rank's busy time plus the exposed communication.
+Whatever the compute, the root unit's collectives cannot hide (its gradient is the last
+to be ready; in ZeRO-3 it is gathered before anything runs): that part is
+:meth:`CostModel.comm_s`, which the ideal bound charges. Each rank waits for the slowest
+at the collectives it shares with them (in ZeRO-2/3 on every micro-step, where every
+rank runs the same number), so the step takes the slowest rank's busy time plus the
+communication the schedule leaves exposed.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from poplar.plan import Plan
+from poplar.planner.schedule import StepSchedule
 from poplar.profile.profile import Profile, StageProfile
 
 
@@ -112,6 +118,7 @@ class CostModel:
     profile: Profile
     stage: int
     ranks: list[int] = field(default_factory=list)
+    _schedule_cache: StepSchedule | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if not self.ranks:
@@ -133,7 +140,7 @@ class CostModel:
         return comm.seconds(which, numel)
 
     def _collectives_s(self, accum: int) -> float:
-        """Exposed communication derived from the collectives' times (see the module's docstring)."""
+        """The communication no schedule hides: the root's collectives (see the module's docstring)."""
         model = self.profile.model
         full = float(model.n_params)
         last = float(model.unit_numels[0]) if model.unit_numels else full
@@ -146,7 +153,8 @@ class CostModel:
         return accum * (self._coll("all_gather", last) + self._coll("reduce_scatter", last))
 
     def comm_s(self, accum: int) -> float:
-        """Exposed communication of one step of ``accum`` micro-steps (ZeRO-2/3 communicate on each)."""
+        """Communication of a step of ``accum`` micro-steps that nothing can hide, however the compute falls
+        (a lower bound of what :meth:`predict` finds exposed; the ideal bound's)."""
         return self._collectives_s(accum)
 
     # -- a whole plan -------------------------------------------------------------------
@@ -166,6 +174,15 @@ class CostModel:
                                  f"its stage-{self.stage} limit {kc.max_micro_batch}")
             busy_arr[idx] = kc.busy(samples[idx], accum[idx])
         busy = busy_arr.tolist()
-        comm = self.comm_s(int(accum.max()))
-        return Prediction(step_s=max(busy) + comm, busy_s=busy, comm_s=comm, global_batch=plan.global_batch_size,
+        if self.profile.comm is None or len(self.ranks) < 2:
+            step = max(busy) + self.comm_s(int(accum.max()))
+        else:
+            step = self._schedule.step_s(plan, self.rank_kinds, self.kinds)
+        return Prediction(step_s=step, busy_s=busy, comm_s=step - max(busy), global_batch=plan.global_batch_size,
                           seq_len=self.profile.model.seq_len)
+
+    @property
+    def _schedule(self) -> StepSchedule:
+        if self._schedule_cache is None:
+            self._schedule_cache = StepSchedule(self.profile, self.stage)
+        return self._schedule_cache

@@ -95,6 +95,9 @@ class ModelInfo(BaseModel):
     seq_len: int
     unit_numels: list[int] = Field(default_factory=list, description="parameters of each engine unit (the root "
                                    "first); each is one gradient bucket")
+    unit_flops: list[float] = Field(default_factory=list, description="forward FLOPs of one sample in each unit "
+                                    "(the root first), each unit's own: its share of the compute, in the schedule "
+                                    "(poplar.planner.schedule); empty in profiles written before it was recorded")
     dtype: str = "fp32"
 
 

@@ -17,19 +17,18 @@ from __future__ import annotations
 import multiprocessing as mp
 import statistics
 
-import torch
 import torch.distributed as dist
 
 from poplar.cluster.catalogue import peak_tflops
 from poplar.cluster.spec import ClusterSpec, DeviceGroup, parse_cluster
 from poplar.engine.config import EngineConfig
-from poplar.engine.units import build_units
 from poplar.profile.cache import ProfileCache, cache_key, default_cache_dir
 from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import largest_micro_batch
 from poplar.profile.profile import CommProfile, DeviceProfile, ModelInfo, Profile, StageProfile
 from poplar.profile.rank import RankProfile, profile_rank
 from poplar.profile.timing import point_sizes
+from poplar.profile.units import unit_flops, unit_numels
 from poplar.workload import Workload, as_workload
 
 __all__ = ["ProfileOptions", "cache_key", "default_cache_dir", "largest_micro_batch", "merge_stage",
@@ -137,17 +136,6 @@ def _merge_points(point_lists: list[list[tuple[int, float]]]) -> list[tuple[int,
     return [(m, statistics.median(ts)) for m, ts in sorted(by_size.items())]
 
 
-def unit_numels(workload: str | Workload | torch.nn.Module, config: EngineConfig | None = None) -> list[int]:
-    """Parameters of each unit the engine builds from the model with ``config`` (the root first).
-
-    >>> unit_numels("tiny") == unit_numels("tiny", EngineConfig())
-    True
-    """
-    config = config or EngineConfig()
-    model = workload if isinstance(workload, torch.nn.Module) else as_workload(workload).build()
-    return [sum(p.numel() for p in u.params) for u in build_units(model, config.unit_classes, config.unit_numel)]
-
-
 def _rated_tflops(kind: DeviceGroup, precision: str) -> float | None:
     """The data sheet's peak: a discovered GPU's by its name in the catalogue, else the cluster file's."""
     return peak_tflops(kind.cuda.name, precision) if kind.cuda is not None else kind.peak_tflops(precision)
@@ -162,5 +150,6 @@ def _assemble(wl: Workload, spec: ClusterSpec, precision: str, config: EngineCon
                for k, d in kinds.items()}
     model = wl.build()
     info = ModelInfo(name=wl.model, n_params=sum(p.numel() for p in model.parameters()),
-                     unit_numels=unit_numels(model, config), seq_len=wl.seq_len, dtype=precision)
+                     unit_numels=unit_numels(model, config), unit_flops=unit_flops(wl, config, model),
+                     seq_len=wl.seq_len, dtype=precision)
     return Profile(model=info, ranks=[d.kind for d in spec.rank_devices()], devices=devices, comm=comm)

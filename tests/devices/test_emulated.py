@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from poplar.launch import spawn
-from poplar.devices.fidelity import collective_times, micro_steps, overlapped_collective
+from poplar.devices.fidelity import collective_times, micro_steps, overlapped_collective, queued_collectives
 from tests.devices.emulated_workers import fits
 
 TWO_KINDS = {"memory_scale": 0.001, "devices": [{"kind": "a100", "gpu": "A100-80GB"}, {"kind": "t4", "gpu": "T4-16GB"}]}
@@ -60,6 +60,12 @@ def test_a_collective_launched_during_compute_adds_nothing_to_the_step():
         assert r["network"] < 0.5 * r["compute"]                      # it has the time to finish behind compute
         assert r["waited_for"] < 0.01 * r["compute"] and r["overruns"] == 0, r   # nothing left to wait for
         assert r["step"] - r["wait"] == pytest.approx(r["compute"], rel=0.03), r     # (the wait: the barrier's)
+
+
+def test_collectives_in_flight_together_hold_the_link_one_after_the_other():
+    for r in spawn(queued_collectives, 2, TWO_NODES, 2**20, timeout_s=240):
+        assert r["first"] == pytest.approx(r["network"], rel=0.05), r
+        assert r["both"] == pytest.approx(2 * r["network"], rel=0.05), r      # not both at once
 
 
 def test_memory_is_the_scaled_capacity_and_running_out_raises_out_of_memory():

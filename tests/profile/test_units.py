@@ -9,6 +9,7 @@ from poplar.profile.cache import ProfileCache, cache_key, engine_key
 from poplar.profile.options import ProfileOptions
 from poplar.profile.profile import CommProfile, StageProfile
 from poplar.profile.profiler import profile_cluster, unit_numels
+from poplar.profile.units import unit_flops
 from poplar.workload import as_workload
 from tests.profile.workers import engine_unit_numels
 
@@ -44,9 +45,30 @@ def test_a_profile_read_from_the_cache_records_the_units_of_its_engine_options(t
     prof, summary = profile_cluster("tiny", ONE, options, config=config)     # nothing to measure: no rank spawned
     assert summary["from_cache"] == [("small", 0)] and summary["measured"] == []
     assert prof.model.unit_numels == unit_numels("tiny", config) != unit_numels("tiny")
+    assert prof.model.unit_flops == unit_flops("tiny", config) and len(prof.model.unit_flops) == len(small_units())
     assert prof.stage("small", 0) == stage
     # the same cluster with the default units is another profile: not read from this cache
     other = ProfileCache(tmp_path, wl, spec, options.stages, options.precision, options.max_micro_batch, None)
     assert other.stages() == {} and other.comm() is not None      # the collectives do not depend on the units
     with pytest.raises(ValueError, match="precision 'fp16': choose one of fp32, bf16"):
         ProfileOptions(precision="fp16")
+
+
+def small_units() -> list[int]:
+    return unit_numels("tiny", EngineConfig(unit_numel=SMALL_UNITS))
+
+
+def test_each_unit_counts_its_own_forward_flops_and_together_the_whole_model():
+    import torch
+
+    from poplar.profile.units import _FlopsByUnit
+
+    wl = as_workload("tiny")
+    whole = [0.0]
+    with torch.no_grad(), _FlopsByUnit([0], whole):      # the whole model as one unit
+        wl.loss(wl.build(), wl.random_batch(1, seed=0))
+    default, small = unit_flops("tiny"), unit_flops("tiny", EngineConfig(unit_numel=SMALL_UNITS))
+    assert sum(default) == pytest.approx(whole[0]) and sum(small) == pytest.approx(whole[0])
+    root, *blocks = default
+    assert len(blocks) == 2 and blocks[0] == blocks[1] > root > 0     # the blocks alike; the head in the root
+    assert len(small) > len(default) and small[0] == root               # sub-units take their FLOPs from the block

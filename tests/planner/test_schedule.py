@@ -1,0 +1,76 @@
+"""The engine's schedule followed unit by unit: hand-computed timelines."""
+
+import pytest
+
+from poplar.planner.schedule import Compute, Issue, UnitTimes, Wait, micro_step_events, run_ranks
+
+
+def _units(n_layers: int, *, fwd=1.0, bwd=2.0, gather=0.0, reduce=0.0, root_fwd=0.0, root_bwd=0.0):
+    root = UnitTimes(forward_s=root_fwd, backward_s=root_bwd, gather_s=gather, reduce_s=reduce)
+    return [root] + [UnitTimes(fwd, bwd, gather, reduce) for _ in range(n_layers)]
+
+
+def test_reductions_hide_behind_the_backward_still_to_come_and_the_root_is_exposed():
+    # backward: l2 ends at 4 (reduce 4-5), l1 at 6 (reduce 6-7), the root's reduce queues behind: 7-8
+    events = micro_step_events(_units(2, reduce=1.0), gathers=False, reduces=True)
+    assert run_ranks([events]) == (8.0, [6.0])
+
+
+def test_a_slow_link_queues_the_reductions_behind_each_other():
+    # each reduce takes 5: l2's 4-9, l1's 9-14, the root's 14-19; compute ended at 6
+    events = micro_step_events(_units(2, reduce=5.0), gathers=False, reduces=True)
+    end, busy = run_ranks([events])
+    assert (end, busy) == (19.0, [6.0])
+
+
+def test_an_accumulating_micro_step_communicates_nothing():
+    events = micro_step_events(_units(3, reduce=5.0), gathers=False, reduces=False)
+    assert not any(isinstance(e, (Issue, Wait)) for e in events)
+    assert run_ranks([events]) == (9.0, [9.0])
+
+
+def test_a_collective_starts_when_the_last_rank_issues_it():
+    fast = micro_step_events(_units(1, bwd=1.0, reduce=1.0), gathers=False, reduces=True)
+    slow = micro_step_events(_units(1, bwd=3.0, reduce=1.0), gathers=False, reduces=True)
+    # the slow rank issues both reductions at 4: 4-5 and 5-6; the fast one waits for them
+    assert run_ranks([fast, slow]) == (6.0, [2.0, 4.0])
+
+
+def test_more_reductions_in_flight_than_allowed_stall_the_backward():
+    units = _units(3, bwd=1.0, fwd=0.0, reduce=10.0)
+    free = run_ranks([micro_step_events(units, gathers=False, reduces=True)])
+    bound = run_ranks([micro_step_events(units, gathers=False, reduces=True, max_inflight=1)])
+    # unbounded: l3 at 1 (1-11), l2 at 2 (11-21), l1 at 3 (21-31), root (31-41)
+    assert free == (41.0, [3.0])
+    # one in flight: issuing l2's waits for l3's (11), l1 is computed 11-12 and waits for l2's (21)
+    assert bound == (41.0, [3.0])
+    events = micro_step_events(units, gathers=False, reduces=True, max_inflight=1)
+    waits = [i for i, e in enumerate(events) if isinstance(e, Wait)]
+    computes = [i for i, e in enumerate(events) if isinstance(e, Compute)]
+    assert waits[0] < computes[-1]      # the first wait comes before the last layer's backward
+
+
+def test_zero3_gathers_the_root_and_prefetches_the_next_unit():
+    # gathers of 1 each; forward 1 a layer. g0 0-1 (waited), g1 prefetched 1-2, waited: layer 1 runs 2-3,
+    # g2 issued at 2 runs 2-3, layer 2 runs 3-4; backward: g2b at 4 (4-5) waited, g1b prefetched 5-6,
+    # layer 2 backward 5-7, layer 1 backward 7-9
+    events = micro_step_events(_units(2, gather=1.0), gathers=True, reduces=False)
+    assert run_ranks([events]) == (9.0, [6.0])
+    no_prefetch = micro_step_events(_units(2, gather=1.0), gathers=True, reduces=False, prefetch=False)
+    assert run_ranks([no_prefetch]) == (11.0, [6.0])   # every gather exposed: 5 gathers + 6 of compute
+
+
+def test_ranks_that_issue_other_collectives_are_refused():
+    a = micro_step_events(_units(1, reduce=1.0), gathers=False, reduces=True)
+    b = micro_step_events(_units(2, reduce=1.0), gathers=False, reduces=True)
+    with pytest.raises(ValueError, match="rank 1 issues other collectives"):
+        run_ranks([a, b])
+
+
+def test_the_module_examples_hold():
+    import doctest
+
+    import poplar.planner.schedule
+
+    failed, tried = doctest.testmod(poplar.planner.schedule)
+    assert tried > 0 and failed == 0
