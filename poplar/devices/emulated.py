@@ -81,7 +81,7 @@ class EmulatedDevice(Device):
         self.T = 0.0                   # the device clock, in declared seconds since origin
         self._step_T = 0.0             # where the step in progress began
         self.peak_state_bytes = 0
-        self._on_link: deque[_Launched] = deque()   # launched collectives whose time on the link is not known yet
+        self._on_link: deque[weakref.ref] = deque()   # launched collectives whose time on the link is not known yet
         self._link_free = 0.0          # when the link has carried every collective settled so far
 
     # -- start: one clock for the cluster -----------------------------------------------
@@ -128,13 +128,16 @@ class EmulatedDevice(Device):
         # launches meet in issue order on every rank, so this pairs with the same collective everywhere
         side = _side_all_reduce(launched, op=dist.ReduceOp.MAX, async_op=True) if dist.is_initialized() else None
         token = _Launched(side, launched, op, nbytes, self._in_step)
-        self._on_link.append(token)
+        # weakly: a collective nobody will wait for (a step given up) must not keep its process group alive
+        self._on_link.append(weakref.ref(token))
         return token
 
     def _settle(self, token: "_Launched") -> float:
         """When ``token`` is done: the collectives before it, in issue order, hold the link first."""
         while token.done is None:
-            first = self._on_link.popleft()
+            first = self._on_link.popleft()()
+            if first is None:     # dropped unwaited: it holds the link no longer
+                continue
             if first.side is not None:
                 first.side.wait()
             seconds = self.network.seconds(first.op, first.nbytes)
