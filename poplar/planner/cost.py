@@ -37,6 +37,7 @@ communication the schedule leaves exposed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -118,7 +119,6 @@ class CostModel:
     profile: Profile
     stage: int
     ranks: list[int] = field(default_factory=list)
-    _schedule_cache: StepSchedule | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if not self.ranks:
@@ -139,8 +139,9 @@ class CostModel:
             return 0.0
         return comm.seconds(which, numel)
 
-    def _collectives_s(self, accum: int) -> float:
-        """The communication no schedule hides: the root's collectives (see the module's docstring)."""
+    def comm_s(self, accum: int) -> float:
+        """Communication of a step of ``accum`` micro-steps that nothing can hide, however the compute falls:
+        the root's collectives (a lower bound of what :meth:`predict` finds exposed; the ideal bound's)."""
         model = self.profile.model
         full = float(model.n_params)
         last = float(model.unit_numels[0]) if model.unit_numels else full
@@ -151,11 +152,6 @@ class CostModel:
         if self.stage == 2:
             return accum * self._coll("reduce_scatter", last) + self._coll("all_gather", full)
         return accum * (self._coll("all_gather", last) + self._coll("reduce_scatter", last))
-
-    def comm_s(self, accum: int) -> float:
-        """Communication of a step of ``accum`` micro-steps that nothing can hide, however the compute falls
-        (a lower bound of what :meth:`predict` finds exposed; the ideal bound's)."""
-        return self._collectives_s(accum)
 
     # -- a whole plan -------------------------------------------------------------------
     def predict(self, plan: Plan) -> Prediction:
@@ -181,8 +177,6 @@ class CostModel:
         return Prediction(step_s=step, busy_s=busy, comm_s=step - max(busy), global_batch=plan.global_batch_size,
                           seq_len=self.profile.model.seq_len)
 
-    @property
+    @cached_property
     def _schedule(self) -> StepSchedule:
-        if self._schedule_cache is None:
-            self._schedule_cache = StepSchedule(self.profile, self.stage)
-        return self._schedule_cache
+        return StepSchedule(self.profile, self.stage)
