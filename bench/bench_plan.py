@@ -1,9 +1,9 @@
 """Does the cost model match reality? Predicted vs measured step time on the emulated presets.
 
 For each cluster preset: profile the model (or reuse the cache), plan the global batch,
-then train with the chosen plan, with Poplar's plan of every other stage, and with the
-`uniform` and `proportional` baselines, all in one launch of the cluster, and print
-predicted and measured step times side by side.
+then train with the chosen plan, with Poplar's plan of every other stage (on several
+nodes: flat and shaped to the nodes), and with the baselines, all in one launch of the
+cluster, and print predicted and measured step times side by side.
 
     python bench/bench_plan.py                       # all four presets, global batch 128
     python bench/bench_plan.py --presets both-differ --global-batch 256 --json out.json
@@ -20,23 +20,27 @@ from rich.table import Table
 
 from poplar.bench import plan_and_measure
 from poplar.cluster.spec import presets
+from poplar.stages import parse_stages
 from poplar.workload import as_workload
 
 
 def bench_preset(name: str, model: str, global_batch: int, steps: int, rounds: int, use_cache: bool,
-                 all_stages: bool, every_allocation: bool = False, warmup: int = 2, timeout_s: float = 900) -> list[dict]:
-    def pick(result):   # every allocation of the chosen stage, and Poplar's plan of the others (or all of theirs)
-        return [(s, n) for s, sp in result.stages.items() if not sp.excluded
-                for n in sp.allocations if s == result.stage or (all_stages and (every_allocation or n == "poplar"))]
+                 all_stages: bool, every_allocation: bool = False, warmup: int = 2, timeout_s: float = 900,
+                 stages=(0, 1, 2, 3)) -> list[dict]:
+    def pick(result):   # every allocation of the chosen stage plan, and Poplar's plan of the others (or all of theirs)
+        return [(sp, n) for sp in [*result.stages.values(), *result.shaped.values()] if not sp.excluded
+                for n in sp.allocations
+                if sp is result.chosen or (all_stages and (every_allocation or n == "poplar"))]
 
     result, measured = plan_and_measure(name, as_workload(model), global_batch, pick, steps, rounds, use_cache,
-                                        warmup, timeout_s)
-    return [{"preset": name, "stage": stage, "allocation": alloc.name, "chosen": stage == result.stage,
+                                        warmup, timeout_s, stages)
+    return [{"preset": name, "stage": sp.label.removeprefix("stage "), "allocation": alloc.name,
+             "chosen": sp is result.chosen and alloc.name == "poplar",
              "plan": str(alloc.plan), "predicted_step_s": alloc.predicted.step_s,
              "predicted_samples_per_s": alloc.predicted.samples_per_s,
-             "ideal_samples_per_s": result.stages[stage].ideal_samples_per_s,
+             "ideal_samples_per_s": sp.ideal_samples_per_s,
              "measured_step_s": m["step_s"], "measured_samples_per_s": m["samples_per_s"],
-             "error": alloc.predicted.step_s / m["step_s"] - 1} for stage, alloc, m in measured]
+             "error": alloc.predicted.step_s / m["step_s"] - 1} for sp, alloc, m in measured]
 
 
 def main() -> None:
@@ -52,14 +56,16 @@ def main() -> None:
                    "Poplar's plan of the stages not chosen")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per plan")
     p.add_argument("--timeout", type=float, default=900, help="seconds the measuring launch may take")
+    p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to profile and plan")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
-    console = Console()
+    console = Console(width=max(Console().width, 150))
     rows = []
     start = time.perf_counter()
     for name in [s.strip() for s in args.presets.split(",") if s.strip()]:
         rows += bench_preset(name, args.model, args.global_batch, args.steps, args.rounds, not args.no_cache,
-                             not args.chosen_stage_only, args.every_allocation, args.warmup, args.timeout)
+                             not args.chosen_stage_only, args.every_allocation, args.warmup, args.timeout,
+                             parse_stages(args.stages))
     table = Table(title=f"predicted vs measured step time, {args.model}, global batch {args.global_batch} "
                         f"({time.perf_counter() - start:.0f} s)")
     for col in ("preset", "stage", "allocation", "plan", "predicted ms", "measured ms", "error", "measured samples/s"):

@@ -29,7 +29,6 @@ from poplar.planner import PlanResult, make_plan
 from poplar.profile.profiler import profile_cluster
 from poplar.workload import Workload
 
-ALLOCATIONS = ("poplar", "uniform", "proportional", "measured-peak")
 OOM_RETRIES = 2   # smaller micro-batches DeepSpeed is given after it ran out of memory
 
 
@@ -47,28 +46,28 @@ def check_clusters(arg: str, global_batch: int) -> list[str]:
 
 
 def plan_cluster(cluster: str, workload: Workload, global_batch: int, use_cache: bool = True,
-                 progress=None) -> tuple[ClusterSpec, PlanResult]:
-    """Profile ``workload`` on the cluster (or read the cache) and plan ``global_batch``.
+                 progress=None, stages=(0, 1, 2, 3)) -> tuple[ClusterSpec, PlanResult]:
+    """Profile ``workload`` on the cluster (or read the cache) in ``stages`` and plan ``global_batch``.
 
     ``progress``: where the profiler's events go (an object with ``put((kind, stage, what))``).
     """
     spec = load_cluster(cluster)
     spec.check_global_batch(global_batch)
     profile, _ = profile_cluster(workload, spec.model_dump(), use_cache=use_cache, progress=progress,
-                                 max_micro_batch=min(256, global_batch))
-    return spec, make_plan(profile, global_batch)
+                                 max_micro_batch=min(256, global_batch), stages=stages)
+    return spec, make_plan(profile, global_batch, stages)
 
 
 def plan_and_measure(cluster: str, workload: Workload, global_batch: int, pick, steps: int = 12, rounds: int = 3,
-                     use_cache: bool = True, warmup: int = 2, timeout_s: float = 900):
-    """Profile (or read the cache), plan, and measure the ``(stage, allocation)`` pairs ``pick(result)`` names.
+                     use_cache: bool = True, warmup: int = 2, timeout_s: float = 900, stages=(0, 1, 2, 3)):
+    """Profile (or read the cache), plan, and measure the ``(stage plan, allocation name)`` pairs ``pick(result)``
+    names (stage plans flat or shaped: ``result.stages`` and ``result.shaped``).
 
     All of them in one launch of the cluster, in alternating rounds. Returns the
-    planning result and ``(stage, allocation, measured)`` per pair that has a plan.
+    planning result and ``(stage plan, allocation, measured)`` per pair that has a plan.
     """
-    spec, result = plan_cluster(cluster, workload, global_batch, use_cache)
-    pairs = [(s, result.stages[s].allocations[n]) for s, n in pick(result)
-             if result.stages[s].allocations[n].plan is not None]
+    spec, result = plan_cluster(cluster, workload, global_batch, use_cache, stages=stages)
+    pairs = [(sp, sp.allocations[n]) for sp, n in pick(result) if sp.allocations[n].plan is not None]
     measured = measure_plans(workload, spec.model_dump(), [a.plan for _, a in pairs], steps=steps, rounds=rounds,
                              warmup=warmup, timeout_s=timeout_s)
     return result, [(s, a, m) for (s, a), m in zip(pairs, measured)]
@@ -120,8 +119,7 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
     ``progress`` receives the profiler's events (see :func:`plan_cluster`).
     """
     spec, result = plan_cluster(cluster, workload, global_batch, use_cache, progress)
-    stage = result.stages[result.stage]
-    allocs = [stage.allocations[n] for n in ALLOCATIONS if stage.allocations[n].plan is not None]
+    allocs = [a for a in result.allocations().values() if a.plan is not None]
     # an allocation whose plan is another's (Poplar keeps a baseline's split when it
     # predicts none faster) is that plan: measured once, so the host's noise between two
     # runs of one plan does not read as a difference between the allocations
@@ -135,7 +133,8 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
             notes["deepspeed"] = why
     if progress is not None:
         progress.phase(f"{cluster}: measuring {len(plans)} plans" + (f" and {setup.name}" if setup else "")
-                       + f" in ZeRO-{result.stage}, {rounds} rounds of {steps} steps")
+                       + f" in ZeRO-{result.stage}{'' if not result.chosen.shaped else ' ' + result.plan.shape.split()[0]}"
+                       + f", {rounds} rounds of {steps} steps")
     if setup is not None:
         measured, notes[setup.name] = measure_with_peer(workload, spec.model_dump(), plans, setup, steps, rounds)
     else:
@@ -152,9 +151,9 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
                             "prediction_error": alloc.predicted.step_s / m["step_s"] - 1}
         if same_as[alloc.name] != alloc.name:
             rows[alloc.name]["same_plan_as"] = same_as[alloc.name]
-    ideal = stage.ideal_samples_per_s
+    ideal = result.ideal_samples_per_s
     out = {"cluster": cluster, "model": workload.model, "seq_len": workload.seq_len, "global_batch": global_batch,
-           "zero_stage": result.stage, "reason": result.reason, "ideal_samples_per_s": ideal,
+           "zero_stage": result.stage, "shape": result.plan.shape, "reason": result.reason, "ideal_samples_per_s": ideal,
            "ideal_tokens_per_s": ideal * workload.seq_len, "allocations": rows, "peers": notes}
     pop = rows["poplar"]["samples_per_s"]
     out["poplar_vs_uniform"] = pop / rows["uniform"]["samples_per_s"] if "uniform" in rows else None

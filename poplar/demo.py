@@ -53,15 +53,15 @@ def run_demo(steps: int = 12, cluster: str = "both-differ", out: str | Path = "r
         logs[name] = read_log(out / name / "log.jsonl")
         summaries[name] = summarize(logs[name])
         console.print(f"  {run['plan']}", markup=False, highlight=False)
-    stage = result.stages[result.stage]
-    ideal = stage.ideal_samples_per_s
-    table = Table(title=f"llama-tiny on {cluster}: ZeRO-{result.stage}, global batch {global_batch}, "
+    allocations, ideal = result.allocations(), result.ideal_samples_per_s
+    table = Table(title=f"llama-tiny on {cluster}: ZeRO-{result.stage}"
+                        f"{'' if result.plan.shape == 'flat' else ' ' + result.plan.shape}, global batch {global_batch}, "
                         f"medians of steps 2-{steps}")
     for col in ("allocation", "samples/s", "vs uniform", "of ideal", "predicted", "loss"):
         table.add_column(col, justify="right", overflow="fold")
     for name in ALLOCATIONS:
         s = summaries[name]
-        predicted = stage.allocations[name].predicted.samples_per_s
+        predicted = allocations[name].predicted.samples_per_s
         table.add_row(name, f"{s['samples_per_s']:,.0f}",
                       f"{s['samples_per_s'] / summaries['uniform']['samples_per_s']:.2f}x",
                       f"{100 * s['samples_per_s'] / ideal:.0f}%", f"{100 * (predicted / s['samples_per_s'] - 1):+.1f}%",

@@ -38,6 +38,23 @@ def _positive_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _shard_groups(groups, world: int) -> tuple[tuple[int, ...], ...] | None:
+    """``groups`` checked to be a partition of the ``world`` ranks, each sorted; None when flat (one group)."""
+    if groups is None:
+        return None
+    example = f"e.g. {[list(range(world // 2)), list(range(world // 2, world))]}" if world > 1 else "or none"
+    try:
+        parts = tuple(tuple(sorted(int(r) for r in g if not isinstance(r, bool) and int(r) == r)) for g in groups)
+        lengths_ok = all(len(p) == len(g) for p, g in zip(parts, groups))
+    except (TypeError, ValueError):
+        parts, lengths_ok = (), False
+    flat = sorted(r for p in parts for r in p)
+    if not lengths_ok or not all(parts) or flat != list(range(world)):
+        raise ValueError(f"shard_groups {groups!r} must split the ranks 0..{world - 1} into non-empty groups, "
+                         f"each rank in exactly one ({example})")
+    return None if len(parts) == 1 else tuple(sorted(parts))
+
+
 def check_global_batch(global_batch: int, world_size: int) -> None:
     """Every rank takes at least one sample of every global batch: known before anything is profiled."""
     if global_batch < world_size:
@@ -59,6 +76,15 @@ class Plan:
     must fit the device. So every global batch can be met exactly with the fewest
     accumulation steps memory allows (37 samples = 19 + 18). See :meth:`from_local_batches`.
 
+    ``shard_groups`` (optional) shapes the collectives to the nodes: a partition of the
+    ranks (usually one group per node). Each group holds one copy of the model states,
+    sharded among its ranks as the stage says, and the copies are replicated across
+    groups (hybrid sharding): parameters are gathered and gradients reduce-scattered
+    inside a group, and the groups' gradients are summed across groups once per step.
+    In stage 0 nothing is sharded, and the gradient all-reduce runs in two levels (inside
+    each group, then across groups on each rank's share, then inside again). ``None``:
+    one flat group of every rank.
+
     ``accum_steps`` may be a single integer, meaning the same count on every rank.
     Stages 2 and 3 reduce-scatter gradients on every micro-step, so they require the
     same ``accum_steps`` on every rank (balance them with ``micro_batch_sizes``).
@@ -69,9 +95,11 @@ class Plan:
     accum_steps: tuple[int, ...]
 
     local_batch_sizes: tuple[int, ...]
+    shard_groups: tuple[tuple[int, ...], ...] | None
 
     def __init__(self, zero_stage: int, micro_batch_sizes: Sequence[int], accum_steps: Sequence[int] | int = 1,
-                 local_batch_sizes: Sequence[int] | None = None):
+                 local_batch_sizes: Sequence[int] | None = None,
+                 shard_groups: Sequence[Sequence[int]] | None = None):
         zs = stage(zero_stage)
         mbs = _positive_ints("micro_batch_sizes", micro_batch_sizes)
         if isinstance(accum_steps, int) and not isinstance(accum_steps, bool):
@@ -108,10 +136,12 @@ class Plan:
         object.__setattr__(self, "micro_batch_sizes", mbs)
         object.__setattr__(self, "accum_steps", acc)
         object.__setattr__(self, "local_batch_sizes", local)
+        object.__setattr__(self, "shard_groups", _shard_groups(shard_groups, len(mbs)))
 
     @classmethod
     def from_local_batches(cls, zero_stage: int, local_batch_sizes: Sequence[int],
-                           accum_steps: Sequence[int] | int = 1) -> "Plan":
+                           accum_steps: Sequence[int] | int = 1,
+                           shard_groups: Sequence[Sequence[int]] | None = None) -> "Plan":
         """``local_batch_sizes[i]`` samples on rank ``i`` in ``accum_steps[i]`` near-equal micro-batches.
 
         >>> Plan.from_local_batches(0, [37, 5], [2, 1]).micro_batches(0)
@@ -124,7 +154,7 @@ class Plan:
         if len(acc) != len(local):
             raise ValueError(f"local_batch_sizes has {len(local)} entries but accum_steps has {len(acc)}: "
                              "give exactly one of each per rank")
-        return cls(zero_stage, [-(-b // a) for b, a in zip(local, acc)], acc, local)
+        return cls(zero_stage, [-(-b // a) for b, a in zip(local, acc)], acc, local, shard_groups)
 
     def lower_micro_batch(self, rank: int, largest: int) -> "Plan":
         """This plan with rank ``rank``'s micro-batches at most ``largest`` samples (more of them).
@@ -155,7 +185,11 @@ class Plan:
                     donor = max((i for i in range(len(local)) if local[i] > a), key=lambda i: local[i])
                     local[donor] -= 1
                     local[short] += 1
-        return Plan.from_local_batches(self.zero_stage, local, acc)
+        return Plan.from_local_batches(self.zero_stage, local, acc, self.shard_groups)
+
+    def with_shard_groups(self, shard_groups) -> "Plan":
+        """This plan with other shard groups (None: flat)."""
+        return Plan(self.zero_stage, self.micro_batch_sizes, self.accum_steps, self.local_batch_sizes, shard_groups)
 
     # -- derived figures ---------------------------------------------------------------
     @property
@@ -206,6 +240,7 @@ class Plan:
             "micro_batch_sizes": list(self.micro_batch_sizes),
             "accum_steps": list(self.accum_steps),
             "local_batch_sizes": list(self.local_batch_sizes),
+            **({"shard_groups": [list(g) for g in self.shard_groups]} if self.shard_groups else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -216,14 +251,15 @@ class Plan:
         if not isinstance(data, dict):
             raise ValueError(f"a plan is a JSON object with zero_stage, micro_batch_sizes, accum_steps; got {data!r}")
         expected = {"zero_stage", "micro_batch_sizes", "accum_steps"}
-        unknown = set(data) - expected - {"local_batch_sizes", "predicted", "meta"}
+        unknown = set(data) - expected - {"local_batch_sizes", "shard_groups", "predicted", "meta"}
         missing = expected - set(data)
         if missing or unknown:
             raise ValueError(
                 f"plan fields: missing {sorted(missing) or 'none'}, unknown {sorted(unknown) or 'none'}; "
-                f"a plan has {sorted(expected)} and optionally local_batch_sizes"
+                f"a plan has {sorted(expected)} and optionally local_batch_sizes, shard_groups"
             )
-        return cls(data["zero_stage"], data["micro_batch_sizes"], data["accum_steps"], data.get("local_batch_sizes"))
+        return cls(data["zero_stage"], data["micro_batch_sizes"], data["accum_steps"], data.get("local_batch_sizes"),
+                   data.get("shard_groups"))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -244,4 +280,17 @@ class Plan:
         rows = ", ".join(f"r{i}:{m}x{a}" if b == m * a else f"r{i}:{b}<={m}x{a}"
                          for i, (b, m, a) in enumerate(zip(self.local_batch_sizes, self.micro_batch_sizes,
                                                            self.accum_steps)))
-        return f"Plan(stage {self.zero_stage}, global batch {self.global_batch_size}: {rows})"
+        shape = f", {self.shape}" if self.shard_groups else ""
+        return f"Plan(stage {self.zero_stage}{shape}, global batch {self.global_batch_size}: {rows})"
+
+    @property
+    def shape(self) -> str:
+        """How the collectives are shaped: 'flat', or 'hybrid' over its groups ('two-level' in stage 0).
+
+        >>> Plan(1, [2, 2, 2], shard_groups=[[0, 1], [2]]).shape
+        'hybrid [0,1][2]'
+        """
+        if not self.shard_groups:
+            return "flat"
+        groups = "".join("[" + ",".join(map(str, g)) + "]" for g in self.shard_groups)
+        return f"{'two-level' if self.zero_stage == 0 else 'hybrid'} {groups}"

@@ -41,11 +41,28 @@ def test_json_round_trip_and_file(tmp_path):
     (dict(zero_stage=2, micro_batch_sizes=[1, 1], accum_steps=[1, 2]), "same number of accumulation steps"),
     (dict(zero_stage=3, micro_batch_sizes=[1, 1], accum_steps=[2, 1]), "use zero_stage 0 or 1"),
     (dict(zero_stage=0, micro_batch_sizes="12", accum_steps=[1]), "list of positive integers"),
+    (dict(zero_stage=1, micro_batch_sizes=[1, 1, 1], shard_groups=[[0, 1]]), "each rank in exactly one"),
+    (dict(zero_stage=1, micro_batch_sizes=[1, 1, 1], shard_groups=[[0, 1], [1, 2]]), "each rank in exactly one"),
+    (dict(zero_stage=1, micro_batch_sizes=[1, 1, 1], shard_groups=[[0, 1, 2], []]), "non-empty groups"),
+    (dict(zero_stage=1, micro_batch_sizes=[1, 1], shard_groups=[[0], [5]]), "ranks 0..1"),
+    (dict(zero_stage=1, micro_batch_sizes=[1, 1], shard_groups=[[0], ["x"]]), "ranks 0..1"),
+    (dict(zero_stage=1, micro_batch_sizes=[1, 1], shard_groups=[[0], [1.5]]), "ranks 0..1"),
+    (dict(zero_stage=1, micro_batch_sizes=[1, 1], shard_groups=3), "ranks 0..1"),
 ])
 def test_invalid_plans_say_what_to_change(kwargs, words):
     with pytest.raises(ValueError, match=None) as e:
         Plan(**kwargs)
     assert words in str(e.value)
+
+
+def test_shard_groups_shape_the_plan_and_survive_json_and_replanning():
+    plan = Plan.from_local_batches(2, [5, 3, 2], 2, shard_groups=[[2, 1], [0]])
+    assert plan.shard_groups == ((0,), (1, 2)) and plan.shape == "hybrid [0][1,2]"
+    assert Plan.from_json(plan.to_json()) == plan and "hybrid" in str(plan)
+    assert plan.lower_micro_batch(0, 2).shard_groups == plan.shard_groups
+    assert Plan(0, [1, 1], shard_groups=[[0], [1]]).shape == "two-level [0][1]"
+    assert Plan(1, [1, 1], shard_groups=[[0, 1]]).shard_groups is None      # one group of every rank: flat
+    assert "shard_groups" not in Plan(1, [1, 1]).to_dict()
 
 
 def test_near_equal_micro_batches_meet_any_local_batch():

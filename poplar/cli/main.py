@@ -104,8 +104,8 @@ def profile(
     model: str = typer.Option("tiny", help="model preset: tiny, small, base (built-in), or llama-tiny, "
                                            "llama-small, llama-125m, llama-350m, bert-tiny, bert-small, bert-base"),
     seq_len: int | None = typer.Option(None, help="tokens per sample (Hugging Face presets; default 128)"),
-    cluster: str | None = typer.Option(None, help="cluster YAML file, or a preset: memory-differs, compute-differs, "
-                                                  "both-differ, uneven-quantity; none (or left out): the real CUDA "
+    cluster: str | None = typer.Option(None, help="cluster YAML file, or a preset (e.g. both-differ, two-node-10gbe; "
+                                                  "a wrong name lists them all); none (or left out): the real CUDA "
                                                   "devices the ranks run on, discovered"),
     out: Path = typer.Option(Path("profile.json"), help="where to write the profile (JSON)"),
     plot: Path | None = typer.Option(None, help="also draw the fitted curves here (PNG)"),
@@ -194,8 +194,8 @@ def plan(
     except BAD_INPUT_ERRORS as e:   # PlanningError is one
         _error(console, e)
         raise typer.Exit(2) from None
-    for s, sp in result.stages.items():
-        if not sp.excluded and (all_stages or s == result.stage):
+    for sp in [*result.stages.values(), *result.shaped.values()]:
+        if not sp.excluded and (all_stages or sp is result.chosen):
             console.print(stage_table(result, sp))
     console.print(comparison_table(result))
     say(console, f"chosen: {result.reason}")

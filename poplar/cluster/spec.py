@@ -5,6 +5,8 @@ memory_scale: 0.0005        # every device's memory times this (tiny models meet
 network:                    # optional; these are the defaults
   intra_node: {bandwidth_gbs: 25, latency_us: 10}     # PCIe 4.0 between unlike cards
   inter_node: {bandwidth_gbs: 12.5, latency_us: 20}   # 100 Gb/s
+  between:                  # optional: links between particular nodes, instead of inter_node
+    - {nodes: [0, 2], bandwidth_gbs: 1.25, latency_us: 50}
 devices:
   - kind: big               # a name for this kind
     gpu: A100-80GB          # figures from the catalogue (poplar.cluster.catalogue) ...
@@ -64,13 +66,41 @@ class Link(BaseModel):
     latency_us: float = Field(ge=0, description="microseconds per message")
 
 
+class NodeLink(Link):
+    """The link between two particular nodes."""
+
+    nodes: tuple[int, int] = Field(description="the two nodes it joins")
+
+    @model_validator(mode="after")
+    def _two(self) -> NodeLink:
+        if self.nodes[0] == self.nodes[1]:
+            raise ValueError(f"nodes {list(self.nodes)}: a link joins two different nodes (inside one: intra_node)")
+        return self
+
+
 class Network(BaseModel):
-    """Links inside a node and between nodes."""
+    """Links inside a node and between nodes: ``inter_node``, or ``between`` two particular ones."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     intra_node: Link = Link(bandwidth_gbs=25.0, latency_us=10.0)
     inter_node: Link = Link(bandwidth_gbs=12.5, latency_us=20.0)
+    between: tuple[NodeLink, ...] = Field((), description="links between particular nodes (else inter_node's)")
+
+    @model_validator(mode="after")
+    def _once(self) -> Network:
+        pairs = [frozenset(link.nodes) for link in self.between]
+        twice = next((sorted(p) for p in pairs if pairs.count(p) > 1), None)
+        if twice:
+            raise ValueError(f"the link between nodes {twice} is given twice: keep one")
+        return self
+
+    def link(self, a: int, b: int) -> Link:
+        """The link between nodes ``a`` and ``b`` (the same node: ``intra_node``)."""
+        if a == b:
+            return self.intra_node
+        found = next((k for k in self.between if set(k.nodes) == {a, b}), None)
+        return Link(bandwidth_gbs=found.bandwidth_gbs, latency_us=found.latency_us) if found else self.inter_node
 
 
 class DeviceGroup(BaseModel):
@@ -187,6 +217,11 @@ class ClusterSpec(BaseModel):
     def rank_nodes(self) -> list[int]:
         return [d.node for d in self.rank_devices()]
 
+    def node_groups(self) -> list[list[int]]:
+        """The ranks on each node, node by node: the shard groups of a plan shaped to the nodes."""
+        nodes = self.rank_nodes()
+        return [[r for r, n in enumerate(nodes) if n == node] for node in sorted(set(nodes))]
+
     def device(self, rank: int) -> DeviceGroup:
         ranks = self.rank_devices()
         if not 0 <= rank < len(ranks):
@@ -218,8 +253,12 @@ class ClusterSpec(BaseModel):
                           for d in self.devices)
         net = self.network
         links = f"intra-node {net.intra_node.bandwidth_gbs:g} GB/s"
-        if len(set(self.rank_nodes())) > 1:
-            links += f", inter-node {net.inter_node.bandwidth_gbs:g} GB/s"
+        nodes = sorted(set(self.rank_nodes()))
+        if len(nodes) > 1:
+            pairs = [(a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:]]
+            speeds = {net.link(a, b).bandwidth_gbs for a, b in pairs}
+            links += (f", inter-node {speeds.pop():g} GB/s" if len(speeds) == 1 else ", " + ", ".join(
+                f"nodes {a}-{b} {net.link(a, b).bandwidth_gbs:g} GB/s" for a, b in pairs))
         return f"{kinds}; {links}" + (f"; memory x{self.memory_scale:g}" if self.memory_scale != 1 else "")
 
     def to_yaml(self) -> str:

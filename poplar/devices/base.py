@@ -72,7 +72,7 @@ class Device:
     def start(self) -> None:
         """Called on entering the device, on every rank at once (an emulated device agrees its clock here)."""
 
-    def launch(self, op: str, nbytes: int) -> Any:
+    def launch(self, op: str, nbytes: int, group=None, groups: int = 1) -> Any:
         return None
 
     def wait(self, token: Any, real_wait: Callable[[], Any]) -> None:

@@ -5,11 +5,14 @@ the numbers it trains are real. Its *time* is the declared model's:
 
 - Compute. Inside a step, every operator adds its modelled GPU time
   (:mod:`poplar.emulate.model`) to the rank's device clock ``T``.
-- Collectives. Each is launched at the rank's ``T``; a small all-reduce beside it tells
-  every rank the latest launch. The collectives of the group hold the link one after
-  another, in issue order (as on a GPU's communication stream): one in a step starts at
-  the later of its latest launch and the end of the one before it, and takes its time
-  over the declared links (:mod:`poplar.emulate.network`). It overlaps compute as on a GPU: a
+- Collectives. Each is launched at the rank's ``T``; a small all-reduce beside it, on
+  the same process group, tells its ranks the latest launch. The collectives of one
+  group hold its links one after another, in issue order (as on a GPU's communication
+  stream): one in a step starts at the later of its latest launch and the end of the
+  group's one before it, and takes its time over the links among the group's ranks
+  (:mod:`poplar.emulate.network`). Every rank of a group issues the same collectives on
+  it, so they agree on when the group's link is free; a node's group and the world's
+  have a queue each. It overlaps compute as on a GPU: a
   rank that waits for it later than that waits for nothing.
 - Pace. One time dilation ``D`` for the whole cluster maps device seconds to wall
   seconds. Wherever the rank could be observed (a wait for a collective, a read of the
@@ -57,6 +60,8 @@ class _Launched:
     op: str
     nbytes: int
     in_step: bool        # outside a step (set-up, barriers between steps) a collective holds no step's link
+    ranks: tuple[int, ...] | None = None   # its group's global ranks (None: the world)
+    groups: int = 1      # reduce_across: the groups it sums across
     done: float | None = None
 
 
@@ -82,7 +87,8 @@ class EmulatedDevice(Device):
         self._step_T = 0.0             # where the step in progress began
         self.peak_state_bytes = 0
         self._on_link: deque[weakref.ref] = deque()   # launched collectives whose time on the link is not known yet
-        self._link_free = 0.0          # when the link has carried every collective settled so far
+        self._link_free: dict = {}     # per group (its ranks; None: the world): when its link has carried
+        #                                every collective settled so far
 
     # -- start: one clock for the cluster -----------------------------------------------
     def start(self) -> None:
@@ -121,13 +127,15 @@ class EmulatedDevice(Device):
             self.T = (now - self.origin) / self.dilation   # the real work ran past: the device is late
 
     # -- the seam -----------------------------------------------------------------------
-    def launch(self, op: str, nbytes: int) -> Any:
+    def launch(self, op: str, nbytes: int, group=None, groups: int = 1) -> Any:
         if not self._in_step:
             self._follow_wall()
         launched = torch.tensor([self.T], dtype=torch.float64)
-        # launches meet in issue order on every rank, so this pairs with the same collective everywhere
-        side = _side_all_reduce(launched, op=dist.ReduceOp.MAX, async_op=True) if dist.is_initialized() else None
-        token = _Launched(side, launched, op, nbytes, self._in_step)
+        # launches meet in issue order on every rank of the group, so this pairs with the same collective
+        side = (_side_all_reduce(launched, op=dist.ReduceOp.MAX, group=group, async_op=True)
+                if dist.is_initialized() else None)
+        ranks = None if group is None else tuple(dist.get_process_group_ranks(group))
+        token = _Launched(side, launched, op, nbytes, self._in_step, ranks, groups)
         # weakly: a collective nobody will wait for (a step given up) must not keep its process group alive
         self._on_link.append(weakref.ref(token))
         return token
@@ -140,9 +148,10 @@ class EmulatedDevice(Device):
                 continue
             if first.side is not None:
                 first.side.wait()
-            seconds = self.network.seconds(first.op, first.nbytes)
+            seconds = self.network.seconds(first.op, first.nbytes, first.ranks, first.groups)
             if first.in_step:
-                first.done = self._link_free = max(float(first.launched[0]), self._link_free) + seconds
+                free = max(float(first.launched[0]), self._link_free.get(first.ranks, 0.0))
+                first.done = self._link_free[first.ranks] = free + seconds
             else:
                 first.done = float(first.launched[0]) + seconds
         return token.done

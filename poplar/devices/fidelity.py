@@ -99,7 +99,7 @@ def overlapped_collective(rank: int, world_size: int, cluster: dict, nbytes: int
 def queued_collectives(rank: int, world_size: int, cluster: dict, nbytes: int) -> dict:
     """A step that launches two all-reduces at once and waits for both: they share the link, one after the other."""
     spec = parse_cluster(cluster)
-    with EmulatedDevice(spec, rank, dilation=20.0) as device:   # slow enough that gloo's real work fits
+    with EmulatedDevice(spec, rank, dilation=100.0) as device:   # slow enough that gloo's real work fits
         a, b = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
         with device.step():
             device.comm.barrier()
@@ -110,3 +110,32 @@ def queued_collectives(rank: int, world_size: int, cluster: dict, nbytes: int) -
             second.wait()
         return {"first": after_first - before, "both": device.T - before,
                 "network": device.network.seconds("all_reduce", nbytes)}
+
+
+def shaped_collectives(rank: int, world_size: int, cluster: dict, nbytes: int) -> dict:
+    """Hybrid over the cluster's nodes: an all-gather inside the node, then the sum of a shard across the nodes.
+
+    Each takes the time of the links it crosses: the node's all-gather its intra-node
+    link's, the sum across nodes the inter-node link's (see :mod:`poplar.emulate.network`).
+    """
+    from poplar.engine.layout import ShardLayout
+
+    spec = parse_cluster(cluster)
+    nodes = spec.rank_nodes()
+    groups = [[r for r in range(world_size) if nodes[r] == n] for n in sorted(set(nodes))]
+    with EmulatedDevice(spec, rank, dilation=1000.0) as device:
+        layout = ShardLayout.build(device.comm, groups)
+        numel = nbytes // 4
+        full = torch.zeros(layout.padded(numel))
+        shard = torch.ones(full.numel() // layout.shard_size)
+        members = groups[layout.group_index]
+        with device.step():
+            device.comm.barrier()
+            before = device.T
+            layout.shard_comm.all_gather(full, shard)
+            gathered = device.T
+            layout.reduce_across(shard, numel)
+            summed = device.T
+        return {"gather": gathered - before, "across": summed - gathered, "sum": shard[0].item(),
+                "gather_declared": device.network.seconds("all_gather", full.numel() * 4, members),
+                "across_declared": device.network.seconds("reduce_across", nbytes, None, len(groups))}

@@ -11,7 +11,13 @@ spans nodes moves every chunk over the slowest link it crosses, so its time is
     broadcast:                (n-1) * latency +             bytes / bandwidth
     barrier:                2 (n-1) * latency
 
-with ``bytes`` the full buffer and the bottleneck link's figures.
+with ``bytes`` the full buffer and the bottleneck link's figures. A collective on a
+sub-group (a node's ranks) runs over the links among its own ranks. The hybrid engine's
+sum across ``k`` groups (:mod:`poplar.engine.layout`) is one exchange in which every
+group's ranks send the parts of their copy that the other groups own, so each group's
+link carries ``k-1`` copies of the buffer:
+
+    reduce_across:            (k-1) * latency + (k-1) * bytes / bandwidth
 
 >>> from poplar.cluster.spec import Network, Link
 >>> net = NetworkModel(Network(intra_node=Link(bandwidth_gbs=100, latency_us=5)), nodes=[0, 0])
@@ -37,22 +43,39 @@ class NetworkModel:
     @property
     def link(self) -> Link:
         """The bottleneck link of a ring over every rank."""
-        net = self.network
-        if len(set(self.nodes)) <= 1:
-            return net.intra_node
-        slow = min((net.intra_node, net.inter_node), key=lambda k: k.bandwidth_gbs)
-        return Link(bandwidth_gbs=slow.bandwidth_gbs,
-                    latency_us=max(net.intra_node.latency_us, net.inter_node.latency_us))
+        return self.link_among(self.nodes)
 
-    def seconds(self, op: str, nbytes: float) -> float:
-        """Time of ``op`` on a buffer of ``nbytes`` (the full, unsharded size) over every rank."""
-        n = len(self.nodes)
+    def link_among(self, nodes: list[int], exchange: bool = False) -> Link:
+        """The bottleneck link of a ring over ranks on ``nodes``, or of an ``exchange`` among them.
+
+        A ring visits the nodes in order and crosses the link between each node and the
+        next (the last back to the first); an exchange crosses every pair's. Its figures:
+        the slowest link's bandwidth, the largest latency (the links inside a node count).
+        """
+        net = self.network
+        distinct = sorted(set(nodes))
+        if len(distinct) <= 1:
+            return net.intra_node
+        pairs = ([(a, b) for i, a in enumerate(distinct) for b in distinct[i + 1:]] if exchange
+                 else list(zip(distinct, distinct[1:] + distinct[:1])))
+        links = [net.intra_node, *(net.link(a, b) for a, b in pairs)]
+        return Link(bandwidth_gbs=min(k.bandwidth_gbs for k in links), latency_us=max(k.latency_us for k in links))
+
+    def seconds(self, op: str, nbytes: float, ranks: list[int] | None = None, groups: int = 1) -> float:
+        """Time of ``op`` on a buffer of ``nbytes`` (the full, unsharded size) over ``ranks`` (None: every rank).
+
+        ``groups``: the groups a ``reduce_across`` sums across.
+        """
+        nodes = self.nodes if ranks is None else [self.nodes[r] for r in ranks]
+        n = len(nodes)
+        link = self.link_among(nodes, exchange=op == "reduce_across")
+        if op == "reduce_across":
+            return (groups - 1) * (link.latency_us * 1e-6 + nbytes / (link.bandwidth_gbs * 1e9))
         if n <= 1:
             return 0.0
         if op not in _RING:
-            raise ValueError(f"no network model for collective {op!r}; known: {', '.join(_RING)}")
+            raise ValueError(f"no network model for collective {op!r}; known: {', '.join(_RING)}, reduce_across")
         rounds, share = _RING[op]
-        link = self.link
         messages = rounds * (n - 1)
         moved = nbytes if share is None else share * (n - 1) / n * nbytes
         return messages * link.latency_us * 1e-6 + moved / (link.bandwidth_gbs * 1e9)

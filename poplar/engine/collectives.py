@@ -8,13 +8,14 @@ group, looked up at each call, so a group rebuilt after a failure is picked up).
 engine is given its ``Comm`` and issues every collective through it; a second engine,
 or one on a sub-group, has its own. Whatever wants to observe or pace the communication
 (a GPU timer separating compute from waiting, a modelled cluster's network) gives an
-:class:`ObservedComm`: every collective then tells its observer ``launch(op, nbytes)``
-before it is issued, and its wait goes through ``wait(token, real_wait)``. A device
+:class:`ObservedComm`: every collective then tells its observer ``launch(op, nbytes,
+group, groups)`` before it is issued, and its wait goes through ``wait(token, real_wait)``.
+A comm on a sub-group (:meth:`Comm.on_group`) tells the same observer. A device
 hands out its own as ``device.comm``. The engine never sees the difference.
 
 >>> class Counter:
 ...     def __init__(self): self.ops = []
-...     def launch(self, op, nbytes): self.ops.append((op, nbytes))
+...     def launch(self, op, nbytes, group=None, groups=1): self.ops.append((op, nbytes))
 ...     def wait(self, token, real_wait): real_wait()
 >>> counter = Counter()
 >>> comm = ObservedComm(counter)
@@ -57,6 +58,10 @@ class Comm:
     def group(self) -> dist.ProcessGroup | None:
         return self._group
 
+    def on_group(self, group: dist.ProcessGroup) -> "Comm":
+        """The same kind of comm (observed by the same observer) on another process group."""
+        return Comm(group)
+
     @property
     def rank(self) -> int:
         return dist.get_rank(self._group)
@@ -65,8 +70,11 @@ class Comm:
     def world_size(self) -> int:
         return dist.get_world_size(self._group)
 
-    def run(self, op: str, nbytes: int, issue: Callable[[bool], Any], async_op: bool):
-        """Issue one collective: ``issue(async_op)`` calls torch.distributed (``nbytes``: the full buffer's)."""
+    def run(self, op: str, nbytes: int, issue: Callable[[bool], Any], async_op: bool, groups: int = 1):
+        """Issue one collective: ``issue(async_op)`` calls torch.distributed (``nbytes``: the full buffer's).
+
+        ``groups``: for ``reduce_across`` (:mod:`poplar.engine.layout`), the groups it sums across.
+        """
         return issue(async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op=SUM, async_op: bool = False):
@@ -107,8 +115,9 @@ class Comm:
 class Observer(Protocol):
     """What observes or paces the collectives of an :class:`ObservedComm` (a device)."""
 
-    def launch(self, op: str, nbytes: int) -> Any:
-        """Called before a collective moving ``nbytes`` (the full buffer's size) is issued; returns a token."""
+    def launch(self, op: str, nbytes: int, group: dist.ProcessGroup | None = None, groups: int = 1) -> Any:
+        """Called before a collective moving ``nbytes`` (the full buffer's size) over ``group`` (None: the
+        default group) is issued; returns a token. ``groups``: see :meth:`Comm.run`."""
 
     def wait(self, token: Any, real_wait: Callable[[], Any]) -> None:
         """Called to wait for that collective; must call ``real_wait()``."""
@@ -139,9 +148,12 @@ class ObservedComm(Comm):
         super().__init__(group)
         self.observer = observer
 
-    def run(self, op: str, nbytes: int, issue: Callable[[bool], Any], async_op: bool):
+    def on_group(self, group: dist.ProcessGroup) -> "ObservedComm":
+        return ObservedComm(self.observer, group)
+
+    def run(self, op: str, nbytes: int, issue: Callable[[bool], Any], async_op: bool, groups: int = 1):
         obs = self.observer
-        token = obs.launch(op, nbytes)
+        token = obs.launch(op, nbytes, self._group, groups)
         work = Work(issue(True), obs, token)
         if async_op:
             return work

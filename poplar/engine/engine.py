@@ -36,6 +36,7 @@ from poplar.engine.config import EngineConfig, LossFn, OptimizerFactory
 from poplar.engine.dist import init_distributed
 from poplar.engine.flat_unit import FlatUnit
 from poplar.engine.grad_reduce import GradReducer
+from poplar.engine.layout import ShardLayout
 from poplar.engine.memory import ModelStateMemory
 from poplar.engine.state_dict import EngineState
 from poplar.engine.units import build_units
@@ -90,9 +91,9 @@ class Engine:
                 if t.is_floating_point():
                     t.data = t.data.to(self.compute_dtype)
         specs = build_units(model, config.unit_classes, config.unit_numel)
-        self.units = [FlatUnit(i, s.module, s.name, s.params, stage=self.stage, rank=self.rank,
-                               world_size=self.world_size, compute_dtype=self.compute_dtype, device=self.device,
-                               comm=self.comm)
+        self.shard_layout = ShardLayout.build(self.comm, plan.shard_groups)
+        self.units = [FlatUnit(i, s.module, s.name, s.params, stage=self.stage, layout=self.shard_layout,
+                               compute_dtype=self.compute_dtype, device=self.device)
                       for i, s in enumerate(specs)]
 
         self._batch_check = BatchCheck(plan, self.rank, self.world_size, self.device, self.comm,
@@ -125,8 +126,10 @@ class Engine:
         """Every rank must hold the same plan and the same model: fail everywhere if not."""
         n_params = sum(p.numel() for p in model.parameters())
         # check_world_size passed, so every rank sends the same number of values.
+        groups = self.plan.shard_groups or [range(self.world_size)]
+        group_of = [next(j for j, g in enumerate(groups) if r in g) for r in range(self.world_size)]
         values = [n_params, self.plan.zero_stage, *self.plan.micro_batch_sizes, *self.plan.accum_steps,
-                  *self.plan.local_batch_sizes]
+                  *self.plan.local_batch_sizes, *group_of]
         lo, hi = self.comm.agree(values, self.device)
         if lo[0] != hi[0]:
             raise ValueError(f"ranks hold different models: parameter counts range from {lo[0]} to {hi[0]}; "
@@ -160,7 +163,7 @@ class Engine:
         micro_batches = split_batch(local_batch, self.plan.micro_batches(self.rank), self.device)
         last = len(micro_batches) - 1
         for i, micro_batch in enumerate(micro_batches):
-            self._begin_micro_step(sync=self.stage.reduces_every_micro_step or i == last)
+            self._begin_micro_step(sync=self.stage.reduces_every_micro_step or i == last, last=i == last)
             loss = loss_fn(self.model, micro_batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
                 raise ValueError("loss_fn must return the mean loss of the micro-batch as a scalar tensor "
@@ -202,13 +205,19 @@ class Engine:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a poplar.Plan, got {type(plan).__name__}")
         plan.check_world_size(self.world_size)
-        if plan.zero_stage != self.zero_stage or plan.global_batch_size != self.plan.global_batch_size:
-            raise ValueError(f"set_plan keeps the ZeRO stage ({self.zero_stage}) and the global batch "
-                             f"({self.plan.global_batch_size}); got {plan}: build a new engine for another")
+        if (plan.zero_stage != self.zero_stage or plan.global_batch_size != self.plan.global_batch_size
+                or plan.shard_groups != self.plan.shard_groups):
+            raise ValueError(f"set_plan keeps the ZeRO stage ({self.zero_stage}), the shape ({self.plan.shape}) "
+                             f"and the global batch ({self.plan.global_batch_size}); got {plan}: build a new "
+                             "engine for another")
         self.plan = plan
         self.accum_steps = plan.accum_steps[self.rank]
         self._batch_check = BatchCheck(plan, self.rank, self.world_size, self.device, self.comm,
                                        enabled=self.config.check_batches)
+
+    def regroup(self) -> None:
+        """After the default process group was rebuilt: make the shard groups again (every rank, hybrid plans)."""
+        self.shard_layout.make_groups()
 
     def _reset_step_state(self) -> None:
         """Clean gradient state, whatever an earlier (possibly failed) step left behind."""
@@ -216,8 +225,8 @@ class Engine:
         for unit in self.units:
             unit.reshard()
 
-    def _begin_micro_step(self, sync: bool) -> None:
-        self._reducer.begin_micro_step(sync)
+    def _begin_micro_step(self, sync: bool, last: bool) -> None:
+        self._reducer.begin_micro_step(sync, last)
         for unit in self.units:
             unit.begin_micro_step()
         if self._unsharder is not None:
@@ -235,7 +244,8 @@ class Engine:
         norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=self.device)]
         sq = torch.linalg.vector_norm(torch.stack(norms).float()).square()
         if self.stage.shards_optimizer:   # each rank holds a gradient shard: the squares add up across ranks
-            self.comm.all_reduce(sq)
+            self.comm.all_reduce(sq)      # over the world (each group's copy once): the same bits everywhere
+            sq /= self.shard_layout.replicas
         return float(sq.sqrt())
 
     def _nonfinite(self, local_finite: bool) -> None:

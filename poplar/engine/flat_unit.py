@@ -1,9 +1,10 @@
 """One unit's parameters as flat buffers and shards: :class:`FlatUnit` and its explicit states.
 
 The unit's parameters are laid end to end in one flat buffer, padded to a multiple of
-the world size; rank ``r`` owns the ``r``-th equal slice (its shard). What is kept in
-full and what only as a shard is the ZeRO stage's (see :mod:`poplar.stages`); this one
-class serves all four.
+the ranks sharing it; each owns an equal slice (its shard): rank ``r`` the ``r``-th when
+flat, a group's ``i``-th rank the ``i``-th of its group's copy when hybrid (see
+:mod:`poplar.engine.layout`). What is kept in full and what only as a shard is the ZeRO
+stage's (see :mod:`poplar.stages`); this one class serves all four.
 
 The model's own ``nn.Parameter`` objects stay registered on their modules; their data
 are views into ``full_param``. ZeRO-3 frees ``full_param``'s storage (resizes it to
@@ -27,7 +28,7 @@ from enum import Enum
 import torch
 from torch import nn
 
-from poplar.engine.collectives import Comm
+from poplar.engine.layout import ShardLayout
 from poplar.stages import ZeroStage
 
 
@@ -60,9 +61,9 @@ class FlatUnit:
     """One unit's flat parameter, master and gradient buffers, sharded as ``stage`` says."""
 
     def __init__(self, index: int, module: nn.Module, name: str, params: list[nn.Parameter], *, stage: ZeroStage,
-                 rank: int, world_size: int, compute_dtype: torch.dtype, device: torch.device, comm: Comm):
+                 layout: ShardLayout, compute_dtype: torch.dtype, device: torch.device):
         self.index, self.module, self.name = index, module, name
-        self.rank, self.world_size, self.comm = rank, world_size, comm
+        self.layout = layout
         # what this unit keeps only as its shard
         self.shard_optim, self.shard_grads, self.shard_params = (
             stage.shards_optimizer, stage.shards_gradients, stage.shards_parameters)
@@ -73,9 +74,9 @@ class FlatUnit:
             offset += p.numel()
         self.slots = slots
         self.numel = offset
-        self.padded_numel = -(-offset // world_size) * world_size
-        self.shard_numel = self.padded_numel // world_size
-        self.shard_start = rank * self.shard_numel
+        self.padded_numel = layout.padded(offset)
+        self.shard_start, shard_stop = layout.shard_range(offset)
+        self.shard_numel = shard_stop - self.shard_start
         self._build_params(device)
 
         # Gradients: fp32 accumulators. grad_full is the full (padded) flat gradient; it
@@ -92,6 +93,17 @@ class FlatUnit:
         self._in_backward = False  # ZeRO-3: the gradient has reached this unit's outputs
         self._gather_work = None
         self._reduce_work, self._reduce_out = None, None
+        self._across_work = None   # hybrid: the sum across groups in flight
+
+    @property
+    def comm(self):
+        """The world's collectives (the broadcast of the initial values; flat stage 0's all-reduce)."""
+        return self.layout.comm
+
+    @property
+    def shard_comm(self):
+        """The shard group's collectives (the world's when flat); looked up each time, as a group may be remade."""
+        return self.layout.shard_comm
 
     def _build_params(self, device: torch.device) -> None:
         """The flat parameter (and its fp32 master), identical on every rank: rank 0's values."""
@@ -136,7 +148,7 @@ class FlatUnit:
         """SHARDED -> GATHERING (-> UNSHARDED unless ``async_op``): the all-gather that makes the unit whole."""
         if self.param_state is ParamState.SHARDED:
             self.full_param.untyped_storage().resize_(self.padded_numel * self.full_param.element_size())
-            self._gather_work = self.comm.all_gather(self.full_param, self.param_shard, async_op=True)
+            self._gather_work = self.shard_comm.all_gather(self.full_param, self.param_shard, async_op=True)
             self.param_state = ParamState.GATHERING
         if not async_op:
             self.wait_unshard()
@@ -165,12 +177,12 @@ class FlatUnit:
 
         The unit stays GATHERING / REDUCING, as it is, until :meth:`reset_after_abandon`.
         """
-        return [w for w in (self._gather_work, self._reduce_work) if w is not None]
+        return [w for w in (self._gather_work, self._reduce_work, self._across_work) if w is not None]
 
     def reset_after_abandon(self) -> None:
         """After :meth:`abandon_collectives`' works are done: only the shard again, no gradient of the step."""
         self._gather_work = None
-        self._reduce_work, self._reduce_out = None, None
+        self._reduce_work, self._reduce_out, self._across_work = None, None, None
         if self.shard_params and self.param_state is not ParamState.SHARDED:
             self._free_full()
         self.reset_grads()
@@ -192,7 +204,7 @@ class FlatUnit:
             return None
         # The input must not alias the output: in fp32 the master is a view into full_param.
         shard = self.master.data.to(self.compute_dtype, copy=True)
-        return self.comm.all_gather(self.full_param, shard, async_op=True)
+        return self.shard_comm.all_gather(self.full_param, shard, async_op=True)
 
     # -- gradients ----------------------------------------------------------------------
     def begin_micro_step(self) -> None:
@@ -250,13 +262,17 @@ class FlatUnit:
         return self.grad_full
 
     def reduce_grads(self) -> None:
-        """READY -> REDUCING: launch this unit's gradient collective, all-reduce (stage 0) or reduce-scatter."""
+        """READY -> REDUCING: launch this unit's gradient collective, all-reduce (stage 0) or reduce-scatter.
+
+        Hybrid, the reduce-scatter is the group's, and stage 0's all-reduce is its first level (a
+        reduce-scatter in the group); :meth:`start_across` then sums the groups' shards.
+        """
         grad_full = self._complete_grad_full()
-        if not self.shard_optim:
+        if not self.shard_optim and not self.layout.hybrid:
             self._reduce_work = self.comm.all_reduce(grad_full, async_op=True)
         else:
             self._reduce_out = torch.empty(self.shard_numel, device=grad_full.device)
-            self._reduce_work = self.comm.reduce_scatter(self._reduce_out, grad_full, async_op=True)
+            self._reduce_work = self.shard_comm.reduce_scatter(self._reduce_out, grad_full, async_op=True)
         self.grad_state = GradState.REDUCING
 
     def finish_reduce(self) -> None:
@@ -264,7 +280,9 @@ class FlatUnit:
         work, out = self._reduce_work, self._reduce_out
         self._reduce_work, self._reduce_out = None, None
         work.wait()
-        if out is not None:
+        if out is not None and not self.shard_optim:   # hybrid stage 0: the shard's sum across groups is next
+            self._reduce_out = out
+        elif out is not None:
             if self._shard_written:
                 self.grad_shard.add_(out)
             else:
@@ -274,6 +292,21 @@ class FlatUnit:
             self.grad_full = None
             self._written = [False] * len(self.slots)
         self.grad_state = GradState.REDUCED
+
+    def start_across(self) -> None:
+        """Hybrid, after the step's last reduce: launch the sum of this rank's gradient shard across groups."""
+        shard = self._reduce_out if not self.shard_optim else self.owned_grad()
+        self._across_work = self.layout.reduce_across(shard, self.numel, async_op=True)
+
+    def finish_across(self):
+        """Wait for :meth:`start_across`'s sum. Stage 0: returns the in-flight gather of the summed shards into
+        the full gradient (the two-level all-reduce's last level); otherwise None."""
+        work, self._across_work = self._across_work, None
+        work.wait()
+        if self.shard_optim:
+            return None
+        out, self._reduce_out = self._reduce_out, None
+        return self.shard_comm.all_gather(self.grad_full, out, async_op=True)
 
     def owned_grad(self) -> torch.Tensor:
         """The gradient this rank applies: the full one (stage 0) or its shard."""
@@ -304,7 +337,7 @@ class FlatUnit:
         if not self.shard_optim:
             return self.master.data.float()
         full = torch.empty(self.padded_numel, dtype=torch.float32, device=self.master.device)
-        self.comm.all_gather(full, self.master.data.float().contiguous())
+        self.shard_comm.all_gather(full, self.master.data.float().contiguous())
         return full
 
     def load_full_master(self, full: torch.Tensor) -> None:

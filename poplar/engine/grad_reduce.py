@@ -7,6 +7,11 @@ overlaps the rest of the backward pass. Collectives are launched in one fixed un
 order, so every rank issues the same sequence whatever order its autograd finishes
 units in. Stages that reduce every micro-step keep at most ``max_inflight`` full-size
 gradient buckets alive; older ones are waited for and freed.
+
+Hybrid (shard groups), each unit's reduce runs inside its group, and in a step's last
+micro-step, as soon as it is done, the unit's shard is summed across groups
+(:meth:`~poplar.engine.flat_unit.FlatUnit.start_across`): the slow links carry one sum a
+step, whatever the accumulation, overlapping the rest of the backward pass.
 """
 
 from __future__ import annotations
@@ -37,7 +42,10 @@ class GradReducer:
         self._order = list(reversed(range(len(units))))   # ~ the order backward finishes them
         self._next = 0         # position in _order of the next unit to launch this micro-step
         self._pending: deque[FlatUnit] = deque()   # units whose gradient collective is in flight
+        self._across: list[FlatUnit] = []          # hybrid: units whose sum across groups is in flight
+        self.hybrid = bool(units) and units[0].layout.hybrid
         self.sync = False      # whether this micro-step reduces (else it only accumulates)
+        self.last = False      # whether it is the step's last micro-step
 
     @property
     def full_buckets_alive(self) -> int | None:
@@ -68,11 +76,12 @@ class GradReducer:
     def reset(self) -> None:
         """Clean gradient state, whatever an earlier (possibly failed) step left behind."""
         self._pending.clear()
+        self._across.clear()
         for unit in self.units:
             unit.reset_grads()
 
-    def begin_micro_step(self, sync: bool) -> None:
-        self.sync = sync
+    def begin_micro_step(self, sync: bool, last: bool) -> None:
+        self.sync, self.last = sync, last
         self._next = 0
 
     def end_micro_step(self) -> None:
@@ -83,7 +92,18 @@ class GradReducer:
         if self.sync:
             self._launch_ready(force=True)
             while self._pending:
-                self._pending.popleft().finish_reduce()
+                self._finish(self._pending.popleft())
+        if self.last and self.hybrid:
+            gathers = [w for w in (u.finish_across() for u in self._across) if w is not None]
+            self._across.clear()
+            for w in gathers:
+                w.wait()
+
+    def _finish(self, unit: FlatUnit) -> None:
+        unit.finish_reduce()
+        if self.last and self.hybrid:
+            unit.start_across()
+            self._across.append(unit)
 
     # -- the collectives ----------------------------------------------------------------
     def _launch_ready(self, force: bool = False) -> None:
@@ -98,4 +118,4 @@ class GradReducer:
             self._next += 1
             if self.stage.shards_gradients:   # full-size buckets are transient: bound how many are alive
                 while len(self._pending) > self.max_inflight:
-                    self._pending.popleft().finish_reduce()
+                    self._finish(self._pending.popleft())

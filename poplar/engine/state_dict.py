@@ -8,7 +8,6 @@ the same names (the step count is the engine's: passed in, and given back on a l
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from poplar.engine.collectives import Comm
@@ -19,8 +18,9 @@ def _mesh(device: torch.device, comm: Comm):
     """A one-dimensional device mesh over the comm's ranks, on its current group (it may have been rebuilt)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = list(range(comm.world_size)) if comm.group is None else dist.get_process_group_ranks(comm.group)
-    return DeviceMesh(device.type, ranks)
+    if comm.group is not None:   # a shard group: its mesh over the group as it is, nothing created
+        return DeviceMesh.from_group(comm.group, device.type)
+    return DeviceMesh(device.type, list(range(comm.world_size)))
 
 
 def _global(unit, flat: torch.Tensor, mesh):
@@ -93,7 +93,7 @@ class EngineState:
         for u in self.units:
             u.load_full_master(flats[u.index])
 
-    def sharded_state_dict(self, global_steps: int) -> dict:
+    def sharded_state_dict(self, global_steps: int, for_load: bool = False) -> dict:
         """The training state for ``torch.distributed.checkpoint``, under global keys with its layout.
 
         Each unit's fp32 master and per-element optimizer states (``unit3.master``,
@@ -103,14 +103,21 @@ class EngineState:
         plain tensors. The optimizer's hyper-parameters are not tensors: see
         :meth:`optimizer_hyperparameters`. Tensors share the engine's storage where they can;
         :meth:`load_sharded_state_dict` copies back what ``dcp.load`` filled.
+
+        Hybrid, each group holds a copy sharded over its own ranks: the first group's is
+        written, and every rank reads back its own slice (``for_load``).
         """
-        mesh = _mesh(self.device, self.comm) if any(u.shard_optim for u in self.units) else None
-        out: dict = {f"unit{u.index}.master": _global(u, u.master.data, mesh) for u in self.units}
+        layout = self.units[0].layout if self.units else None
+        mesh = _mesh(self.device, layout.shard_comm) if any(u.shard_optim for u in self.units) else None
+        # a copy that another group also writes would be written twice, and overlap
+        write = for_load or layout is None or not layout.hybrid or layout.group_index == 0 or mesh is None
+        out: dict = {f"unit{u.index}.master": _global(u, u.master.data, mesh) for u in self.units if write}
         for idx, state in self.optimizer.state_dict()["state"].items():
             u = self.units[idx]
             for name, value in state.items():
                 if _is_flat_state(u, value):
-                    out[f"optim.{idx}.{name}"] = _global(u, value, mesh)
+                    if write:
+                        out[f"optim.{idx}.{name}"] = _global(u, value, mesh)
                 else:
                     out[f"optim.{idx}.{name}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
         for name, buf in self.model.named_buffers():
@@ -151,7 +158,7 @@ class EngineState:
             self.optimizer.step()
             for u in self.units:
                 u.attach_grad(None)
-        return self.sharded_state_dict(global_steps)
+        return self.sharded_state_dict(global_steps, for_load=True)
 
     @torch.no_grad()
     def load_sharded_state_dict(self, state: dict, hyperparameters: list[dict] | None = None) -> int:

@@ -32,6 +32,11 @@ to be ready; in ZeRO-3 it is gathered before anything runs): that part is
 at the collectives it shares with them (in ZeRO-2/3 on every micro-step, where every
 rank runs the same number), so the step takes the slowest rank's busy time plus the
 communication the schedule leaves exposed.
+
+Shaped (``shaped=True``, on several nodes): the plan runs hybrid over the nodes (the
+two-level all-reduce in stage 0). Each node's collectives take the times the profiler
+measured inside it, the sums across nodes theirs, and each kind's stage profile is the
+flat one estimated for its node's copy of the states (:mod:`poplar.planner.shape`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import numpy as np
 
 from poplar.plan import Plan
 from poplar.planner.schedule import StepSchedule
+from poplar.planner.shape import node_shape, shaped_stage
 from poplar.profile.profile import Profile, StageProfile
 
 
@@ -119,6 +125,7 @@ class CostModel:
     profile: Profile
     stage: int
     ranks: list[int] = field(default_factory=list)
+    shaped: bool = False
 
     def __post_init__(self):
         if not self.ranks:
@@ -128,9 +135,27 @@ class CostModel:
         if missing:
             raise ValueError(f"the profile has no stage {self.stage} for {', '.join(missing)}: profile that stage "
                              "or leave it out (--stages)")
-        self.kinds: dict[str, KindCost] = {k: KindCost(k, self.profile.stage(k, self.stage)) for k in dict.fromkeys(kinds)}
+        self.shape = node_shape(self.profile, self.ranks) if self.shaped else None
+        if self.shaped and self.shape is None:
+            raise ValueError("a shaped plan needs several nodes, and a profile that timed the collectives on them")
+        self.kinds: dict[str, KindCost] = {k: KindCost(k, self._stage_profile(k)) for k in dict.fromkeys(kinds)}
         self.rank_kinds = kinds
         self._rank_index = {k: np.array([i for i, x in enumerate(kinds) if x == k]) for k in self.kinds}
+
+    @property
+    def shard_groups(self) -> list[list[int]] | None:
+        """The plans' shard groups (plan ranks): the nodes when shaped, else None (flat)."""
+        return self.shape.groups if self.shape else None
+
+    def _stage_profile(self, kind: str) -> StageProfile:
+        sp = self.profile.stage(kind, self.stage)
+        if self.shape is None:
+            return sp
+        sizes = [len(g) for g in self.shape.groups if any(self.profile.ranks[self.ranks[i]] == kind for i in g)]
+        dev, model = self.profile.devices[kind], self.profile.model
+        return shaped_stage(sp, stage=self.stage, n_params=model.n_params, world=self.profile.world_size,
+                            group=min(sizes), capacity=dev.memory_gb * 2**30, precision=model.dtype,
+                            full=dev.stages.get(0))
 
     # -- communication ------------------------------------------------------------------
     def _coll(self, which: str, numel: float) -> float:
@@ -159,6 +184,9 @@ class CostModel:
             raise ValueError(f"the plan has {plan.world_size} ranks, the cost model {len(self.ranks)}")
         if plan.zero_stage != self.stage:
             raise ValueError(f"the plan is for stage {plan.zero_stage}, the cost model for stage {self.stage}")
+        if plan.shard_groups is not None and [list(g) for g in plan.shard_groups] != self.shard_groups:
+            raise ValueError(f"the plan is {plan.shape}, the cost model for "
+                             f"{'flat' if not self.shape else 'the nodes ' + str(self.shard_groups)}")
         samples, accum = np.array(plan.local_batch_sizes), np.array(plan.accum_steps)
         busy_arr = np.zeros(len(self.ranks))
         for kind, idx in self._rank_index.items():
@@ -179,4 +207,4 @@ class CostModel:
 
     @cached_property
     def _schedule(self) -> StepSchedule:
-        return StepSchedule(self.profile, self.stage)
+        return StepSchedule(self.profile, self.stage, self.shape)

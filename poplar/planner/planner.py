@@ -5,6 +5,9 @@ computes the ``uniform`` (DeepSpeed-style) and ``proportional`` (Whale-style: by
 speed) baselines, the ``measured-peak`` split (by each device's measured peak samples/s, a
 stronger heuristic than Whale's) and the ``ideal`` bound on the same cost model, and
 picks the stage with the highest predicted throughput among those every device can run.
+On several nodes it plans every stage twice, flat and shaped to the nodes (hybrid
+sharding; the two-level all-reduce in stage 0), and picks the stage and shape together;
+the reason says what the flat shape of the chosen stage would leave exposed.
 A stage where some device cannot hold even one sample is left out, and said so; if that
 is every stage, those devices are left out of the plan (the job must then be launched
 without them), and said so.
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 
 from poplar.plan import Plan
 from poplar.planner.cost import CostModel, Prediction
+from poplar.planner.shape import node_shape
 from poplar.planner.search import (Infeasible, allocate, ideal_samples_per_s, measured_proportional, proportional,
                                    uniform)
 from poplar.profile.profile import Profile
@@ -46,6 +50,12 @@ class StagePlan:
     allocations: dict[str, Allocation] = field(default_factory=dict)
     ideal_samples_per_s: float = 0.0
     excluded: str = ""                                 # why this stage was left out
+    shaped: bool = False                               # hybrid over the nodes (two-level in stage 0)
+
+    @property
+    def label(self) -> str:
+        return f"stage {self.stage} {'two-level' if self.stage == 0 else 'hybrid'}" if self.shaped \
+            else f"stage {self.stage}"
 
     @property
     def poplar(self) -> Allocation:
@@ -64,6 +74,21 @@ class PlanResult:
     reason: str
     excluded_ranks: list[int] = field(default_factory=list)
     profile: Profile | None = None
+    shaped: dict[int, StagePlan] = field(default_factory=dict)   # every stage shaped to the nodes (several nodes)
+
+    @property
+    def chosen(self) -> StagePlan:
+        """The stage plan the chosen plan comes from (shaped or flat)."""
+        return self.shaped[self.stage] if self.plan.shard_groups else self.stages[self.stage]
+
+    def allocations(self) -> dict[str, Allocation]:
+        """The chosen plan as ``poplar``, beside the chosen stage's baselines (flat, as other systems run them)."""
+        return {"poplar": self.chosen.poplar, **{n: self.stages[self.stage].allocations[n] for n in BASELINES}}
+
+    @property
+    def ideal_samples_per_s(self) -> float:
+        """The chosen stage's ideal bound, flat or shaped, whichever is higher."""
+        return max(sp.ideal_samples_per_s for sp in (self.chosen, self.stages[self.stage]))
 
     def to_dict(self) -> dict:
         """plan.json: the plan, what it is predicted to do, and how the alternatives compare."""
@@ -76,14 +101,10 @@ class PlanResult:
             "ranks": self.ranks,
             "excluded_ranks": self.excluded_ranks,
             "device_kinds": [self.profile.ranks[r] for r in self.ranks] if self.profile else [],
-            "stages": {
-                s: ({"excluded": sp.excluded} if sp.excluded else {
-                    "ideal_samples_per_s": sp.ideal_samples_per_s,
-                    **{name: ({"plan": a.plan.to_dict(), "samples_per_s": a.predicted.samples_per_s,
-                               "step_s": a.predicted.step_s} if a.plan else {"infeasible": a.why_not})
-                       for name, a in sp.allocations.items()}})
-                for s, sp in self.stages.items()},
+            "stages": {s: _stage_dict(sp) for s, sp in self.stages.items()},
         }
+        if self.shaped:
+            d["meta"]["shaped_stages"] = {s: _stage_dict(sp) for s, sp in self.shaped.items()}
         return d
 
     def save(self, path) -> None:
@@ -94,27 +115,37 @@ class PlanResult:
 
 
 
+def _stage_dict(sp: StagePlan) -> dict:
+    if sp.excluded:
+        return {"excluded": sp.excluded}
+    return {"ideal_samples_per_s": sp.ideal_samples_per_s,
+            **{name: ({"plan": a.plan.to_dict(), "samples_per_s": a.predicted.samples_per_s,
+                       "step_s": a.predicted.step_s} if a.plan else {"infeasible": a.why_not})
+               for name, a in sp.allocations.items()}}
+
+
 def _rank_list(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
-def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int] | None = None) -> StagePlan:
-    """Poplar's allocation, the baselines and the ideal bound for one stage."""
+def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int] | None = None,
+               shaped: bool = False) -> StagePlan:
+    """Poplar's allocation, the baselines and the ideal bound for one stage (``shaped``: over the nodes)."""
     ranks = ranks if ranks is not None else list(range(profile.world_size))
-    out = StagePlan(stage=stage, ranks=ranks)
+    out = StagePlan(stage=stage, ranks=ranks, shaped=shaped)
     if any(stage not in profile.devices[profile.ranks[r]].stages for r in ranks):
         out.excluded = f"stage {stage} was not profiled"
         return out
-    cost = CostModel(profile, stage, ranks)
+    cost = CostModel(profile, stage, ranks, shaped)
     unfit = [r for r in ranks if not cost.kinds[profile.ranks[r]].fits()]
     if unfit:
         kinds = sorted({profile.ranks[r] for r in unfit})
         out.excluded = (f"{', '.join(kinds)} (rank {_rank_list(unfit)}) cannot hold the model and one sample "
-                        f"in stage {stage}")
+                        f"in {out.label}")
         return out
     for name, fn in ALLOCATIONS.items():
         try:
-            plan = fn(cost, global_batch)
+            plan = fn(cost, global_batch).with_shard_groups(cost.shard_groups)
             out.allocations[name] = Allocation(name, plan, cost.predict(plan))
         except Infeasible as e:
             out.allocations[name] = Allocation(name, None, None, why_not=str(e))
@@ -169,20 +200,35 @@ def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanR
             why = "; ".join(f"stage {s}: {r.excluded}" for s, r in results.items())
             raise PlanningError(f"no stage can run this job: {why}. Use a smaller model or sequence, devices with "
                                 "more memory, or profile the higher ZeRO stages")
-    feasible = {s: r for s, r in results.items() if not r.excluded}
-    ranked = sorted(feasible, key=lambda s: -feasible[s].poplar.predicted.samples_per_s)
+    ranks = next(r.ranks for r in results.values() if not r.excluded)
+    shaped = ({s: plan_stage(profile, s, global_batch, ranks, shaped=True) for s in stages}
+              if node_shape(profile, ranks) is not None else {})
+    options = [r for r in [*results.values(), *shaped.values()] if not r.excluded]
+    ranked = sorted(options, key=lambda r: -r.poplar.predicted.samples_per_s)
     best = ranked[0]
-    pred = feasible[best].poplar.predicted
-    reason = f"stage {best}: {pred.samples_per_s:.1f} samples/s predicted (step {1000 * pred.step_s:.1f} ms)"
+    pred = best.poplar.predicted
+    reason = f"{best.label}: {pred.samples_per_s:.1f} samples/s predicted (step {1000 * pred.step_s:.1f} ms)"
     if len(ranked) > 1:
-        nxt = feasible[ranked[1]].poplar.predicted
-        reason += f", {100 * (pred.samples_per_s / nxt.samples_per_s - 1):.1f}% above stage {ranked[1]}, the next best"
-    left_out = [f"stage {s} left out: {r.excluded}" for s, r in results.items() if r.excluded]
+        nxt = ranked[1].poplar.predicted
+        reason += f", {100 * (pred.samples_per_s / nxt.samples_per_s - 1):.1f}% above {ranked[1].label}, the next best"
+    reason += _shape_note(best, results, shaped)
+    left_out = [f"{r.label} left out: {r.excluded}" for r in [*results.values(), *shaped.values()] if r.excluded]
     if left_out:
         reason += "; " + "; ".join(left_out)
     if excluded_ranks:
         kinds = sorted({profile.ranks[r] for r in excluded_ranks})
         reason += (f". Rank {_rank_list(excluded_ranks)} ({', '.join(kinds)}) cannot hold the model in any stage "
                    f"profiled: this plan is for the other {world - len(excluded_ranks)} ranks; launch without them")
-    return PlanResult(plan=feasible[best].poplar.plan, stage=best, predicted=pred, stages=results,
-                      ranks=feasible[best].ranks, reason=reason, excluded_ranks=excluded_ranks, profile=profile)
+    return PlanResult(plan=best.poplar.plan, stage=best.stage, predicted=pred, stages=results, ranks=best.ranks,
+                      reason=reason, excluded_ranks=excluded_ranks, profile=profile, shaped=shaped)
+
+
+def _shape_note(best: StagePlan, flat: dict[int, StagePlan], shaped: dict[int, StagePlan]) -> str:
+    """Why this shape: the communication the other shape of the same stage would leave exposed."""
+    other = (flat if best.shaped else shaped).get(best.stage)
+    if other is None or other.excluded:
+        return ""
+    mine, theirs = best.poplar.predicted, other.poplar.predicted
+    flat = lambda sp: sp.label if sp.shaped else f"{sp.label} flat"   # noqa: E731
+    return (f" ({flat(other)} would expose {1000 * theirs.comm_s:.1f} ms of communication a step, "
+            f"{flat(best)} {1000 * mine.comm_s:.1f} ms)")

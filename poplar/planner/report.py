@@ -26,7 +26,7 @@ def _rank_rows(result: PlanResult, sp: StagePlan):
 
 
 def stage_table(result: PlanResult, sp: StagePlan) -> Table:
-    title = f"ZeRO stage {sp.stage}{' (chosen)' if sp.stage == result.stage else ''}: Poplar's plan"
+    title = f"ZeRO {sp.label}{' (chosen)' if sp is result.chosen else ''}: Poplar's plan"
     table = Table(title=title)
     for col in ("rank", "device", "samples", "micro-batch", "accum", "busy ms", "idle ms"):
         table.add_column(col, justify="right")
@@ -40,20 +40,21 @@ def comparison_table(result: PlanResult) -> Table:
     table = Table(title=f"predicted throughput, global batch {result.plan.global_batch_size}")
     for col in ("stage", "allocation", "step ms", "samples/s", "tokens/s", "vs uniform", "of ideal"):
         table.add_column(col, justify="right")
-    for s, sp in result.stages.items():
+    for sp in [*result.stages.values(), *result.shaped.values()]:
+        s = sp.label.removeprefix("stage ")
         if sp.excluded:
-            table.add_row(str(s), "-", "-", "-", "-", "-", sp.excluded)
+            table.add_row(s, "-", "-", "-", "-", "-", sp.excluded)
             continue
         base = sp.allocations["uniform"].predicted
         for name, alloc in sp.allocations.items():
             if alloc.plan is None:
-                table.add_row(str(s), name, "-", "-", "-", "-", alloc.why_not)
+                table.add_row(s, name, "-", "-", "-", "-", alloc.why_not)
                 continue
             p = alloc.predicted
-            table.add_row(f"{s}{'*' if s == result.stage and name == 'poplar' else ''}", name,
+            table.add_row(f"{s}{'*' if sp is result.chosen and name == 'poplar' else ''}", name,
                           f"{1000 * p.step_s:.1f}", f"{p.samples_per_s:.1f}", f"{p.tokens_per_s:,.0f}",
                           f"{p.samples_per_s / base.samples_per_s:.2f}x" if base else "-",
                           f"{100 * p.samples_per_s / sp.ideal_samples_per_s:.0f}%")
-        table.add_row(str(s), "ideal", "-", f"{sp.ideal_samples_per_s:.1f}", f"{sp.ideal_samples_per_s * seq:,.0f}",
+        table.add_row(s, "ideal", "-", f"{sp.ideal_samples_per_s:.1f}", f"{sp.ideal_samples_per_s * seq:,.0f}",
                       "-", "100%")
     return table

@@ -1,10 +1,13 @@
 """The engine's schedule followed unit by unit: when each collective can start and what it leaves exposed.
 
-Every rank runs the same sequence of collectives (the engine issues them in one fixed
-unit order), so a collective starts once the *last* rank has issued it and the link is
-free of the ones before it (collectives of one process group run one after another, in
-issue order, as NCCL's do on their stream and gloo's on its thread). A rank computes
-until it must wait for a collective's result; the time it waits is exposed.
+The ranks of a process group run the same sequence of collectives on it (the engine
+issues them in one fixed unit order), so a collective starts once the *last* of its
+ranks has issued it and its group's link is free of the ones before it (collectives of
+one process group run one after another, in issue order, as NCCL's do on their stream
+and gloo's on its thread). A rank computes until it must wait for a collective's result;
+the time it waits is exposed. Flat, every collective is the world's; hybrid (shard
+groups), a group's gathers and reduce-scatters hold its own link, and the sums across
+groups the world's.
 
 A rank's step is a list of events (:class:`Compute`, :class:`Issue`, :class:`Wait`),
 written by :func:`micro_step_events` from the engine's schedule for a stage:
@@ -46,8 +49,9 @@ class Compute:
 
 @dataclass(frozen=True)
 class Issue:
-    key: str                 # names the collective (the same on every rank)
+    key: str                 # names the collective (the same on every rank of its group)
     seconds: float           # its time on the link once started
+    link: str = ""           # its group's link ("": the world's)
 
 
 @dataclass(frozen=True)
@@ -56,15 +60,15 @@ class Wait:
 
 
 def micro_step_events(units: list[UnitTimes], *, gathers: bool, reduces: bool, prefetch: bool = True,
-                      max_inflight: int | None = None, tag: str = "") -> list:
-    """One micro-step's events; ``units[0]`` is the root, the others in forward order."""
+                      max_inflight: int | None = None, tag: str = "", link: str = "") -> list:
+    """One micro-step's events; ``units[0]`` is the root, the others in forward order; collectives on ``link``."""
     ev: list = []
     gathered: set[int] = set()
 
     def gather(i: int, wait: bool) -> None:
         key = f"{tag}g{i}{'b' if backward else ''}"
         if i not in gathered:
-            ev.append(Issue(key, units[i].gather_s))
+            ev.append(Issue(key, units[i].gather_s, link))
             gathered.add(i)
         if wait:
             ev.append(Wait(key))
@@ -91,17 +95,17 @@ def micro_step_events(units: list[UnitTimes], *, gathers: bool, reduces: bool, p
                 gather(i - 1, wait=False)
         ev.append(Compute(units[i].backward_s))
         if reduces:
-            _reduce(ev, pending, f"{tag}r{i}", units[i].reduce_s, max_inflight)
+            _reduce(ev, pending, Issue(f"{tag}r{i}", units[i].reduce_s, link), max_inflight)
     if reduces:
-        _reduce(ev, pending, f"{tag}r0", units[0].reduce_s, max_inflight)
+        _reduce(ev, pending, Issue(f"{tag}r0", units[0].reduce_s, link), max_inflight)
         ev.extend(Wait(k) for k in pending)
     return ev
 
 
-def _reduce(ev: list, pending: list[str], key: str, seconds: float, max_inflight: int | None) -> None:
+def _reduce(ev: list, pending: list[str], issue: Issue, max_inflight: int | None) -> None:
     """Issue a gradient collective; past ``max_inflight`` in flight, wait for the oldest."""
-    ev.append(Issue(key, seconds))
-    pending.append(key)
+    ev.append(issue)
+    pending.append(issue.key)
     while max_inflight is not None and len(pending) > max_inflight:
         ev.append(Wait(pending.pop(0)))
 
@@ -109,44 +113,71 @@ def _reduce(ev: list, pending: list[str], key: str, seconds: float, max_inflight
 def run_ranks(ranks: list[list]) -> tuple[float, list[float]]:
     """Follow every rank's events together: the step's end and each rank's busy (compute) time.
 
-    Collectives are started in the order ranks issue them (the same on every rank), each
-    when the last rank has issued it and the link is free.
+    A collective starts when every rank that issues it has, and its link is free.
     """
-    order = [e.key for e in ranks[0] if isinstance(e, Issue)]
-    for r, events in enumerate(ranks[1:], 1):
-        if [e.key for e in events if isinstance(e, Issue)] != order:
-            raise ValueError(f"rank {r} issues other collectives than rank 0: ranks must run the same sequence")
+    issuers: dict[str, list[int]] = {}
+    on_link: dict[str, tuple[int, list[str]]] = {}   # per link: the first rank on it, and its sequence
+    for r, events in enumerate(ranks):
+        for e in events:
+            if isinstance(e, Issue):
+                issuers.setdefault(e.key, []).append(r)
+        for link in dict.fromkeys(e.link for e in events if isinstance(e, Issue)):
+            seq = [e.key for e in events if isinstance(e, Issue) and e.link == link]
+            first, expected = on_link.setdefault(link, (r, seq))
+            if seq != expected:
+                raise ValueError(f"rank {r} issues other collectives than rank {first} on link {link or 'world'}: "
+                                 "the ranks of a group must run the same sequence")
     clock, busy, pos = [0.0] * len(ranks), [0.0] * len(ranks), [0] * len(ranks)
     done: dict[str, float] = {}
-    link_free = 0.0
+    link_free: dict[str, float] = {}
 
-    def advance(r: int, until: str | None) -> float | None:
-        """Run rank ``r`` to its issue of ``until`` (its time then), or to its end."""
+    def advance(r: int) -> Issue | str | None:
+        """Run rank ``r`` until it issues a collective not started yet (returned), waits for one, or ends."""
         events = ranks[r]
         while pos[r] < len(events):
             e = events[pos[r]]
-            pos[r] += 1
             if isinstance(e, Compute):
                 clock[r] += e.seconds
                 busy[r] += e.seconds
             elif isinstance(e, Wait):
+                if e.key not in done:
+                    return e.key
                 clock[r] = max(clock[r], done[e.key])
-            elif e.key == until:
-                return clock[r]
+            else:
+                return e
+            pos[r] += 1
         return None
 
-    for key in order:
-        issued = [advance(r, key) for r in range(len(ranks))]
-        seconds = next(e.seconds for e in ranks[0] if isinstance(e, Issue) and e.key == key)
-        start = max(max(issued), link_free)
-        done[key] = link_free = start + seconds
-    for r in range(len(ranks)):
-        advance(r, None)
-    return max(clock), busy
+    while True:
+        at = [advance(r) for r in range(len(ranks))]
+        ready = {e.key: e for e in at if isinstance(e, Issue)
+                 and all(isinstance(at[q], Issue) and at[q].key == e.key for q in issuers[e.key])}
+        if not ready:
+            if any(a is not None for a in at):
+                raise ValueError("the ranks' collectives cannot all start: ranks of a group must issue the same "
+                                 "sequence on it")
+            return max(clock), busy
+        for key, e in ready.items():
+            start = max(max(clock[q] for q in issuers[key]), link_free.get(e.link, 0.0))
+            done[key] = link_free[e.link] = start + e.seconds
+            for q in issuers[key]:
+                pos[q] += 1
 
 
 FORWARD_SHARE = 1 / 3     # of a micro-step's compute: the backward does about twice the forward's FLOPs
 MAX_INFLIGHT = 2          # ZeRO-2/3 reductions in flight: the engine's default (max_inflight_reduces)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Collectives shaped to shard groups: the plan's ranks of each group, and the groups' profiled figures."""
+
+    groups: list[list[int]]   # plan ranks
+    inside: list              # per group: its collectives among its own ranks (a CommProfile)
+    across: object            # the sum across groups (a ShapedComm)
+
+    def group_of(self, rank: int) -> int:
+        return next(j for j, g in enumerate(self.groups) if rank in g)
 
 
 class StepSchedule:
@@ -154,36 +185,81 @@ class StepSchedule:
 
     Each unit computes its share of a micro-step (its FLOPs' share of the forward, or of
     its parameters where the profile has no FLOPs) and moves its own parameters.
+    With a :class:`Shape` (hybrid; two-level in stage 0) each group gathers and
+    reduce-scatters on its own link, and in the last micro-step each unit's shard is
+    summed across groups once its reduce-scatter is done (stage 0 then gathers the sum
+    back inside the group), as :mod:`poplar.engine.grad_reduce` does.
     """
 
-    def __init__(self, profile, stage: int):
-        model, comm = profile.model, profile.comm
-        numels = list(model.unit_numels) or [model.n_params]
-        weights = model.unit_flops if len(model.unit_flops) == len(numels) and sum(model.unit_flops) > 0 else numels
+    def __init__(self, profile, stage: int, shape: Shape | None = None):
+        model = profile.model
+        self.numels = list(model.unit_numels) or [model.n_params]
+        weights = model.unit_flops if len(model.unit_flops) == len(self.numels) and sum(model.unit_flops) > 0 \
+            else self.numels
         self.shares = [w / sum(weights) for w in weights]
-        self.stage = stage
-        reduce_op = "all_reduce" if stage == 0 else "reduce_scatter"
-        self.reduce_s = [comm.seconds(reduce_op, n) for n in numels]
-        self.gather_s = [comm.seconds("all_gather", n) for n in numels]
+        self.stage, self.shape = stage, shape
+        comms = shape.inside if shape else [profile.comm]
+        reduce_op = "all_reduce" if stage == 0 and not shape else "reduce_scatter"
+        self.reduce_s = [[c.seconds(reduce_op, n) for n in self.numels] for c in comms]
+        self.gather_s = [[c.seconds("all_gather", n) for n in self.numels] for c in comms]
+        self.across_s = [shape.across.across_seconds(n) for n in self.numels] if shape else []
+        # the step's own all-reduces of a few numbers over the world (batch check, loss, norm): latency only
+        self.small_s = profile.comm.seconds("all_reduce", 1)
 
     def step_s(self, plan, rank_kinds: list[str], kinds: dict) -> float:
-        """The plan's step time: every distinct rank (kind and micro-batches) followed together."""
-        distinct = dict.fromkeys((rank_kinds[r], tuple(plan.micro_batches(r))) for r in range(plan.world_size))
-        end, _ = run_ranks([self.rank_events(kinds[k], mbs) for k, mbs in distinct])
+        """The plan's step time: every distinct rank (group, kind and micro-batches) followed together."""
+        group = self.shape.group_of if self.shape else (lambda r: 0)
+        distinct = dict.fromkeys((group(r), rank_kinds[r], tuple(plan.micro_batches(r))) for r in range(plan.world_size))
+        end, _ = run_ranks([self.rank_events(kinds[k], mbs, g) for g, k, mbs in distinct])
         return end
 
-    def rank_events(self, kind_cost, micro_batches) -> list:
+    def rank_events(self, kind_cost, micro_batches, group: int = 0) -> list:
         """One rank's step: its micro-steps, the update, and in ZeRO-1/2 the parameters gathered after it."""
         every = self.stage >= 2          # ZeRO-2/3 reduce (and all ranks run as many micro-steps) every time
+        link = f"n{group}" if self.shape else ""
+        gather_s, reduce_s = self.gather_s[group], self.reduce_s[group]
         events: list = []
         for j, m in enumerate(micro_batches):
             c = float(kind_cost.g[m])
+            last = j == len(micro_batches) - 1
             units = [UnitTimes(c * FORWARD_SHARE * w, c * (1 - FORWARD_SHARE) * w, g, r)
-                     for w, g, r in zip(self.shares, self.gather_s, self.reduce_s)]
-            events += micro_step_events(units, gathers=self.stage == 3, reduces=every or j == len(micro_batches) - 1,
-                                        max_inflight=MAX_INFLIGHT if every else None, tag=f"{j}." if every else "")
-        events.append(Compute(kind_cost.per_step_s))
+                     for w, g, r in zip(self.shares, gather_s, reduce_s)]
+            tag = f"{link}.{j if every else ''}."
+            micro = micro_step_events(units, gathers=self.stage == 3, reduces=every or last,
+                                      max_inflight=MAX_INFLIGHT if every else None, tag=tag, link=link)
+            events += self._sum_across(micro, tag, link, gather_s) if self.shape and last else micro
+        return self._step_ends(self._checked(events), kind_cost.per_step_s, link, gather_s)
+
+    def _checked(self, events: list) -> list:
+        """The batch check: its all-reduce issued as the step starts, waited for before the first collective."""
+        first = next(i for i, e in enumerate(events) if isinstance(e, Issue))
+        return [Issue("check", self.small_s), *events[:first], Wait("check"), *events[first:]]
+
+    def _step_ends(self, events: list, per_step_s: float, link: str, gather_s: list[float]) -> list:
+        """After the micro-steps: the loss all-reduced (waited for last), in ZeRO-1-3 the squared norm (waited
+        for before the update), the update, and in ZeRO-1/2 the parameters gathered after it."""
+        events = [*events, Issue("loss", self.small_s)]
+        if self.stage >= 1:
+            events += [Issue("norm", self.small_s), Wait("norm")]
+        events.append(Compute(per_step_s))
         if self.stage in (1, 2):
-            events += [Issue(f"p{i}", s) for i, s in enumerate(self.gather_s)]
-            events += [Wait(f"p{i}") for i in range(len(self.gather_s))]
-        return events
+            events += [Issue(f"{link}.p{i}", s, link) for i, s in enumerate(gather_s)]
+            events += [Wait(f"{link}.p{i}") for i in range(len(gather_s))]
+        return [*events, Wait("loss")]
+
+    def _sum_across(self, events: list, tag: str, link: str, gather_s: list[float]) -> list:
+        """The last micro-step's events with each unit's sum across groups issued once its reduce is waited for."""
+        out, summed = [], []
+        for e in events:
+            out.append(e)
+            if isinstance(e, Wait) and e.key.startswith(f"{tag}r"):
+                i = int(e.key[len(tag) + 1:])
+                out.append(Issue(f"x{i}", self.across_s[i]))
+                summed.append(i)
+        for i in summed:
+            out.append(Wait(f"x{i}"))
+            if self.stage == 0:   # the two-level all-reduce's last level: the sums gathered inside the group
+                out.append(Issue(f"{link}.ga{i}", gather_s[i], link))
+        if self.stage == 0:
+            out += [Wait(f"{link}.ga{i}") for i in summed]
+        return out

@@ -14,6 +14,9 @@ from poplar.precision import Precision
 from poplar.stages import parse_stages
 
 
+TIMEOUT_PER_STAGE_S = 450   # a stage of an emulated cluster whose ranks each have a core to themselves
+
+
 class ProfileOptions(BaseModel):
     """How :func:`~poplar.profile.profiler.profile_cluster` measures; every field has a sensible default."""
 
@@ -32,7 +35,17 @@ class ProfileOptions(BaseModel):
                                  "mixed precision; time and memory differ from fp32's)")
     use_cache: bool = Field(True, description="read profiles cached on disk (measured ones are written anyway)")
     cache_dir: Path | None = Field(None, description="where profiles are cached; None: default_cache_dir()")
-    timeout_s: float = Field(900, gt=0, description="how long spawned emulated ranks may take")
+    timeout_s: float | None = Field(None, gt=0, description="how long spawned emulated ranks may take; None: "
+                                    "TIMEOUT_PER_STAGE_S a stage, times the ranks per core where they share cores")
+
+    def spawn_timeout_s(self, world_size: int) -> float:
+        """How long ``world_size`` spawned ranks may take to profile ``stages`` on this host."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        import os
+
+        sharing = max(1.0, world_size / (os.cpu_count() or 1))
+        return TIMEOUT_PER_STAGE_S * max(1, len(self.stages)) * sharing
 
     @field_validator("stages", mode="before")
     @classmethod

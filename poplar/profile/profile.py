@@ -70,6 +70,8 @@ class CommProfile(BaseModel):
     all_gather_s: float
     latency_s: dict[str, float] = Field(default_factory=dict, description="per collective: its time on a tiny "
                                         "buffer (a few elements a rank), what every call pays however small")
+    shaped: ShapedComm | None = Field(None, description="on several nodes: the collectives inside each node and "
+                                      "across them (hybrid sharding, two-level all-reduce)")
 
     def bandwidth_gbps(self, which: str) -> float:
         """Algorithm bandwidth in GB/s (bytes of the full buffer per second)."""
@@ -85,6 +87,27 @@ class CommProfile(BaseModel):
         full = getattr(self, f"{which}_s")
         latency = min(self.latency_s.get(which, 0.0), full)
         return latency + (full - latency) * numel / self.numel
+
+
+class ShapedComm(BaseModel):
+    """The collectives shaped to the nodes, timed on them: each node's own, and the sum across nodes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    groups: list[list[int]] = Field(description="the ranks of each node")
+    numel: int = Field(description="elements the sum across nodes was timed on: the model's, fp32")
+    inside: list[CommProfile] = Field(description="per node: its collectives among its own ranks, over the "
+                                      "model's size padded to its rank count")
+    reduce_across_s: float = Field(description="the sum across nodes (poplar.engine.layout) of the model's size")
+    across_latency_s: float = Field(0.0, description="the same on a tiny buffer")
+
+    def across_seconds(self, numel: float) -> float:
+        """The sum across nodes of ``numel`` fp32 elements: its latency plus its share of the bandwidth."""
+        latency = min(self.across_latency_s, self.reduce_across_s)
+        return latency + (self.reduce_across_s - latency) * numel / self.numel
+
+
+CommProfile.model_rebuild()
 
 
 class ModelInfo(BaseModel):

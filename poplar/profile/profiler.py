@@ -73,6 +73,8 @@ def profile_cluster(workload: str | Workload, cluster: dict, options: ProfileOpt
                          config)
     cached = cache.stages() if options.use_cache else {}
     comm = cache.comm() if options.use_cache else None
+    if comm is not None and len(spec.node_groups()) > 1 and comm.shaped is None:
+        comm = None   # written before the collectives were timed on the nodes: time them again
     if distributed:   # every rank must measure the same stages and plan from the same profile: rank 0's cache
         decided = [cached, comm]
         dist.broadcast_object_list(decided, src=0)
@@ -84,7 +86,7 @@ def profile_cluster(workload: str | Workload, cluster: dict, options: ProfileOpt
     if todo or comm is None:
         ranks = _run_ranks(wl, spec, options.model_copy(update={"stages": tuple(todo)}), config, progress, on_poll,
                            distributed)
-        comm = ranks[0].comm
+        comm = _merge_comm(ranks)
         measured = {(k, s): merge_stage([r.stages[s] for r in ranks if r.kind == k]) for s in todo for k in kinds}
         if not distributed or dist.get_rank() == 0:
             cache.save(measured, comm)
@@ -113,7 +115,8 @@ def _run_ranks(wl: Workload, spec: ClusterSpec, options: ProfileOptions, config:
         if on_poll is not None:
             on_poll()
 
-    ranks = spawn(profile_rank, spec.world_size, *args, queue, timeout_s=options.timeout_s, on_poll=poll)
+    ranks = spawn(profile_rank, spec.world_size, *args, queue, timeout_s=options.spawn_timeout_s(spec.world_size),
+                  on_poll=poll)
     poll()   # the last events (a stage done) may arrive after the last wait
     return ranks
 
@@ -139,6 +142,15 @@ def _merge_points(point_lists: list[list[tuple[int, float]]]) -> list[tuple[int,
 def _rated_tflops(kind: DeviceGroup, precision: str) -> float | None:
     """The data sheet's peak: a discovered GPU's by its name in the catalogue, else the cluster file's."""
     return peak_tflops(kind.cuda.name, precision) if kind.cuda is not None else kind.peak_tflops(precision)
+
+
+def _merge_comm(ranks: list[RankProfile]) -> CommProfile:
+    """Rank 0's collectives, with each node's own timed by its first rank."""
+    comm = ranks[0].comm
+    if comm.shaped is None:
+        return comm
+    inside = [ranks[g[0]].comm.shaped.inside[0] for g in comm.shaped.groups]
+    return comm.model_copy(update={"shaped": comm.shaped.model_copy(update={"inside": inside})})
 
 
 def _assemble(wl: Workload, spec: ClusterSpec, precision: str, config: EngineConfig,

@@ -64,7 +64,7 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
         run = RankRun(device, rank, world_size, wl, config, options.warmup, options.repeats or device.timing_repeats,
                       kind, progress if reports else None)
         stages = {s: profile_stage(run, s, options) for s in options.stages}
-        return RankProfile(kind=kind, stages=stages, comm=time_collectives(device, wl.n_params()),
+        return RankProfile(kind=kind, stages=stages, comm=time_collectives(device, wl.n_params(), spec.node_groups()),
                            dilation=device.dilation, overruns=device.overruns)
 
 

@@ -38,5 +38,10 @@ def comm_line(prof: Profile) -> str | None:
     c = prof.comm
     if c is None:
         return None
-    return (f"collectives at {c.numel:,} fp32 elements: all-reduce {1000 * c.all_reduce_s:.1f} ms, "
+    line = (f"collectives at {c.numel:,} fp32 elements: all-reduce {1000 * c.all_reduce_s:.1f} ms, "
             f"reduce-scatter {1000 * c.reduce_scatter_s:.1f} ms, all-gather {1000 * c.all_gather_s:.1f} ms")
+    if c.shaped is not None:
+        nodes = ", ".join(f"node {j} ({len(g)} ranks) all-gather {1000 * i.all_gather_s:.1f} ms"
+                          for j, (g, i) in enumerate(zip(c.shaped.groups, c.shaped.inside)))
+        line += f"; inside {nodes}; the sum across nodes {1000 * c.shaped.reduce_across_s:.1f} ms"
+    return line

@@ -103,27 +103,56 @@ def _time_group(run: RankRun, stage: int, plans: dict[int, poplar.Plan], times: 
         engine.close()
 
 
-def time_collectives(device: Device, numel: int, repeats: int = 3) -> CommProfile:
-    """The collectives at the model's size and at a tiny one, on the device's clock (a step each)."""
-    comm = device.comm
+def _timed(device: Device, issue: Callable[[], Any], repeats: int) -> float:
+    """Median device time of a step that runs ``issue()`` (after one untimed)."""
+    out = []
+    for i in range(repeats + 1):
+        device.comm.barrier()
+        with device.step():
+            issue()
+        if i:
+            out.append(device.step_s)
+    return statistics.median(out)
+
+
+def _time_ops(device: Device, comm, numel: int, repeats: int) -> CommProfile:
+    """All-reduce, reduce-scatter and all-gather over ``comm``'s ranks, at ``numel`` (padded) and a tiny size."""
     world = comm.world_size
     padded = -(-numel // world) * world
-    small = world * 64
 
     def timed(op: str, n: int) -> float:
         full, shard = torch.zeros(n, device=device.torch_device), torch.zeros(n // world, device=device.torch_device)
         issue = {"all_reduce": lambda: comm.all_reduce(full),
                  "reduce_scatter": lambda: comm.reduce_scatter(shard, full),
                  "all_gather": lambda: comm.all_gather(full, shard)}[op]
-        out = []
-        for i in range(repeats + 1):
-            comm.barrier()
-            with device.step():
-                issue()
-            if i:
-                out.append(device.step_s)
-        return statistics.median(out)
+        return _timed(device, issue, repeats)
 
     ops = ("all_reduce", "reduce_scatter", "all_gather")
     return CommProfile(numel=padded, **{f"{op}_s": timed(op, padded) for op in ops},
-                       latency_s={op: timed(op, small) for op in ops})
+                       latency_s={op: timed(op, world * 64) for op in ops})
+
+
+def time_collectives(device: Device, numel: int, node_groups: list[list[int]] | None = None,
+                     repeats: int = 3) -> CommProfile:
+    """The collectives at the model's size and at a tiny one, on the device's clock (a step each).
+
+    On several nodes (``node_groups``) also the shaped ones: every node's collectives
+    among its own ranks (each rank times its own node's; :attr:`ShapedComm.inside` holds
+    this rank's only, the profiler puts the nodes' together) and the sum across nodes.
+    """
+    flat = _time_ops(device, device.comm, numel, repeats)
+    if not node_groups or len(node_groups) < 2:
+        return flat
+    from poplar.engine.layout import ShardLayout
+    from poplar.profile.profile import ShapedComm
+
+    layout = ShardLayout.build(device.comm, node_groups)
+    inside = _time_ops(device, layout.shard_comm, numel, repeats)
+
+    def across(n: int) -> float:
+        shard = torch.zeros(layout.padded(n) // layout.shard_size, device=device.torch_device)
+        return _timed(device, lambda: layout.reduce_across(shard, n), repeats)
+
+    shaped = ShapedComm(groups=node_groups, numel=numel, inside=[inside], reduce_across_s=across(numel),
+                        across_latency_s=across(len(node_groups) * 64))
+    return flat.model_copy(update={"shaped": shaped})

@@ -74,7 +74,7 @@ def plan_on(cfg: TrainConfig, wl: Workload, spec, distributed: bool, progress=No
     result = make_plan(profile, cfg.global_batch, cfg.stages)
     if cfg.baseline == "poplar":
         return result.plan, result
-    alloc = result.stages[result.stage].allocations[cfg.baseline]
+    alloc = result.allocations()[cfg.baseline]
     if alloc.plan is None:
         raise ValueError(f"the {cfg.baseline} baseline cannot run stage {result.stage}: {alloc.why_not}")
     return alloc.plan, result

@@ -92,6 +92,7 @@ class StepRecovery:
         self.engine.abandon_step()      # its in-flight works belong to the group about to go
         self.generation += 1
         rebuild_process_group(self.generation)
+        self.engine.regroup()
         plan = self.engine.plan.lower_micro_batch(notice["rank"], notice["micro_batch"] // 2)
         self.engine.set_plan(plan)
         self.on_new_plan(plan, notice)

@@ -55,7 +55,7 @@ def plan_record(plan, result=None, allocation: str = "poplar") -> dict:
         return plan.to_dict()
     d = result.to_dict()
     if plan != result.plan:   # a baseline's allocation: its plan and its prediction
-        d.update(plan.to_dict(), predicted=result.stages[result.stage].allocations[allocation].predicted.to_dict())
+        d.update(plan.to_dict(), predicted=result.allocations()[allocation].predicted.to_dict())
     d["meta"]["allocation"] = allocation
     return d
 

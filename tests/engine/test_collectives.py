@@ -13,6 +13,12 @@ each stage promises, so a collective added, dropped, resized or moved fails the 
 - stage 2: a reduce-scatter per unit every micro-step, the parameters all-gathered after the update;
 - stage 3: the root gathered before each micro-step; each other unit gathered for its forward
   and again for its backward (the next one prefetched), a reduce-scatter per unit every micro-step.
+
+Hybrid plans (shard groups of three ranks and one) issue the same schedule inside the
+group, every unit padded to the group's size; in the step's last micro-step each unit's
+shard is then summed across the groups (``reduce_across``, its unpadded bytes) as soon as
+its reduce-scatter is waited for (stages 2-3: when a third bucket is in flight; stages 0-1:
+at the end), and stage 0 gathers the summed shards back into the full gradient.
 """
 
 import functools
@@ -21,7 +27,7 @@ import pytest
 import torch
 
 from poplar.launch import spawn
-from tests.engine.workers import collectives_and_states
+from tests.engine.workers import collectives_and_states, count_collectives
 from tests.models import make_model
 
 WORLD = 2
@@ -49,43 +55,95 @@ def counted():
     return {name: [r["counts"][i] for r in launched()] for i, name in enumerate(CASES)}
 
 
-def padded_numels() -> list[int]:
+def unit_numels() -> list[int]:
     """The units' sizes from the model itself: the root (embedding, final norm; the head is tied), then each block."""
     model = make_model(**MODEL)
     in_blocks = {id(p) for p in model.blocks.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
-    units = [root] + [sum(p.numel() for p in block.parameters()) for block in model.blocks]
-    return [-(-n // WORLD) * WORLD for n in units]
+    return [root] + [sum(p.numel() for p in block.parameters()) for block in model.blocks]
 
 
-def expected_step(stage: int, accum: int, itemsize: int) -> list[tuple[str, int]]:
-    """One rank's step: every collective as (op, bytes of the full buffer), and ("micro_step", k) where k starts."""
-    sizes = padded_numels()
+def padded_numels(ranks: int = WORLD) -> list[int]:
+    return [-(-n // ranks) * ranks for n in unit_numels()]
+
+
+def expected_step(stage: int, accum: int, itemsize: int, group: int | None = None,
+                  world: int = WORLD) -> list[tuple[str, int]]:
+    """One rank's step: every collective as (op, bytes of the full buffer), and ("micro_step", k) where k starts.
+
+    ``group``: hybrid, the size of the rank's shard group (its collectives are ``op/group``).
+    """
+    sizes = padded_numels(group or world)
     last = len(sizes) - 1
+    tag = "/group" if group else ""
     grad = lambda i: 4 * sizes[i]            # noqa: E731  fp32 gradient bucket
     param = lambda i: itemsize * sizes[i]    # noqa: E731  parameters in the compute precision
-    reduce = "all_reduce" if stage == 0 else "reduce_scatter"
-    out = [("all_reduce", 8 * WORLD)]        # every rank's local batch size, checked against the plan
+    reduce = "all_reduce" if stage == 0 and not group else "reduce_scatter" + tag
+    gather = "all_gather" + tag
+    out = [("all_reduce", 8 * world)]        # every rank's local batch size, checked against the plan
     for k in range(accum):
         if stage == 3:
-            out.append(("all_gather", param(0)))    # the root, before anything of the micro-step runs
+            out.append((gather, param(0)))    # the root, before anything of the micro-step runs
         out.append(("micro_step", k))
         if stage == 3:
-            out += [("all_gather", param(i)) for i in range(1, last + 1)]        # forward, prefetched one ahead
-            out += [("all_gather", param(last)), ("all_gather", param(last - 1))]  # backward's first, and the next
+            out += [(gather, param(i)) for i in range(1, last + 1)]        # forward, prefetched one ahead
+            out += [(gather, param(last)), (gather, param(last - 1))]      # backward's first, and the next
             for i in range(last, 0, -1):
-                out.append(("reduce_scatter", grad(i)))
+                out.append((reduce, grad(i)))
                 if i - 2 >= 1:
-                    out.append(("all_gather", param(i - 2)))   # prefetched while unit i-1 computes
-            out.append(("reduce_scatter", grad(0)))            # the root's, last: the root stays gathered
+                    out.append((gather, param(i - 2)))   # prefetched while unit i-1 computes
+            out.append((reduce, grad(0)))                # the root's, last: the root stays gathered
         elif stage == 2 or k == accum - 1:
             out += [(reduce, grad(i)) for i in range(last, -1, -1)]
+    if group:
+        out = _with_sums_across(out, stage, grad)
     out.append(("all_reduce", 4))                # the loss
     if stage >= 1:
         out.append(("all_reduce", 4))            # the squared gradient norm, summed over the shards
     if stage in (1, 2):
-        out += [("all_gather", param(i)) for i in range(last + 1)]   # the updated parameters
+        out += [(gather, param(i)) for i in range(last + 1)]   # the updated parameters
     return out
+
+
+def _with_sums_across(out: list, stage: int, grad) -> list:
+    """The last micro-step's reduce-scatters each followed (once waited for) by the unit's sum across groups."""
+    numels = unit_numels()
+    order = list(range(len(numels) - 1, -1, -1))   # the units' reduce-scatters, in launch order
+    start = max(i for i, c in enumerate(out) if c[0] == "micro_step")
+    scatters = [i for i in range(start, len(out)) if out[i][0] == "reduce_scatter/group"]
+    after = {pos: [] for pos in scatters}
+    for p, unit in enumerate(order):   # stages 2-3 wait for a bucket when a third is launched; 0-1 at the end
+        at = scatters[min(p + 2, len(order) - 1)] if stage >= 2 else scatters[-1]
+        after[at].append(("reduce_across", 4 * numels[unit]))
+    new = []
+    for i, c in enumerate(out):
+        new += [c] + after.get(i, [])
+    if stage == 0:   # the two-level all-reduce's last level
+        new += [("all_gather/group", grad(unit)) for unit in order]
+    return new
+
+
+HYBRID_WORLD, HYBRID_GROUPS = 4, [[0, 1, 2], [3]]
+HYBRID = {  # name: plan
+    f"hybrid-stage{st}": {"zero_stage": st, "micro_batch_sizes": [1, 2, 1, 3], "accum_steps": acc,
+                          "shard_groups": HYBRID_GROUPS}
+    for st, acc in ((0, [3, 2, 1, 2]), (1, [2, 1, 3, 1]), (2, [2, 2, 2, 2]), (3, [2, 2, 2, 2]))}
+
+
+@functools.cache
+def hybrid_counted():
+    runs = spawn(count_collectives, HYBRID_WORLD, [(p, {}) for p in HYBRID.values()], MODEL, timeout_s=180)
+    return {name: [r[i] for r in runs] for i, name in enumerate(HYBRID)}
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_a_hybrid_step_issues_the_stages_collectives_in_its_group_and_one_sum_across(name):
+    plan = HYBRID[name]
+    for rank, run in enumerate(hybrid_counted()[name]):
+        group = next(len(g) for g in HYBRID_GROUPS if rank in g)
+        expected = expected_step(plan["zero_stage"], plan["accum_steps"][rank], 4, group, HYBRID_WORLD)
+        for step in run["steps"]:
+            assert [tuple(c) for c in step] == expected, (name, rank)
 
 
 def test_the_units_are_the_models_blocks_and_root():

@@ -35,7 +35,8 @@ def train_with_plan(plan: poplar.Plan, n_steps: int, config=None, model_kw=None,
         losses.append(engine.train_batch((tokens[lo:hi], targets[lo:hi]), lm_loss))
         norms.append(engine.last_grad_norm)
     state = engine.full_state_dict()
-    out = {"losses": losses, "norms": norms, "state": state if rank == 0 else None,
+    last = torch.distributed.get_world_size() - 1   # another shard group's copy where the plan is hybrid
+    out = {"losses": losses, "norms": norms, "state": state if rank in (0, last) else None,
            "memory": engine.memory_report(), "peak": peak.peak if peak else {},
            "unit_numels": [u.padded_numel for u in engine.units]}
     engine.close()
@@ -166,15 +167,22 @@ def skip_and_leave_out(rank, world_size, plan_dict):
 
 
 class CountingComm(Comm):
-    """A Comm that records every collective as ``(op, nbytes)``, and the start of each micro-step as a marker."""
+    """A Comm that records every collective as ``(op, nbytes)``, and the start of each micro-step as a marker.
 
-    def __init__(self):
-        super().__init__()
+    Its comms on sub-groups (a hybrid plan's shard groups) record into the same log, as ``op/group``.
+    """
+
+    def __init__(self, group=None, root: "CountingComm | None" = None):
+        super().__init__(group)
+        self.root = root or self
         self.log: list[tuple[str, int]] = []
 
-    def run(self, op, nbytes, issue, async_op):
-        self.log.append((op, nbytes))
-        return super().run(op, nbytes, issue, async_op)
+    def on_group(self, group):
+        return CountingComm(group, self.root)
+
+    def run(self, op, nbytes, issue, async_op, groups=1):
+        self.root.log.append((op if self.root is self else f"{op}/group", nbytes))
+        return super().run(op, nbytes, issue, async_op, groups)
 
 
 def count_collectives(rank, world_size, cases, model_kw, n_steps=2):

@@ -11,7 +11,7 @@ import poplar
 from poplar.cluster.spec import Network
 from poplar.emulate import NetworkModel
 from poplar.launch import spawn
-from poplar.profile import Profile
+from poplar.profile import CommProfile, Profile
 from poplar.profile.profiler import cache_key, point_sizes, profile_cluster
 from tests.profile.workers import train_at
 
@@ -188,3 +188,28 @@ def test_a_bf16_profile_is_its_own_and_holds_more_samples(tmp_path):
     assert cache_key("tiny", SMALL, 0, 1, precision="bf16") != cache_key("tiny", SMALL, 0, 1)
     with pytest.raises(ValueError, match="fp16.*fp32, bf16"):
         _stage0(cluster, tmp_path, precision="fp16")
+
+
+def test_on_several_nodes_the_collectives_are_timed_inside_each_node_and_across():
+    """Nodes of two ranks and one: each node's own collectives on its link, the sum across the nodes on the slow one;
+    the profiler keeps each node's timing by its first rank."""
+    from poplar.profile.profiler import _merge_comm
+    from poplar.profile.rank import RankProfile
+    from tests.profile.workers import collectives_on_nodes
+
+    cluster = {"network": {"intra_node": {"bandwidth_gbs": 25, "latency_us": 10},
+                           "inter_node": {"bandwidth_gbs": 1.25, "latency_us": 50}},
+               "devices": [{"kind": "a100", "gpu": "A100-80GB", "node": 0, "count": 2},
+                           {"kind": "t4", "gpu": "T4-16GB", "node": 1}]}
+    ranks = spawn(collectives_on_nodes, 3, cluster, 2**18, timeout_s=240)
+    for rank, r in enumerate(ranks):
+        shaped = CommProfile.model_validate(r["comm"]).shaped
+        assert shaped.groups == [[0, 1], [2]] and len(shaped.inside) == 1
+        if rank < 2:   # (a lone rank's gather moves nothing over a link: a copy, compared below)
+            assert shaped.inside[0].all_gather_s == pytest.approx(r["declared_gather"], rel=0.1)
+        assert shaped.reduce_across_s == pytest.approx(r["declared_across"], rel=0.1)
+    merged = _merge_comm([RankProfile(kind="k", stages={}, comm=CommProfile.model_validate(r["comm"]), dilation=1.0,
+                                      overruns=0) for r in ranks])
+    assert [i.all_gather_s for i in merged.shaped.inside] == [ranks[0]["comm"]["shaped"]["inside"][0]["all_gather_s"],
+                                                              ranks[2]["comm"]["shaped"]["inside"][0]["all_gather_s"]]
+    assert merged.shaped.inside[1].all_gather_s < merged.shaped.inside[0].all_gather_s   # a lone rank's: a copy

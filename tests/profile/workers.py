@@ -56,3 +56,18 @@ def engine_unit_numels(rank, world_size, unit_numel: int):
     numels = [u.numel for u in engine.units]
     engine.close()
     return numels
+
+
+def collectives_on_nodes(rank, world_size, cluster: dict, numel: int):
+    """The profiler's collective timings on an emulated cluster of several nodes, and what its network declares."""
+    from poplar.profile.timing import time_collectives
+
+    spec = parse_cluster(cluster)
+    groups = spec.node_groups()
+    with EmulatedDevice(spec, rank, dilation=1000.0) as device:   # gloo's real gathers fit their declared time
+        comm = time_collectives(device, numel, groups, repeats=1)
+        node = next(g for g in groups if rank in g)
+        padded = -(-numel // len(node)) * len(node)
+        return {"comm": comm.model_dump(),
+                "declared_gather": device.network.seconds("all_gather", 4 * padded, node),
+                "declared_across": device.network.seconds("reduce_across", 4 * numel, None, len(groups))}

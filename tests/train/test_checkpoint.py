@@ -29,13 +29,26 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize("plan", [poplar.Plan.from_local_batches(1, [9, 3], [3, 1]),            # 2 ranks, ZeRO-1
                                   poplar.Plan.from_local_batches(3, [3, 3, 4, 2], [1, 1, 1, 1]),   # 4 ranks, ZeRO-3
-                                  poplar.Plan.from_local_batches(0, [5, 7], [1, 7])],              # 2 ranks, ZeRO-0
-                         ids=["2-ranks-stage1", "4-ranks-stage3", "2-ranks-stage0"])
+                                  poplar.Plan.from_local_batches(0, [5, 7], [1, 7]),               # 2 ranks, ZeRO-0
+                                  poplar.Plan.from_local_batches(3, [3, 3, 4, 2], [1, 1, 1, 1],    # hybrid, unlike
+                                                                 shard_groups=[[0, 1, 2], [3]])],  # groups
+                         ids=["2-ranks-stage1", "4-ranks-stage3", "2-ranks-stage0", "4-ranks-stage3-hybrid"])
 def test_a_checkpoint_resumes_on_another_world_plan_and_stage(tmp_path, uninterrupted, plan):
     final, root = uninterrupted
     shutil.copytree(root / "step-00000003", tmp_path / "step-00000003")
     resumed = spawn(train_span, plan.world_size, plan.to_dict(), str(tmp_path), 3, 6, 0, timeout_s=180)[0]
     _close(resumed, final)
+
+
+def test_a_hybrid_checkpoint_resumes_flat_and_trains_as_the_flat_run(tmp_path, uninterrupted):
+    """Written by shard groups of one and two ranks (each holding a copy), read back by a flat world of two."""
+    hybrid = poplar.Plan.from_local_batches(2, [6, 4, 2], [2, 2, 2], shard_groups=[[0], [1, 2]])
+    final = spawn(train_span, 3, hybrid.to_dict(), str(tmp_path / "hybrid"), 0, 6, 3, timeout_s=180)[0]
+    _close(final, uninterrupted[0], tol=1e-5)
+    flat = poplar.Plan.from_local_batches(1, [9, 3], [3, 1])
+    shutil.copytree(tmp_path / "hybrid" / "step-00000003", tmp_path / "flat" / "step-00000003")
+    resumed = spawn(train_span, 2, flat.to_dict(), str(tmp_path / "flat"), 3, 6, 0, timeout_s=180)[0]
+    _close(resumed, final, tol=1e-5)
 
 
 def test_the_newest_two_are_kept_and_damage_falls_back_to_the_previous(tmp_path):

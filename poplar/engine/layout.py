@@ -1,0 +1,159 @@
+"""Where each rank's shard lies, and the collectives shaped to the shard groups: :class:`ShardLayout`.
+
+Flat (the default), every rank is in one group: a unit's flat buffer is padded to a
+multiple of the world size and rank ``r`` owns its ``r``-th equal slice.
+
+Hybrid (``plan.shard_groups``), the ranks are split into groups, usually one per node.
+Each group holds one whole copy of the states, sharded among its ``n`` ranks exactly
+as a flat world of ``n`` ranks would shard it: the unit is padded to a multiple of
+``n`` and the group's ``i``-th rank owns the ``i``-th slice. Groups may differ in size,
+so their slices differ too. Gathers and reduce-scatters run inside the group (over the
+fast links); the groups' partial gradients are then summed across groups by
+:meth:`ShardLayout.reduce_across`: each rank sends the part of its slice that another
+group's rank owns straight to that rank (one all-to-all over the world), and every
+rank adds the groups' parts in group order, so every copy gets the same bits.
+
+>>> layout = ShardLayout(4, [[0, 1, 2], [3]], 1)   # where rank 1's shards lie (no process group needed)
+>>> layout.shard_size, layout.shard_index, layout.replicas
+(3, 1, 2)
+>>> layout.shard_range(10)      # 10 elements padded to 12, three slices of 4
+(4, 8)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from poplar.engine.collectives import Comm
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    """One unit's cross-group exchange for this rank (only elements before ``numel`` move).
+
+    A part of this rank's slice that another group's rank owns is sent to that rank, and
+    that rank's partial sum over the same part comes back: the sizes are symmetric.
+    """
+
+    sizes: list[int]                     # elements to and from each rank, in rank order
+    send: list[tuple[int, int]]          # (offset in the slice, length) of each part sent, in rank order
+    parts: list[list[tuple[int, int]]]   # per group: (offset in the received buffer, length), in slice order
+    valid: int                           # elements of the slice before numel
+
+
+class ShardLayout:
+    """This rank's place in the shard groups, and the collectives over them (see the module)."""
+
+    def __init__(self, world_size: int, groups: Sequence[Sequence[int]] | None, rank: int):
+        self.world_size, self.rank = world_size, rank
+        self.groups = [list(g) for g in groups] if groups else [list(range(world_size))]
+        self.group_index = next(j for j, g in enumerate(self.groups) if rank in g)
+        self.members = self.groups[self.group_index]
+        self.shard_size = len(self.members)          # ranks sharing one copy of the states
+        self.shard_index = self.members.index(rank)  # this rank's slice in its copy
+        self.replicas = len(self.groups)             # copies of the states, one per group
+        self.comm: Comm | None = None                # the world's (broadcasts, the loss, the norm)
+        self.shard_comm: Comm | None = None          # this rank's group's
+        self._exchanges: dict[int, _Exchange] = {}
+
+    @classmethod
+    def build(cls, comm: Comm, groups: Sequence[Sequence[int]] | None) -> "ShardLayout":
+        """The layout of ``comm``'s rank, with a process group per shard group (every rank must call it)."""
+        layout = cls(comm.world_size, groups, comm.rank)
+        layout.comm = comm
+        layout.make_groups()
+        return layout
+
+    def make_groups(self) -> None:
+        """Create the shard groups' process groups (again, after the world's group was rebuilt); every rank."""
+        comm = self.comm
+        if self.replicas == 1:
+            self.shard_comm = comm
+            return
+        base = None if comm.group is None else dist.get_process_group_ranks(comm.group)
+        for j, g in enumerate(self.groups):   # every rank creates every group, in one order
+            pg = dist.new_group([r if base is None else base[r] for r in g])
+            if j == self.group_index:
+                self.shard_comm = comm.on_group(pg)
+
+    @property
+    def hybrid(self) -> bool:
+        return self.replicas > 1
+
+    # -- where shards lie ---------------------------------------------------------------
+    def padded(self, numel: int, size: int | None = None) -> int:
+        """``numel`` padded to a multiple of a group's size (this rank's by default)."""
+        n = size or self.shard_size
+        return -(-numel // n) * n
+
+    def shard_range(self, numel: int, group: int | None = None, index: int | None = None) -> tuple[int, int]:
+        """``[start, stop)`` of the padded buffer that a rank owns (this one by default)."""
+        g = self.groups[self.group_index if group is None else group]
+        i = self.shard_index if index is None else index
+        per = self.padded(numel, len(g)) // len(g)
+        return i * per, (i + 1) * per
+
+    # -- the sum across groups ----------------------------------------------------------
+    def _exchange(self, numel: int) -> _Exchange:
+        if numel not in self._exchanges:
+            lo, hi = (min(x, numel) for x in self.shard_range(numel))
+            sizes, send, spans = [0] * self.world_size, [], []
+            for j, g in enumerate(self.groups):
+                for i, r in enumerate(g):
+                    a, b = self.shard_range(numel, j, i)
+                    n = max(0, min(hi, b) - max(lo, a))
+                    if j != self.group_index and n:
+                        sizes[r] = n
+                        spans.append((r, j, max(lo, a) - lo))
+            offsets = [sum(sizes[:r]) for r in range(self.world_size)]
+            parts: list[list[tuple[int, int]]] = [[] for _ in self.groups]
+            for r, j, at in sorted(spans):   # rank order: inside a group, also slice order
+                send.append((at, sizes[r]))
+                parts[j].append((offsets[r], sizes[r]))
+            self._exchanges[numel] = _Exchange(sizes, send, parts, hi - lo)
+        return self._exchanges[numel]
+
+    def reduce_across(self, shard: torch.Tensor, numel: int, async_op: bool = False):
+        """Sum this rank's ``shard`` (its slice of a unit of ``numel`` elements) across the groups, in place.
+
+        Every rank of the world calls it for the same unit at once. Returns a work whose
+        ``wait()`` finishes the sum, or ``None`` once it is done unless ``async_op``.
+        """
+        ex = self._exchange(numel)
+        mine = shard[:ex.valid]
+
+        def issue(_async):
+            sendbuf = torch.cat([mine[a:a + n] for a, n in ex.send]) if ex.send else mine[:0].clone()
+            recvbuf = torch.empty(sum(ex.sizes), dtype=shard.dtype, device=shard.device)
+            work = dist.all_to_all_single(recvbuf, sendbuf, ex.sizes, ex.sizes, group=self.comm.group,
+                                          async_op=True)
+            return _SumAcross(work, recvbuf, mine, ex.parts, self.group_index)
+
+        return self.comm.run("reduce_across", numel * shard.element_size(), issue, async_op, groups=self.replicas)
+
+
+class _SumAcross:
+    """The all-to-all in flight; ``wait()`` adds every group's part into the slice, in group order."""
+
+    def __init__(self, work, recvbuf: torch.Tensor, mine: torch.Tensor, parts, own_group: int):
+        self._work, self._recv, self._mine, self._parts, self._own = work, recvbuf, mine, parts, own_group
+
+    def wait(self, *args, **kwargs) -> bool:
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait(*args, **kwargs)
+            if not self._mine.numel():   # a slice of padding only: nothing to add
+                return True
+            total = None
+            for j, parts in enumerate(self._parts):   # the same order on every copy: the same bits
+                part = self._mine if j == self._own else torch.cat([self._recv[o:o + n] for o, n in parts])
+                total = part.clone() if total is None else total.add_(part)
+            self._mine.copy_(total)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
