@@ -55,6 +55,11 @@ def _shard_groups(groups, world: int) -> tuple[tuple[int, ...], ...] | None:
     return None if len(parts) == 1 else tuple(sorted(parts))
 
 
+def shaped_name(zero_stage: int) -> str:
+    """What shard groups make of a stage: the two-level all-reduce in stage 0 (nothing sharded), else hybrid."""
+    return "two-level" if zero_stage == 0 else "hybrid"
+
+
 def check_global_batch(global_batch: int, world_size: int) -> None:
     """Every rank takes at least one sample of every global batch: known before anything is profiled."""
     if global_batch < world_size:
@@ -293,4 +298,4 @@ class Plan:
         if not self.shard_groups:
             return "flat"
         groups = "".join("[" + ",".join(map(str, g)) + "]" for g in self.shard_groups)
-        return f"{'two-level' if self.zero_stage == 0 else 'hybrid'} {groups}"
+        return f"{shaped_name(self.zero_stage)} {groups}"

@@ -121,8 +121,7 @@ def shaped_collectives(rank: int, world_size: int, cluster: dict, nbytes: int) -
     from poplar.engine.layout import ShardLayout
 
     spec = parse_cluster(cluster)
-    nodes = spec.rank_nodes()
-    groups = [[r for r in range(world_size) if nodes[r] == n] for n in sorted(set(nodes))]
+    groups = spec.node_groups()
     with EmulatedDevice(spec, rank, dilation=1000.0) as device:
         layout = ShardLayout.build(device.comm, groups)
         numel = nbytes // 4

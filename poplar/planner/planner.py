@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from poplar.plan import Plan
+from poplar.plan import Plan, shaped_name
 from poplar.planner.cost import CostModel, Prediction
 from poplar.planner.shape import node_shape
 from poplar.planner.search import (Infeasible, allocate, ideal_samples_per_s, measured_proportional, proportional,
@@ -54,8 +54,7 @@ class StagePlan:
 
     @property
     def label(self) -> str:
-        return f"stage {self.stage} {'two-level' if self.stage == 0 else 'hybrid'}" if self.shaped \
-            else f"stage {self.stage}"
+        return f"stage {self.stage} {shaped_name(self.stage)}" if self.shaped else f"stage {self.stage}"
 
     @property
     def poplar(self) -> Allocation:
@@ -229,6 +228,6 @@ def _shape_note(best: StagePlan, flat: dict[int, StagePlan], shaped: dict[int, S
     if other is None or other.excluded:
         return ""
     mine, theirs = best.poplar.predicted, other.poplar.predicted
-    flat = lambda sp: sp.label if sp.shaped else f"{sp.label} flat"   # noqa: E731
-    return (f" ({flat(other)} would expose {1000 * theirs.comm_s:.1f} ms of communication a step, "
-            f"{flat(best)} {1000 * mine.comm_s:.1f} ms)")
+    named = lambda sp: sp.label if sp.shaped else f"{sp.label} flat"   # noqa: E731
+    return (f" ({named(other)} would expose {1000 * theirs.comm_s:.1f} ms of communication a step, "
+            f"{named(best)} {1000 * mine.comm_s:.1f} ms)")

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
@@ -42,8 +43,6 @@ class ProfileOptions(BaseModel):
         """How long ``world_size`` spawned ranks may take to profile ``stages`` on this host."""
         if self.timeout_s is not None:
             return self.timeout_s
-        import os
-
         sharing = max(1.0, world_size / (os.cpu_count() or 1))
         return TIMEOUT_PER_STAGE_S * max(1, len(self.stages)) * sharing
 

@@ -61,6 +61,12 @@ class DeviceProfile(BaseModel):
     stages: dict[int, StageProfile] = Field(default_factory=dict)
 
 
+def _latency_plus_share(full_s: float, latency_s: float, numel: float, timed_numel: int) -> float:
+    """A collective on ``numel`` elements, from its time on ``timed_numel``: the latency plus its share of the rest."""
+    latency = min(latency_s, full_s)
+    return latency + (full_s - latency) * numel / timed_numel
+
+
 class CommProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -84,9 +90,7 @@ class CommProfile(BaseModel):
         ...                   latency_s={"all_reduce": 0.001}).seconds("all_reduce", 500), 9)
         0.006
         """
-        full = getattr(self, f"{which}_s")
-        latency = min(self.latency_s.get(which, 0.0), full)
-        return latency + (full - latency) * numel / self.numel
+        return _latency_plus_share(getattr(self, f"{which}_s"), self.latency_s.get(which, 0.0), numel, self.numel)
 
 
 class ShapedComm(BaseModel):
@@ -103,8 +107,7 @@ class ShapedComm(BaseModel):
 
     def across_seconds(self, numel: float) -> float:
         """The sum across nodes of ``numel`` fp32 elements: its latency plus its share of the bandwidth."""
-        latency = min(self.across_latency_s, self.reduce_across_s)
-        return latency + (self.reduce_across_s - latency) * numel / self.numel
+        return _latency_plus_share(self.reduce_across_s, self.across_latency_s, numel, self.numel)
 
 
 CommProfile.model_rebuild()
