@@ -28,10 +28,10 @@ rank has issued it, and a rank waits where the engine waits:
 
 Whatever the compute, the root unit's collectives cannot hide (its gradient is the last
 to be ready; in ZeRO-3 it is gathered before anything runs): that part is
-:meth:`CostModel.comm_s`, which the ideal bound charges. Each rank waits for the slowest
-at the collectives it shares with them (in ZeRO-2/3 on every micro-step, where every
-rank runs the same number), so the step takes the slowest rank's busy time plus the
-communication the schedule leaves exposed.
+:meth:`CostModel.comm_s`, all that is charged where there is no collective profile.
+Each rank waits for the slowest at the collectives it shares with them (in ZeRO-2/3 on
+every micro-step, where every rank runs the same number), so the step takes the slowest
+rank's busy time plus the communication the schedule leaves exposed.
 
 Shaped (``shaped=True``, on several nodes): the plan runs hybrid over the nodes (the
 two-level all-reduce in stage 0). Each node's collectives take the times the profiler
@@ -166,7 +166,7 @@ class CostModel:
 
     def comm_s(self, accum: int) -> float:
         """Communication of a step of ``accum`` micro-steps that nothing can hide, however the compute falls:
-        the root's collectives (a lower bound of what :meth:`predict` finds exposed; the ideal bound's)."""
+        the root's collectives (a lower bound of what :meth:`predict` finds exposed)."""
         model = self.profile.model
         full = float(model.n_params)
         last = float(model.unit_numels[0]) if model.unit_numels else full
@@ -201,10 +201,10 @@ class CostModel:
         if self.profile.comm is None or len(self.ranks) < 2:
             step = max(busy) + self.comm_s(int(accum.max()))
         else:
-            step = self._schedule.step_s(plan, self.rank_kinds, self.kinds)
+            step = self.schedule.step_s(plan, self.rank_kinds, self.kinds)
         return Prediction(step_s=step, busy_s=busy, comm_s=step - max(busy), global_batch=plan.global_batch_size,
                           seq_len=self.profile.model.seq_len)
 
     @cached_property
-    def _schedule(self) -> StepSchedule:
+    def schedule(self) -> StepSchedule:
         return StepSchedule(self.profile, self.stage, self.shape)

@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from poplar.plan import Plan, shaped_name
+from poplar.planner.bound import ideal_samples_per_s
 from poplar.planner.cost import CostModel, Prediction
+from poplar.planner.search import Infeasible, allocate, measured_proportional, proportional, uniform
 from poplar.planner.shape import node_shape
-from poplar.planner.search import (Infeasible, allocate, ideal_samples_per_s, measured_proportional, proportional,
-                                   uniform)
 from poplar.profile.profile import Profile
 from poplar.stages import parse_stages
 
@@ -86,8 +86,8 @@ class PlanResult:
 
     @property
     def ideal_samples_per_s(self) -> float:
-        """The chosen stage's ideal bound, flat or shaped, whichever is higher."""
-        return max(sp.ideal_samples_per_s for sp in (self.chosen, self.stages[self.stage]))
+        """The ideal bound: the highest of every stage's and shape's planned (what any plan could approach)."""
+        return max(sp.ideal_samples_per_s for sp in [*self.stages.values(), *self.shaped.values()] if not sp.excluded)
 
     def to_dict(self) -> dict:
         """plan.json: the plan, what it is predicted to do, and how the alternatives compare."""

@@ -210,25 +210,28 @@ class StepSchedule:
         """The plan's step time: every distinct rank (group, kind and micro-batches) followed together."""
         group = self.shape.group_of if self.shape else (lambda r: 0)
         distinct = dict.fromkeys((group(r), rank_kinds[r], tuple(plan.micro_batches(r))) for r in range(plan.world_size))
-        end, _ = run_ranks([self.rank_events(kinds[k], mbs, g) for g, k, mbs in distinct])
+        return self.run([(g, [float(kinds[k].g[m]) for m in mbs], kinds[k].per_step_s) for g, k, mbs in distinct])
+
+    def run(self, ranks: list[tuple[int, list[float], float]]) -> float:
+        """The step's end for ranks given as (group, each micro-step's compute seconds, the update's seconds)."""
+        end, _ = run_ranks([self.rank_events(micro_s, per_step_s, g) for g, micro_s, per_step_s in ranks])
         return end
 
-    def rank_events(self, kind_cost, micro_batches, group: int = 0) -> list:
+    def rank_events(self, micro_s: list[float], per_step_s: float, group: int = 0) -> list:
         """One rank's step: its micro-steps, the update, and in ZeRO-1/2 the parameters gathered after it."""
         every = self.stage >= 2          # ZeRO-2/3 reduce (and all ranks run as many micro-steps) every time
         link = f"n{group}" if self.shape else ""
         gather_s, reduce_s = self.gather_s[group], self.reduce_s[group]
         events: list = []
-        for j, m in enumerate(micro_batches):
-            c = float(kind_cost.g[m])
-            last = j == len(micro_batches) - 1
+        for j, c in enumerate(micro_s):
+            last = j == len(micro_s) - 1
             units = [UnitTimes(c * FORWARD_SHARE * w, c * (1 - FORWARD_SHARE) * w, g, r)
                      for w, g, r in zip(self.shares, gather_s, reduce_s)]
             tag = f"{link}.{j if every else ''}."
             micro = micro_step_events(units, gathers=self.stage == 3, reduces=every or last,
                                       max_inflight=MAX_INFLIGHT if every else None, tag=tag, link=link)
             events += self._sum_across(micro, tag, link, gather_s) if self.shape and last else micro
-        return self._step_ends(self._checked(events), kind_cost.per_step_s, link, gather_s)
+        return self._step_ends(self._checked(events), per_step_s, link, gather_s)
 
     def _checked(self, events: list) -> list:
         """The batch check: its all-reduce issued as the step starts, waited for before the first collective."""

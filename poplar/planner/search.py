@@ -63,7 +63,7 @@ def _target_sizes(kc: KindCost, n: int = 12) -> np.ndarray:
     return np.unique(np.clip(np.round(grid).astype(int), 1, m))
 
 
-def _free_accum_table(kc: KindCost, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def fastest_accum_table(kc: KindCost, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Busy time and accumulation count for each number of samples in ``b``, choosing the count.
 
     Counts tried: the fewest memory allows and a couple more, and those that cut the
@@ -139,7 +139,7 @@ def allocate(cost: CostModel, global_batch: int) -> Plan:
         bound = max(float(kc.busy(even, -(-even // kc.max_micro_batch))) for kc in cost.kinds.values())
         most = {k: int(min(global_batch - (n - 1), max(even, (bound - kc.per_step_s) / kc.cheapest_sample_s + 1)))
                 for k, kc in cost.kinds.items()}
-        free = {k: _free_accum_table(kc, np.arange(1, most[k] + 1)) for k, kc in cost.kinds.items()}
+        free = {k: fastest_accum_table(kc, np.arange(1, most[k] + 1)) for k, kc in cost.kinds.items()}
         # np.maximum.accumulate: a busy time that dips after a jump in accumulation counts as
         # the higher one, so each rank's feasible samples under a threshold stay an interval
         tables = {k: (1, np.maximum.accumulate(t)) for k, (t, _) in free.items()}
@@ -262,41 +262,3 @@ def _split_by_speed(cost: CostModel, global_batch: int, peak: dict[str, float]) 
                              f"micro-steps stage {cost.stage} needs")
         accum = [a] * n
     return Plan.from_local_batches(cost.stage, [int(b) for b in samples], accum)
-
-
-def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
-    """The bound: the global batch shared so that every device finishes at the same moment.
-
-    Samples may be split into fractions (a device's time is interpolated between whole
-    sample counts), every device takes its fastest accumulation count for its share,
-    nobody waits, and the only communication is what the stage exposes in a step of a
-    single micro-step (the last gradient bucket's collective, which nothing can hide;
-    over a slow link it is a real share of the step): no allocation of whole samples
-    can step faster. (A device's throughput rises with its batch on a GPU, so "every
-    device at its own best" would count each at a batch it cannot have while the others
-    have theirs.)
-    """
-    b = np.arange(0, global_batch + 1)
-    busy = {}
-    for k, kc in cost.kinds.items():
-        t, _ = _free_accum_table(kc, np.maximum(b, 1))
-        t = np.maximum.accumulate(np.where(b == 0, 0.0, t))   # more samples never take less time
-        busy[k] = t
-
-    def samples_within(limit: float) -> float:
-        total = 0.0
-        for k in cost.rank_kinds:
-            t = busy[k]
-            whole = int(np.searchsorted(t, limit, side="right")) - 1     # most whole samples within the limit
-            if whole >= global_batch:
-                total += global_batch
-                continue
-            step = t[whole + 1] - t[whole]
-            total += whole + (min(1.0, (limit - t[whole]) / step) if step > 0 else 1.0)
-        return total
-
-    lo, hi = 0.0, float(max(t[-1] for t in busy.values()))
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if samples_within(mid) < global_batch else (lo, mid)
-    return global_batch / (hi + cost.comm_s(1))

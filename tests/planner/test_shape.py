@@ -63,3 +63,51 @@ def test_a_shaped_plan_holds_more_states_so_it_fits_fewer_samples():
     single = make_profile(KINDS, comm=INSIDE)
     with pytest.raises(ValueError, match="several nodes"):
         CostModel(single, 3, shaped=True)
+
+
+@pytest.mark.parametrize("flat_s,across_s", [(50.0, 0.002), (1.0, 0.5), (5.0, 0.05)])
+def test_the_ideal_bound_is_above_every_allocation_of_every_stage_and_shape(flat_s, across_s):
+    result = make_plan(make_profile(KINDS, comm=_comm(flat_s, across_s), per_step=0.004), 96)
+    for sp in [*result.stages.values(), *result.shaped.values()]:
+        for alloc in sp.allocations.values():
+            assert alloc.predicted.samples_per_s <= sp.ideal_samples_per_s * (1 + 1e-9), (sp.label, alloc.name)
+    assert result.ideal_samples_per_s == max(sp.ideal_samples_per_s for sp in [*result.stages.values(),
+                                                                               *result.shaped.values()])
+
+
+def test_the_ideal_bound_charges_the_communication_a_slow_link_cannot_hide():
+    """Over a link slower than all the compute, every allocation waits for the whole gradient's all-reduce:
+    so does the bound (it used to charge only the root unit's), and Poplar's plan comes close to it."""
+    result = make_plan(make_profile(KINDS, comm=_comm(flat_s=100.0, across_s=0.002)), 96, stages=(0,))
+    flat = result.stages[0]
+    whole_all_reduce_s = 100 * 0.010          # the model's 1000 parameters, in three units
+    assert 96 / flat.ideal_samples_per_s > whole_all_reduce_s
+    assert flat.poplar.predicted.samples_per_s >= 0.95 * flat.ideal_samples_per_s
+
+
+def test_over_three_nodes_the_ideal_bound_weighs_each_node_s_links():
+    kinds = {"big": (2, 0.008, 0.0015, 64), "mid": (2, 0.012, 0.003, 32), "small": (1, 0.025, 0.005, 16)}
+    slow = CommProfile(numel=1000, all_reduce_s=0.05, reduce_scatter_s=0.03, all_gather_s=0.02)
+    shaped = ShapedComm(groups=[[0, 1], [2, 3], [4]], numel=1000, inside=[INSIDE, slow, INSIDE],
+                        reduce_across_s=0.004)
+    comm = CommProfile(numel=1000, all_reduce_s=0.5, reduce_scatter_s=0.3, all_gather_s=0.2, shaped=shaped)
+    result = make_plan(make_profile(kinds, comm=comm, per_step=0.002), 160)
+    assert result.chosen.shaped and len(result.plan.shard_groups) == 3
+    for sp in [*result.stages.values(), *result.shaped.values()]:
+        for alloc in sp.allocations.values():
+            assert alloc.predicted.samples_per_s <= sp.ideal_samples_per_s * (1 + 1e-9), (sp.label, alloc.name)
+
+
+def test_the_ideal_bound_lets_a_node_with_slack_on_its_links_take_more():
+    """Two nodes of one kind; the second's links are ten times slower, so its ZeRO-3 gathers stall it: a split
+    that gives the first node more samples steps faster than the even one, and the bound is above both."""
+    slow = CommProfile(numel=1000, all_reduce_s=0.10, reduce_scatter_s=0.06, all_gather_s=0.04)
+    shaped = ShapedComm(groups=[[0, 1], [2, 3]], numel=1000, inside=[INSIDE, slow], reduce_across_s=0.002)
+    comm = CommProfile(numel=1000, all_reduce_s=0.5, reduce_scatter_s=0.3, all_gather_s=0.2, shaped=shaped)
+    prof = make_profile({"k": (4, 0.002, 0.001, 64)}, comm=comm)
+    cost = CostModel(prof, 3, shaped=True)
+    even = cost.predict(Plan.from_local_batches(3, [24, 24, 24, 24], [1] * 4).with_shard_groups(cost.shard_groups))
+    leaning = cost.predict(Plan.from_local_batches(3, [40, 40, 8, 8], [1] * 4).with_shard_groups(cost.shard_groups))
+    assert leaning.step_s < even.step_s
+    from poplar.planner import ideal_samples_per_s
+    assert ideal_samples_per_s(cost, 96) >= leaning.samples_per_s

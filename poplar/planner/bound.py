@@ -1,0 +1,134 @@
+"""The ideal bound: the most throughput any allocation of a stage and shape could reach, on the cost model.
+
+Every device finishes its compute at the same moment, with samples split into
+fractions, and the engine's schedule is followed on that balanced step at its most
+favourable; see :func:`ideal_samples_per_s`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import minimize, minimize_scalar
+
+from poplar.planner.cost import CostModel
+from poplar.planner.search import fastest_accum_table
+
+
+def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
+    """The bound: the global batch shared so that every device finishes its compute at the same moment.
+
+    Samples may be split into fractions (a device's time is interpolated between whole
+    sample counts), every device takes its fastest accumulation count for its share and
+    nobody waits for another's compute. (A device's throughput rises with its batch on a
+    GPU, so "every device at its own best" would count each at a batch it cannot have
+    while the others have theirs.) The communication is what the engine's schedule
+    leaves exposed in that balanced step (:func:`_balanced_step_s`), taken at its most
+    favourable: over a slow link the gradient collectives, the step's small all-reduces
+    and the sum across nodes are a real share of a step that no allocation avoids.
+    Without collectives to follow, the busy times (update included) are what is balanced.
+    """
+    b = np.arange(0, global_batch + 1)
+    scheduled = cost.profile.comm is not None and len(cost.ranks) > 1
+    times = {}
+    for k, kc in cost.kinds.items():
+        t, _ = fastest_accum_table(kc, np.maximum(b, 1))
+        if scheduled:   # the update follows the step's last collective on every rank: balance the compute
+            t = t - kc.per_step_s
+        times[k] = np.maximum.accumulate(np.where(b == 0, 0.0, t))   # more samples never take less time
+    if not scheduled:
+        return global_batch / (_balanced_limit(times, cost.rank_kinds, global_batch) + cost.comm_s(1))
+    return global_batch / _balanced_step_s(cost, global_batch, times)
+
+
+def _balanced_limit(times: dict[str, np.ndarray], rank_kinds: list[str], global_batch: int,
+                    offsets: list[float] | None = None) -> float:
+    """The least time within which the ranks (``times[kind][b]``: ``b`` samples' time) take the whole batch,
+    a rank's samples interpolated between whole counts; rank ``i`` may go on ``offsets[i]`` longer."""
+    offsets = offsets or [0.0] * len(rank_kinds)
+
+    def samples_within(limit: float) -> float:
+        total = 0.0
+        for k, extra in zip(rank_kinds, offsets):
+            t = times[k]
+            whole = int(np.searchsorted(t, limit + extra, side="right")) - 1     # most whole samples within
+            if whole >= global_batch:
+                total += global_batch
+                continue
+            if whole < 0:
+                continue
+            step = t[whole + 1] - t[whole]
+            total += whole + (min(1.0, (limit + extra - t[whole]) / step) if step > 0 else 1.0)
+        return total
+
+    lo, hi = -max(map(abs, offsets)), float(max(t[-1] for t in times.values())) + max(map(abs, offsets))
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if samples_within(mid) < global_batch else (lo, mid)
+    return hi
+
+
+def _balanced_step_s(cost: CostModel, global_batch: int, compute: dict[str, np.ndarray]) -> float:
+    """The least step of the schedule over fractional allocations (see :func:`_step_at`).
+
+    Flat, every rank computes equally long. Over shard groups, a group whose own links
+    leave it slack may compute longer than another: one offset per sort of group (its
+    kinds and its links) but the first, chosen for the least step (two sorts: over a
+    grid, then refined; more: from the best of the grid's axes, by Nelder-Mead).
+    """
+    sorts = _group_sorts(cost)
+    groups = max(sorts) + 1
+    at = lambda d: _step_at(cost, global_batch, compute, [([0.0, *d])[j] for j in sorts])   # noqa: E731
+    if groups == 1:
+        return at([])
+    span = float(max(t[-1] for t in compute.values()))     # no rank computes longer than the whole batch takes
+    grid = np.linspace(-span, span, 41)
+    best = np.zeros(groups - 1)
+    for axis in range(groups - 1):
+        trials = [best + x * np.eye(groups - 1)[axis] for x in grid]
+        best = min(trials, key=at)
+    step = grid[1] - grid[0]
+    if groups == 2:
+        found = minimize_scalar(lambda x: at([x]), bounds=(best[0] - step, best[0] + step), method="bounded",
+                                options={"xatol": span * 1e-7})
+        return min(float(found.fun), at(best))
+    simplex = np.vstack([best, best + step * np.eye(groups - 1)])
+    found = minimize(at, best, method="Nelder-Mead",
+                     options={"xatol": span * 1e-7, "fatol": span * 1e-9, "initial_simplex": simplex})
+    return min(float(found.fun), at(best))
+
+
+def _group_sorts(cost: CostModel) -> list[int]:
+    """For each shard group, the index of its sort: groups of the same kinds on equal links are alike."""
+    if not cost.shape:
+        return [0]
+    keys = [(sorted(cost.rank_kinds[i] for i in g), comm) for g, comm in zip(cost.shape.groups, cost.shape.inside)]
+    firsts: list = []
+    for key in keys:
+        if key not in firsts:
+            firsts.append(key)
+    return [firsts.index(key) for key in keys]
+
+
+def _step_at(cost: CostModel, global_batch: int, compute: dict[str, np.ndarray], offsets: list[float]) -> float:
+    """The schedule's step when the ranks of group ``g`` compute until a common limit plus ``offsets[g]``
+    (less if the whole batch takes less), the limit at which the ranks take the whole batch.
+
+    Each rank runs the fewest micro-steps memory allows (in ZeRO-2/3 the fewest the
+    cluster's memory allows for the whole batch), of equal length: the longest last
+    micro-step, under which the most communication hides.
+    """
+    group = cost.shape.group_of if cost.shape else (lambda i: 0)
+    extra = [offsets[group(i)] for i in range(len(cost.rank_kinds))]
+    limit = _balanced_limit(compute, cost.rank_kinds, global_batch, extra)
+    if cost.stage >= 2:
+        capacity = sum(cost.kinds[k].max_micro_batch for k in cost.rank_kinds)
+        common = -(-global_batch // capacity)
+    ranks = {}
+    for i, k in enumerate(cost.rank_kinds):
+        kc, t = cost.kinds[k], compute[k]
+        mine = max(0.0, limit + extra[i])
+        whole = max(1, min(global_batch, int(np.searchsorted(t, mine, side="right")) - 1))
+        accum = common if cost.stage >= 2 else -(-whole // kc.max_micro_batch)
+        seconds = min(mine, float(t[-1]))
+        ranks[group(i), k] = (group(i), [seconds / accum] * accum, kc.per_step_s)
+    return cost.schedule.run(list(ranks.values()))
