@@ -69,8 +69,8 @@ def main() -> None:
         table.add_column(col, justify="right")
     ratio = lambda x: "-" if x is None else f"{x:.2f}x"   # noqa: E731
     for r in rows:
-        table.add_row(f"{r['stage']}{'*' if r['chosen'] else ''}", r["shape"], f"{1e3 * r['predicted_step_s']:.1f}",
-                      f"{1e3 * r['step_s']:.1f}", f"{100 * r['error']:+.1f}%", f"{r['samples_per_s']:.1f}",
+        table.add_row(f"{r['stage']}{'*' if r['chosen'] else ''}", r["shape"], f"{1e3 * r['predicted_step_s']:.2f}",
+                      f"{1e3 * r['step_s']:.2f}", f"{100 * r['error']:+.1f}%", f"{r['samples_per_s']:.1f}",
                       ratio(r["vs_flat_zero0"]), ratio(r["vs_flat_zero3"]), str(r["overruns"]))
     console = Console(width=max(Console().width, 150))
     console.print(table)

@@ -130,5 +130,5 @@ def _step_at(cost: CostModel, global_batch: int, compute: dict[str, np.ndarray],
         whole = max(1, min(global_batch, int(np.searchsorted(t, mine, side="right")) - 1))
         accum = common if cost.stage >= 2 else -(-whole // kc.max_micro_batch)
         seconds = min(mine, float(t[-1]))
-        ranks[group(i), k] = (group(i), [seconds / accum] * accum, kc.per_step_s)
+        ranks[group(i), k] = (group(i), [(whole / accum, seconds / accum)] * accum, kc)
     return cost.schedule.run(list(ranks.values()))

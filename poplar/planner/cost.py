@@ -56,7 +56,7 @@ class KindCost:
     """One device kind in one stage: the time of any (samples, accumulation) it can hold."""
 
     def __init__(self, kind: str, sp: StageProfile):
-        self.kind = kind
+        self.kind, self.stage_profile = kind, sp
         self.max_micro_batch = sp.max_micro_batch
         self.per_step_s = float(sp.per_step_s)
         m = np.arange(1, self.max_micro_batch + 1, dtype=float)

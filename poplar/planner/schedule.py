@@ -14,17 +14,25 @@ written by :func:`micro_step_events` from the engine's schedule for a stage:
 
 - forward, unit by unit in the forward order; in ZeRO-3 each unit is gathered first
   (the root before anything, then each next unit prefetched while the current one
-  computes, as :mod:`poplar.engine.unshard` does);
-- backward in the reverse order: the root's own backward (the head) first, then each
-  layer, gathered again in ZeRO-3 (the next one prefetched), its gradient collective
-  issued once its backward is done, and the root's last (its embedding gradient
-  arrives last). Stages 2-3 wait for the oldest reduction once more than
-  ``max_inflight`` are in flight; every reduction is waited for at the micro-step's end.
+  computes, as :mod:`poplar.engine.unshard` does); the root's own forward (its
+  embeddings) before the layers;
+- the root's middle: the head, the loss and the head's backward;
+- backward in the reverse order: each layer, gathered again in ZeRO-3 (the next one
+  prefetched), its gradient collective issued once its backward is done, then the
+  root's own backward (the embeddings' gradient) and its collective, last. Stages 2-3
+  wait for the oldest reduction once more than ``max_inflight`` are in flight; every
+  reduction is waited for at the micro-step's end.
 
->>> u = UnitTimes(forward_s=1.0, backward_s=2.0, reduce_s=1.5)
->>> events = micro_step_events([u, u], gathers=False, reduces=True)
+Where a unit's compute falls comes from the profile's measured step anatomy
+(:class:`~poplar.profile.profile.StepAnatomy`), per device kind; a profile without one
+shares the compute by the units' forward FLOPs, the backward twice the forward, and
+puts all of the root's in its middle.
+
+>>> root = UnitTimes(forward_s=0.5, backward_s=0.5, reduce_s=1.5, middle_s=2.0)
+>>> layer = UnitTimes(forward_s=1.0, backward_s=2.0, reduce_s=1.5)
+>>> events = micro_step_events([root, layer], gathers=False, reduces=True)
 >>> run_ranks([events])    # the root's reduction starts only when the layer's is done
-(9.0, [6.0])
+(8.5, [6.0])
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ class UnitTimes:
     backward_s: float
     gather_s: float = 0.0    # ZeRO-3: all-gather of its parameters
     reduce_s: float = 0.0    # its gradient collective (all-reduce, or reduce-scatter)
+    middle_s: float = 0.0    # the root's: between the last layer's forward and its backward
 
 
 @dataclass(frozen=True)
@@ -78,14 +87,14 @@ def micro_step_events(units: list[UnitTimes], *, gathers: bool, reduces: bool, p
         gather(0, wait=True)
         if prefetch and len(units) > 1:
             gather(1, wait=False)
+    ev.append(Compute(units[0].forward_s))
     for i in range(1, len(units)):
         if gathers:
             gather(i, wait=True)
             if prefetch and i + 1 < len(units):
                 gather(i + 1, wait=False)
         ev.append(Compute(units[i].forward_s))
-    ev.append(Compute(units[0].forward_s))
-    ev.append(Compute(units[0].backward_s))   # the root stays gathered: the head's backward comes first
+    ev.append(Compute(units[0].middle_s))     # the root stays gathered: the head, the loss, the head's backward
     backward, gathered = True, set()
     pending: list[str] = []
     for i in range(len(units) - 1, 0, -1):
@@ -96,6 +105,7 @@ def micro_step_events(units: list[UnitTimes], *, gathers: bool, reduces: bool, p
         ev.append(Compute(units[i].backward_s))
         if reduces:
             _reduce(ev, pending, Issue(f"{tag}r{i}", units[i].reduce_s, link), max_inflight)
+    ev.append(Compute(units[0].backward_s))
     if reduces:
         _reduce(ev, pending, Issue(f"{tag}r0", units[0].reduce_s, link), max_inflight)
         ev.extend(Wait(k) for k in pending)
@@ -183,8 +193,9 @@ class Shape:
 class StepSchedule:
     """A profiled model's step in one ZeRO stage, as events per rank, for :class:`~poplar.planner.cost.CostModel`.
 
-    Each unit computes its share of a micro-step (its FLOPs' share of the forward, or of
-    its parameters where the profile has no FLOPs) and moves its own parameters.
+    Each unit computes its share of a micro-step (as the kind's step anatomy says; else its
+    FLOPs' share of the forward, or of its parameters where the profile has no FLOPs) and
+    moves its own parameters.
     With a :class:`Shape` (hybrid; two-level in stage 0) each group gathers and
     reduce-scatters on its own link, and in the last micro-step each unit's shard is
     summed across groups once its reduce-scatter is done (stage 0 then gathers the sum
@@ -203,6 +214,7 @@ class StepSchedule:
         self.reduce_s = [[c.seconds(reduce_op, n) for n in self.numels] for c in comms]
         self.gather_s = [[c.seconds("all_gather", n) for n in self.numels] for c in comms]
         self.across_s = [shape.across.across_seconds(n) for n in self.numels] if shape else []
+        self.sum_s = [shape.across.sum_seconds(n) for n in self.numels] if shape else []
         # the step's own all-reduces of a few numbers over the world (batch check, loss, norm): latency only
         self.small_s = profile.comm.seconds("all_reduce", 1)
 
@@ -210,41 +222,62 @@ class StepSchedule:
         """The plan's step time: every distinct rank (group, kind and micro-batches) followed together."""
         group = self.shape.group_of if self.shape else (lambda r: 0)
         distinct = dict.fromkeys((group(r), rank_kinds[r], tuple(plan.micro_batches(r))) for r in range(plan.world_size))
-        return self.run([(g, [float(kinds[k].g[m]) for m in mbs], kinds[k].per_step_s) for g, k, mbs in distinct])
+        return self.run([(g, [(m, float(kinds[k].g[m])) for m in mbs], kinds[k]) for g, k, mbs in distinct])
 
-    def run(self, ranks: list[tuple[int, list[float], float]]) -> float:
-        """The step's end for ranks given as (group, each micro-step's compute seconds, the update's seconds)."""
-        end, _ = run_ranks([self.rank_events(micro_s, per_step_s, g) for g, micro_s, per_step_s in ranks])
+    def run(self, ranks: list[tuple]) -> float:
+        """The step's end for ranks given as (group, each micro-step's (micro-batch, compute seconds), the
+        kind's :class:`~poplar.planner.cost.KindCost`)."""
+        end, _ = run_ranks([self.rank_events(micro, kind_cost, g) for g, micro, kind_cost in ranks])
         return end
 
-    def rank_events(self, micro_s: list[float], per_step_s: float, group: int = 0) -> list:
+    def rank_events(self, micro: list[tuple[float, float]], kind_cost, group: int = 0) -> list:
         """One rank's step: its micro-steps, the update, and in ZeRO-1/2 the parameters gathered after it."""
         every = self.stage >= 2          # ZeRO-2/3 reduce (and all ranks run as many micro-steps) every time
         link = f"n{group}" if self.shape else ""
         gather_s, reduce_s = self.gather_s[group], self.reduce_s[group]
         events: list = []
-        for j, c in enumerate(micro_s):
-            last = j == len(micro_s) - 1
-            units = [UnitTimes(c * FORWARD_SHARE * w, c * (1 - FORWARD_SHARE) * w, g, r)
-                     for w, g, r in zip(self.shares, gather_s, reduce_s)]
+        for j, (m, c) in enumerate(micro):
+            last = j == len(micro) - 1
+            units = [UnitTimes(f, b, g, r, mid) for (f, b, mid), g, r in zip(self._split(kind_cost, m, c), gather_s,
+                                                                             reduce_s)]
             tag = f"{link}.{j if every else ''}."
-            micro = micro_step_events(units, gathers=self.stage == 3, reduces=every or last,
-                                      max_inflight=MAX_INFLIGHT if every else None, tag=tag, link=link)
-            events += self._sum_across(micro, tag, link, gather_s) if self.shape and last else micro
-        return self._step_ends(self._checked(events), per_step_s, link, gather_s)
+            micro_events = micro_step_events(units, gathers=self.stage == 3, reduces=every or last,
+                                             max_inflight=MAX_INFLIGHT if every else None, tag=tag, link=link)
+            events += self._sum_across(micro_events, tag, link, gather_s) if self.shape and last else micro_events
+        anatomy = self._anatomy(kind_cost, micro[-1][0])
+        before = (anatomy.before_loss_s, anatomy.before_norm_s) if anatomy else (0.0, 0.0)
+        return self._step_ends(self._checked(events), kind_cost.per_step_s, before, link, gather_s)
+
+    def _anatomy(self, kind_cost, m: float):
+        anatomy = kind_cost.stage_profile.anatomy_at(m)
+        return anatomy if anatomy is not None and len(anatomy.forward) == len(self.numels) else None
+
+    def _split(self, kind_cost, m: float, c: float) -> list[tuple[float, float, float]]:
+        """Each unit's (forward, backward, middle) seconds of a micro-step of ``m`` samples computing ``c``."""
+        anatomy = self._anatomy(kind_cost, m)
+        if anatomy is None:      # by FLOPs: the root's all in its middle
+            return [(0.0, 0.0, c * w) if i == 0 else (c * FORWARD_SHARE * w, c * (1 - FORWARD_SHARE) * w, 0.0)
+                    for i, w in enumerate(self.shares)]
+        total = sum(anatomy.forward) + sum(anatomy.backward) + anatomy.root_middle
+        scale = c / total if total > 0 else 0.0
+        return [(scale * f, scale * b, scale * anatomy.root_middle if i == 0 else 0.0)
+                for i, (f, b) in enumerate(zip(anatomy.forward, anatomy.backward))]
 
     def _checked(self, events: list) -> list:
         """The batch check: its all-reduce issued as the step starts, waited for before the first collective."""
         first = next(i for i, e in enumerate(events) if isinstance(e, Issue))
         return [Issue("check", self.small_s), *events[:first], Wait("check"), *events[first:]]
 
-    def _step_ends(self, events: list, per_step_s: float, link: str, gather_s: list[float]) -> list:
+    def _step_ends(self, events: list, per_step_s: float, before: tuple[float, float], link: str,
+                   gather_s: list[float]) -> list:
         """After the micro-steps: the loss all-reduced (waited for last), in ZeRO-1-3 the squared norm (waited
-        for before the update), the update, and in ZeRO-1/2 the parameters gathered after it."""
-        events = [*events, Issue("loss", self.small_s)]
+        for before the update), the update, and in ZeRO-1/2 the parameters gathered after it. ``before``: the
+        step's own work before the loss's all-reduce and before the norm's, out of ``per_step_s``."""
+        before_loss, before_norm = before
+        events = [*events, Compute(before_loss), Issue("loss", self.small_s), Compute(before_norm)]
         if self.stage >= 1:
             events += [Issue("norm", self.small_s), Wait("norm")]
-        events.append(Compute(per_step_s))
+        events.append(Compute(max(0.0, per_step_s - before_loss - before_norm)))
         if self.stage in (1, 2):
             events += [Issue(f"{link}.p{i}", s, link) for i, s in enumerate(gather_s)]
             events += [Wait(f"{link}.p{i}") for i in range(len(gather_s))]
@@ -260,7 +293,7 @@ class StepSchedule:
                 out.append(Issue(f"x{i}", self.across_s[i]))
                 summed.append(i)
         for i in summed:
-            out.append(Wait(f"x{i}"))
+            out += [Wait(f"x{i}"), Compute(self.sum_s[i])]    # the parts added, once they are across
             if self.stage == 0:   # the two-level all-reduce's last level: the sums gathered inside the group
                 out.append(Issue(f"{link}.ga{i}", gather_s[i], link))
         if self.stage == 0:

@@ -20,6 +20,28 @@ from pydantic import BaseModel, ConfigDict, Field
 from scipy.interpolate import CubicSpline
 
 
+class StepAnatomy(BaseModel):
+    """Where one step's compute falls between its collectives, measured on a step of one micro-batch.
+
+    Shares are of the micro-step's compute (from the step's start to the root unit's
+    gradient collective), per engine unit, the root first. The root's forward share is
+    what runs before the first layer (embeddings), its backward share what runs after the
+    last layer's backward (the embeddings' gradient), and ``root_middle`` what runs
+    between the last layer's forward and its backward (the head and the loss). The step's
+    once-per-step work before the loss's all-reduce and between it and the gradient
+    norm's (stages 1-3) is in seconds; the rest of ``per_step_s`` follows the norm.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    micro_batch: int = Field(ge=1, description="the micro-batch the step was measured at")
+    forward: list[float] = Field(description="each unit's share of the forward (the root's: before the layers)")
+    backward: list[float] = Field(description="each unit's share of the backward (the root's: after the layers)")
+    root_middle: float = Field(ge=0, description="share between the last layer's forward and its backward")
+    before_loss_s: float = Field(ge=0, description="seconds after the micro-steps, before the loss's all-reduce")
+    before_norm_s: float = Field(ge=0, description="seconds between the loss's and the norm's all-reduce")
+
+
 class StageProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -30,6 +52,9 @@ class StageProfile(BaseModel):
                               "(synchronisation, the optimizer update), not again per micro-step; 0 if not "
                               "measured")
     note: str = ""
+    anatomy: list[StepAnatomy] | None = Field(None, description="where a step's compute falls between its "
+                                              "collectives, at a few micro-batches (poplar.planner.schedule); "
+                                              "empty where the marks were not all seen, None where not measured")
 
     def time(self, micro_batch):
         """Seconds of a step with one micro-batch of this size (spline through the points); arrays allowed."""
@@ -45,6 +70,23 @@ class StageProfile(BaseModel):
         else:
             out = CubicSpline(m, t, bc_type="natural")(x)
         return float(out) if np.ndim(out) == 0 else out
+
+    def anatomy_at(self, micro_batch: float) -> StepAnatomy | None:
+        """The step's anatomy at ``micro_batch``: shares interpolated between the measured sizes."""
+        if not self.anatomy:
+            return None
+        sizes = [a.micro_batch for a in self.anatomy]
+        j = int(np.clip(np.searchsorted(sizes, micro_batch), 1, max(1, len(sizes) - 1)))
+        lo, hi = self.anatomy[max(0, j - 1)], self.anatomy[min(j, len(sizes) - 1)]
+        w = 0.0 if hi.micro_batch == lo.micro_batch else float(np.clip(
+            (micro_batch - lo.micro_batch) / (hi.micro_batch - lo.micro_batch), 0.0, 1.0))
+        mix = lambda a, b: (1 - w) * a + w * b   # noqa: E731
+        return StepAnatomy(micro_batch=max(1, round(micro_batch)),
+                           forward=[mix(a, b) for a, b in zip(lo.forward, hi.forward)],
+                           backward=[mix(a, b) for a, b in zip(lo.backward, hi.backward)],
+                           root_middle=mix(lo.root_middle, hi.root_middle),
+                           before_loss_s=mix(lo.before_loss_s, hi.before_loss_s),
+                           before_norm_s=mix(lo.before_norm_s, hi.before_norm_s))
 
     def throughput(self, micro_batch: float) -> float:
         """Samples per second at this micro-batch size."""
@@ -102,12 +144,20 @@ class ShapedComm(BaseModel):
     numel: int = Field(description="elements the sum across nodes was timed on: the model's, fp32")
     inside: list[CommProfile] = Field(description="per node: its collectives among its own ranks, over the "
                                       "model's size padded to its rank count")
-    reduce_across_s: float = Field(description="the sum across nodes (poplar.engine.layout) of the model's size")
+    reduce_across_s: float = Field(description="the sum across nodes (poplar.engine.layout) of the model's size: "
+                                   "its time on the links")
     across_latency_s: float = Field(0.0, description="the same on a tiny buffer")
+    sum_s: float | None = Field(None, description="the sum's compute after the exchange (the parts added), at the "
+                                "model's size; None in profiles that timed it with the exchange")
+    sum_latency_s: float = Field(0.0, description="the same on a tiny buffer")
 
     def across_seconds(self, numel: float) -> float:
-        """The sum across nodes of ``numel`` fp32 elements: its latency plus its share of the bandwidth."""
+        """The sum across nodes of ``numel`` fp32 elements on the links: its latency plus its share of the bandwidth."""
         return _latency_plus_share(self.reduce_across_s, self.across_latency_s, numel, self.numel)
+
+    def sum_seconds(self, numel: float) -> float:
+        """The compute that adds the parts of ``numel`` fp32 elements once they are across."""
+        return _latency_plus_share(self.sum_s or 0.0, self.sum_latency_s, numel, self.numel)
 
 
 CommProfile.model_rebuild()

@@ -72,9 +72,11 @@ def profile_cluster(workload: str | Workload, cluster: dict, options: ProfileOpt
     cache = ProfileCache(options.cache_dir, wl, spec, options.stages, options.precision, options.max_micro_batch,
                          config)
     cached = cache.stages() if options.use_cache else {}
+    # stages written before their anatomy was measured are measured again
+    cached = {ks: sp for ks, sp in cached.items() if sp.anatomy is not None or not sp.points}
     comm = cache.comm() if options.use_cache else None
-    if comm is not None and len(spec.node_groups()) > 1 and comm.shaped is None:
-        comm = None   # written before the collectives were timed on the nodes: time them again
+    if comm is not None and len(spec.node_groups()) > 1 and (comm.shaped is None or comm.shaped.sum_s is None):
+        comm = None   # written before the collectives (and the sum's compute) were timed on the nodes: again
     if distributed:   # every rank must measure the same stages and plan from the same profile: rank 0's cache
         decided = [cached, comm]
         dist.broadcast_object_list(decided, src=0)
@@ -127,7 +129,7 @@ def merge_stage(entries: list[StageProfile]) -> StageProfile:
                         state_bytes=max(m.state_bytes for m in entries),
                         points=_merge_points([m.points for m in entries]),
                         per_step_s=statistics.median(m.per_step_s for m in entries),
-                        note=entries[0].note)
+                        note=entries[0].note, anatomy=entries[0].anatomy)
 
 
 def _merge_points(point_lists: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:

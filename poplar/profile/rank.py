@@ -6,7 +6,9 @@ Per stage, each rank
    accumulated between micro-steps) are all there;
 2. finds the largest micro-batch that fits its memory (:mod:`poplar.profile.probe`):
    the activations do not depend on the stage, the model states do and come from step 1;
-3. times micro-batch sizes up to that limit (:mod:`poplar.profile.timing`).
+3. times micro-batch sizes up to that limit (:mod:`poplar.profile.timing`), and at a
+   middle size and the largest where the step's compute falls between its collectives
+   (:mod:`poplar.profile.anatomy`).
 Then the collectives are timed at the model's size and at a tiny one (their latency).
 
 What differs between a real GPU and an emulated one is the device's
@@ -25,6 +27,7 @@ from pydantic import BaseModel, ConfigDict
 import poplar
 from poplar.cluster.spec import parse_cluster
 from poplar.engine.config import EngineConfig
+from poplar.profile.anatomy import measure_anatomy
 from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import largest_micro_batch
 from poplar.profile.profile import CommProfile, StageProfile
@@ -83,9 +86,15 @@ def profile_stage(run: RankRun, stage: int, options: ProfileOptions) -> StagePro
     headroom = int(device.probe_headroom * device.capacity)
     limit = largest_micro_batch(device, run.workload, state + headroom, limit=options.max_micro_batch,
                                 precision=options.precision)
-    points, per_step = time_points(run, stage, _agree_sizes(run, limit, options.n_points))
+    sizes = _agree_sizes(run, limit, options.n_points)
+    points, per_step = time_points(run, stage, sizes)
+    run.note(stage, "anatomy")
+    rows = sorted({len(sizes) // 2, len(sizes) - 1})     # a middle size and the largest
+    measured = [measure_anatomy(run, stage, sizes[i]) for i in rows]
+    anatomy = sorted((a for a in measured if a is not None), key=lambda a: a.micro_batch)
     run.note(stage, "done")
-    return StageProfile(max_micro_batch=limit, state_bytes=state, points=points, per_step_s=per_step)
+    return StageProfile(max_micro_batch=limit, state_bytes=state, points=points, per_step_s=per_step,
+                        anatomy=anatomy)
 
 
 class _States(NamedTuple):

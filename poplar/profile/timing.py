@@ -105,14 +105,19 @@ def _time_group(run: RankRun, stage: int, plans: dict[int, poplar.Plan], times: 
 
 def _timed(device: Device, issue: Callable[[], Any], repeats: int) -> float:
     """Median device time of a step that runs ``issue()`` (after one untimed)."""
+    return _timed_parts(device, issue, repeats)[0]
+
+
+def _timed_parts(device: Device, issue: Callable[[], Any], repeats: int) -> tuple[float, float, float]:
+    """Median device time of a step that runs ``issue()`` (after one untimed), of its wait, and of its compute."""
     out = []
     for i in range(repeats + 1):
         device.comm.barrier()
         with device.step():
             issue()
         if i:
-            out.append(device.step_s)
-    return statistics.median(out)
+            out.append((device.step_s, device.wait_s, device.compute_s))
+    return tuple(statistics.median(x[j] for x in out) for j in range(3))
 
 
 def _time_ops(device: Device, comm, numel: int, repeats: int) -> CommProfile:
@@ -149,10 +154,13 @@ def time_collectives(device: Device, numel: int, node_groups: list[list[int]] | 
     layout = ShardLayout.build(device.comm, node_groups)
     inside = _time_ops(device, layout.shard_comm, numel, repeats)
 
-    def across(n: int) -> float:
+    def across(n: int) -> tuple[float, float]:
+        """On the link (the wait: the all-to-all), and computing (the parts added in group order)."""
         shard = torch.zeros(layout.padded(n) // layout.shard_size, device=device.torch_device)
-        return _timed(device, lambda: layout.reduce_across(shard, n), repeats)
+        _, wait, compute = _timed_parts(device, lambda: layout.reduce_across(shard, n), repeats)
+        return wait, compute
 
-    shaped = ShapedComm(groups=node_groups, numel=numel, inside=[inside], reduce_across_s=across(numel),
-                        across_latency_s=across(len(node_groups) * 64))
+    (link, add), (link_tiny, add_tiny) = across(numel), across(len(node_groups) * 64)
+    shaped = ShapedComm(groups=node_groups, numel=numel, inside=[inside], reduce_across_s=link,
+                        across_latency_s=link_tiny, sum_s=add, sum_latency_s=add_tiny)
     return flat.model_copy(update={"shaped": shaped})

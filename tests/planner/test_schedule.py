@@ -60,6 +60,34 @@ def test_zero3_gathers_the_root_and_prefetches_the_next_unit():
     assert run_ranks([no_prefetch]) == (11.0, [6.0])   # every gather exposed: 5 gathers + 6 of compute
 
 
+def test_the_root_s_own_work_falls_before_between_and_after_the_layers():
+    # forward: root 1 (0-1), layers 1-3; the head and loss 3-4; backward: l2 4-6 (r2 6-7), l1 6-8 (r1 8-9),
+    # the embeddings' gradient 8-9, so the root's reduction is issued at 9 and queues behind none: 9-10
+    units = _units(2, reduce=1.0, root_fwd=1.0, root_bwd=1.0)
+    units[0] = UnitTimes(forward_s=1.0, backward_s=1.0, reduce_s=1.0, middle_s=1.0)
+    assert run_ranks([micro_step_events(units, gathers=False, reduces=True)]) == (10.0, [9.0])
+
+
+def test_the_step_s_own_work_before_the_norm_overlaps_the_loss_s_all_reduce():
+    """Stage 1: the loss's all-reduce, then the norm's queued behind it; work the step does between them (the
+    norm's own kernels) runs while the loss's is in flight, so it comes off the step as long as it is shorter."""
+    from poplar.plan import Plan
+    from poplar.planner.cost import CostModel
+    from poplar.profile.profile import CommProfile, StepAnatomy
+    from tests.planner.profiles import make_profile
+
+    comm = CommProfile(numel=1000, all_reduce_s=0.010, reduce_scatter_s=0.006, all_gather_s=0.004,
+                       latency_s={"all_reduce": 0.002, "reduce_scatter": 0.001, "all_gather": 0.001})
+    steps = []
+    for before_norm in (0.0, 0.0015):
+        prof = make_profile({"k": (2, 0.01, 0.001, 16)}, comm=comm, per_step=0.005)
+        for sp in prof.devices["k"].stages.values():
+            sp.anatomy = [StepAnatomy(micro_batch=8, forward=[0.1, 0.1, 0.1], backward=[0.1, 0.3, 0.3],
+                                      root_middle=0.0, before_loss_s=0.001, before_norm_s=before_norm)]
+        steps.append(CostModel(prof, 1).predict(Plan(1, [8, 8], 1)).step_s)
+    assert steps[0] - steps[1] == pytest.approx(0.0015, abs=1e-9)
+
+
 def test_ranks_that_issue_other_collectives_are_refused():
     a = micro_step_events(_units(1, reduce=1.0), gathers=False, reduces=True)
     b = micro_step_events(_units(2, reduce=1.0), gathers=False, reduces=True)

@@ -30,6 +30,12 @@ def test_a_shaped_step_follows_the_hybrid_schedule():
     # hold the link from 1.8 to 11.8 ms; then the gathers, 4 ms. Before them, the batch check's all-reduce
     # (10 us: one element of the world's all-reduce), and after them the loss's and the norm's (waited for)
     assert step == pytest.approx(0.0158 + 3 * 10e-6, abs=1e-6)
+    # the parts added once they are across (2.5 ms at the model's size: 0.75, 0.75 and 1 ms): each runs while the
+    # next sum is on the link, all but the last
+    comm = _comm(1.0, 0.010)
+    comm.shaped.sum_s = 0.0025
+    summed = CostModel(make_profile({"k": (4, 0.0, 1e-9, 8)}, comm=comm), 1, shaped=True)
+    assert summed.predict(Plan(1, [1, 1, 1, 1], 1)).step_s == pytest.approx(step + 0.001, abs=1e-9)
 
 
 def test_over_a_slow_link_the_planner_shapes_the_collectives_and_says_why():

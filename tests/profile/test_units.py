@@ -7,7 +7,7 @@ from poplar.engine.config import EngineConfig
 from poplar.launch import spawn
 from poplar.profile.cache import ProfileCache, cache_key, engine_key
 from poplar.profile.options import ProfileOptions
-from poplar.profile.profile import CommProfile, StageProfile
+from poplar.profile.profile import CommProfile, StageProfile, StepAnatomy
 from poplar.profile.profiler import profile_cluster, unit_numels
 from poplar.profile.units import unit_flops
 from poplar.workload import as_workload
@@ -39,7 +39,9 @@ def test_a_profile_read_from_the_cache_records_the_units_of_its_engine_options(t
     config = EngineConfig(unit_numel=SMALL_UNITS)
     options = ProfileOptions(stages=(0,), cache_dir=tmp_path)
     wl, spec = as_workload("tiny"), parse_cluster(ONE)
-    stage = StageProfile(max_micro_batch=4, state_bytes=10, points=[(1, 0.1), (4, 0.3)])
+    anatomy = StepAnatomy(micro_batch=4, forward=[0.1, 0.1], backward=[0.1, 0.5], root_middle=0.2,
+                          before_loss_s=1e-3, before_norm_s=0.0)
+    stage = StageProfile(max_micro_batch=4, state_bytes=10, points=[(1, 0.1), (4, 0.3)], anatomy=[anatomy])
     cache = ProfileCache(tmp_path, wl, spec, options.stages, options.precision, options.max_micro_batch, config)
     cache.save({("small", 0): stage}, CommProfile(numel=8, all_reduce_s=1e-3, reduce_scatter_s=1e-3, all_gather_s=1e-3))
     prof, summary = profile_cluster("tiny", ONE, options, config=config)     # nothing to measure: no rank spawned

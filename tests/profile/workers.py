@@ -71,3 +71,15 @@ def collectives_on_nodes(rank, world_size, cluster: dict, numel: int):
         return {"comm": comm.model_dump(),
                 "declared_gather": device.network.seconds("all_gather", 4 * padded, node),
                 "declared_across": device.network.seconds("reduce_across", 4 * numel, None, len(groups))}
+
+
+def anatomy_at(rank, world_size, cluster: dict, stage: int, sizes: list[int]):
+    """The step anatomy the profiler measures on rank ``rank`` at ``sizes`` (every rank's micro-batch)."""
+    from poplar.engine.config import EngineConfig
+    from poplar.profile.anatomy import measure_anatomy
+    from poplar.profile.timing import RankRun
+    from poplar.workload import as_workload
+
+    with EmulatedDevice(parse_cluster(cluster), rank, dilation=40.0) as device:
+        run = RankRun(device, rank, world_size, as_workload("tiny"), EngineConfig(), warmup=1, repeats=1)
+        return measure_anatomy(run, stage, sizes).model_dump()

@@ -1,0 +1,37 @@
+"""The step anatomy: where a step's compute falls between its collectives, measured on the device's clock."""
+
+import pytest
+
+from poplar.launch import spawn
+from poplar.profile.profile import StageProfile, StepAnatomy
+from tests.profile.workers import anatomy_at
+
+CLUSTER = {"devices": [{"kind": "a100", "gpu": "A100-80GB"}, {"kind": "t4", "gpu": "T4-16GB"}]}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_step_s_compute_is_placed_unit_by_unit(stage):
+    ranks = [StepAnatomy.model_validate(a) for a in spawn(anatomy_at, 2, CLUSTER, stage, [8, 4], timeout_s=240)]
+    for a, m in zip(ranks, (8, 4)):
+        assert a.micro_batch == m
+        assert sum(a.forward) + sum(a.backward) + a.root_middle == pytest.approx(1.0, abs=0.02)
+        layers = range(1, len(a.forward))
+        assert len(layers) >= 2 and all(a.backward[i] > a.forward[i] > 0 for i in layers)
+        # the root: its embeddings before the layers, the head and loss between, the embeddings' gradient after
+        assert a.forward[0] > 0 and a.root_middle > 0 and a.backward[0] > 0
+        assert a.before_loss_s > 0
+        # the gradient norm's all-reduce comes only where the gradients are sharded
+        assert (a.before_norm_s > 0) == (stage > 0)
+    # the T4 is the slower device: the same work takes it longer, in seconds
+    assert ranks[1].before_loss_s > ranks[0].before_loss_s
+
+
+def test_shares_between_the_measured_sizes_are_interpolated():
+    def anatomy(m, middle):
+        return StepAnatomy(micro_batch=m, forward=[0.1, 0.2], backward=[0.1, 0.6 - middle], root_middle=middle,
+                           before_loss_s=m * 1e-6, before_norm_s=0.0)
+    sp = StageProfile(max_micro_batch=64, state_bytes=0, points=[(1, 1.0)], anatomy=[anatomy(4, 0.2), anatomy(64, 0.1)])
+    mid = sp.anatomy_at(34)
+    assert mid.root_middle == pytest.approx(0.15) and mid.before_loss_s == pytest.approx(34e-6)
+    assert sp.anatomy_at(1).root_middle == pytest.approx(0.2) and sp.anatomy_at(200).root_middle == pytest.approx(0.1)
+    assert StageProfile(max_micro_batch=1, state_bytes=0).anatomy_at(1) is None
