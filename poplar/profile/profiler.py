@@ -71,12 +71,7 @@ def profile_cluster(workload: str | Workload, cluster: dict, options: ProfileOpt
                          "in a running process group (poplar profile does so under torchrun, or on one GPU)")
     cache = ProfileCache(options.cache_dir, wl, spec, options.stages, options.precision, options.max_micro_batch,
                          config)
-    cached = cache.stages() if options.use_cache else {}
-    # stages written before their anatomy was measured are measured again
-    cached = {ks: sp for ks, sp in cached.items() if sp.anatomy is not None or not sp.points}
-    comm = cache.comm() if options.use_cache else None
-    if comm is not None and len(spec.node_groups()) > 1 and (comm.shaped is None or comm.shaped.sum_s is None):
-        comm = None   # written before the collectives (and the sum's compute) were timed on the nodes: again
+    cached, comm = _from_cache(cache, spec) if options.use_cache else ({}, None)
     if distributed:   # every rank must measure the same stages and plan from the same profile: rank 0's cache
         decided = [cached, comm]
         dist.broadcast_object_list(decided, src=0)
@@ -96,6 +91,16 @@ def profile_cluster(workload: str | Workload, cluster: dict, options: ProfileOpt
     summary = {"measured": sorted(measured), "from_cache": sorted(ks for ks in cached if ks not in measured),
                "dilation": ranks[0].dilation if ranks else None, "overruns": sum(r.overruns for r in ranks)}
     return profile, summary
+
+
+def _from_cache(cache: ProfileCache, spec: ClusterSpec) -> tuple[dict, CommProfile | None]:
+    """The cached stages and collectives still current: what was written before a figure was recorded is not."""
+    # stages written before their anatomy was measured are measured again
+    cached = {ks: sp for ks, sp in cache.stages().items() if sp.anatomy is not None or not sp.points}
+    comm = cache.comm()
+    if comm is not None and len(spec.node_groups()) > 1 and (comm.shaped is None or comm.shaped.sum_s is None):
+        comm = None   # written before the collectives (and the sum's compute) were timed on the nodes: again
+    return cached, comm
 
 
 def _run_ranks(wl: Workload, spec: ClusterSpec, options: ProfileOptions, config: EngineConfig, progress, on_poll,
