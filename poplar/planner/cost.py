@@ -57,6 +57,7 @@ class KindCost:
 
     def __init__(self, kind: str, sp: StageProfile):
         self.kind, self.stage_profile = kind, sp
+        self._anatomies: dict = {}
         self.max_micro_batch = sp.max_micro_batch
         self.per_step_s = float(sp.per_step_s)
         m = np.arange(1, self.max_micro_batch + 1, dtype=float)
@@ -76,6 +77,12 @@ class KindCost:
         # the micro-batch with the most samples per second of forward and backward, and its cost a sample
         self.best_micro_batch = int(np.argmin(per_sample)) + 1 if raw.size else 0
         self.cheapest_sample_s = float(np.min(per_sample))
+
+    def anatomy(self, micro_batch: float):
+        """The kind's step anatomy at ``micro_batch`` (None without one), computed once per size."""
+        if micro_batch not in self._anatomies:
+            self._anatomies[micro_batch] = self.stage_profile.anatomy_at(micro_batch)
+        return self._anatomies[micro_batch]
 
     def fits(self) -> bool:
         return self.max_micro_batch > 0

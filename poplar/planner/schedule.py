@@ -249,7 +249,7 @@ class StepSchedule:
         return self._step_ends(self._checked(events), kind_cost.per_step_s, before, link, gather_s)
 
     def _anatomy(self, kind_cost, m: float):
-        anatomy = kind_cost.stage_profile.anatomy_at(m)
+        anatomy = kind_cost.anatomy(m)
         return anatomy if anatomy is not None and len(anatomy.forward) == len(self.numels) else None
 
     def _split(self, kind_cost, m: float, c: float) -> list[tuple[float, float, float]]:
