@@ -40,7 +40,7 @@ def bench_preset(name: str, model: str, global_batch: int, steps: int, rounds: i
              "predicted_samples_per_s": alloc.predicted.samples_per_s,
              "ideal_samples_per_s": sp.ideal_samples_per_s,
              "measured_step_s": m["step_s"], "measured_samples_per_s": m["samples_per_s"],
-             "error": alloc.predicted.step_s / m["step_s"] - 1} for sp, alloc, m in measured]
+             "error": alloc.predicted.step_s / m["step_s"] - 1, "overruns": m["overruns"]} for sp, alloc, m in measured]
 
 
 def main() -> None:
@@ -77,7 +77,8 @@ def main() -> None:
                       f"{r['measured_samples_per_s']:.1f}")
     console.print(table)
     worst = max(abs(r["error"]) for r in rows)
-    console.print(f"largest |error|: {100 * worst:.1f}% over {len(rows)} plans (* = the stage the planner chose)")
+    console.print(f"largest |error|: {100 * worst:.1f}% over {len(rows)} plans (* = the stage the planner chose); "
+                  f"{sum(r['overruns'] for r in rows)} overruns (spans whose real work ran past their declared time)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

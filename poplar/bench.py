@@ -20,7 +20,10 @@ Poplar's plans are measured without it, and ``peers`` says why in one line.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from importlib.metadata import version
+from pathlib import Path
 
 from poplar.cluster.spec import ClusterSpec, load_cluster, presets
 from poplar.measure import measure_plans
@@ -167,6 +170,33 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
     out["overruns"] = (sum(r["overruns"] for r in measured_once)
                        + (ds.get("overruns", 0) if isinstance(ds, dict) else 0))
     return out
+
+
+def bench_clusters(names: list[str], workload: Workload, global_batch: int, steps: int, *, use_cache: bool = True,
+                   peers: bool = True, progress=None, json_out: Path | None = None) -> tuple[list[dict], list[str]]:
+    """:func:`bench_cluster` on each cluster in turn: the figures, and a line for each cluster that failed.
+
+    A cluster that fails does not stop the others, and with ``json_out`` the figures so
+    far (a failed cluster as ``{"cluster", "failed"}``) are written after every cluster,
+    so nothing measured is lost to a later one. ``progress(cluster)``: a context manager
+    receiving that cluster's events.
+    """
+    results, failed = [], []
+    for name in names:
+        with progress(name) if progress else contextlib.nullcontext() as events:
+            try:
+                results.append(bench_cluster(name, workload, global_batch, steps, use_cache=use_cache, peers=peers,
+                                             progress=events))
+            except Exception as e:   # noqa: BLE001 - reported in its line; the other clusters go on
+                failed.append({"cluster": name, "failed": _one_line(e)})
+        if json_out is not None:
+            json_out.write_text(json.dumps(results + failed, indent=2) + "\n")
+    return results, [f"{f['cluster']}: failed: {f['failed']}" for f in failed]
+
+
+def _one_line(e: Exception) -> str:
+    line = getattr(e, "line", None) or next((x for x in str(e).splitlines() if x.strip()), "")
+    return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
 def clusters(arg: str) -> list[str]:

@@ -75,3 +75,36 @@ def test_the_table_and_a_missing_peers_hint_read_whole_in_a_log(measured, monkey
     assert "uneven-quantity" in run.output and "\u2026" not in run.output
     assert "both-differ: deepspeed: not installed: pip install 'poplar-zero[bench]'" in run.output.splitlines()
     assert re.search(r"^uneven-quantity: measuring \d plans in ZeRO-\d, 3 rounds of 3 steps$", run.output, re.M)
+
+
+def test_a_cluster_that_fails_is_one_line_and_the_others_figures_are_kept(measured, monkeypatch, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from poplar.cli.main import app
+    from poplar.launch import RankFailed
+
+    out, seen_before = tmp_path / "bench.json", []
+    original = poplar.bench.bench_cluster
+
+    def first_one_fails(name, *args, **kwargs):
+        if name == "uneven-quantity":
+            raise RankFailed("rank 2 failed:\nTraceback (most recent call last):\n  ...\ntorch.OutOfMemoryError: x",
+                             rank=2, line="rank 2: OutOfMemoryError: emulated t4 out of memory")
+        seen_before.append(json.loads(out.read_text()))   # what was written before this cluster began
+        return original(name, *args, **kwargs)
+
+    monkeypatch.setattr(poplar.bench, "bench_cluster", first_one_fails)
+    monkeypatch.setenv("COLUMNS", "250")
+    run = CliRunner().invoke(app, ["bench", "--cluster", "uneven-quantity,both-differ", "--global-batch", "16",
+                                   "--steps", "3", "--no-peers", "--json", str(out)])
+    assert run.exit_code == 1, run.output
+    assert "error: uneven-quantity: failed: RankFailed: rank 2: OutOfMemoryError: emulated t4 out of memory" \
+        in run.output.splitlines()
+    assert "both-differ" in run.output and "Traceback" not in run.output
+    assert seen_before == [[{"cluster": "uneven-quantity", "failed": "RankFailed: rank 2: OutOfMemoryError: "
+                                                                      "emulated t4 out of memory"}]]
+    written = json.loads(out.read_text())
+    assert [r["cluster"] for r in written] == ["both-differ", "uneven-quantity"]
+    assert written[0]["allocations"]["poplar"]["samples_per_s"] > 0 and "failed" in written[1]

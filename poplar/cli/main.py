@@ -312,9 +312,7 @@ def bench(
     no_peers: bool = typer.Option(False, "--no-peers", help="leave DeepSpeed out (measured where it is installed)"),
 ) -> None:
     """Measure Poplar's plan against the uniform, proportional and measured-peak splits, DeepSpeed, the ideal bound."""
-    import json
-
-    from poplar.bench import bench_cluster, check_clusters, results_table
+    from poplar.bench import bench_clusters, check_clusters, results_table
     from poplar.cli.output import Progress
     from poplar.workload import Workload
 
@@ -325,22 +323,24 @@ def bench(
                             vocab_size=None if builtin else vocab_size)
         names = check_clusters(cluster, global_batch)
         _check_writable(json_out, "--json")
-        results = []
-        for c in names:
-            with Progress(console, f"{c}: profiling (cached after the first run), planning, measuring") as progress:
-                results.append(bench_cluster(c, workload, global_batch, steps, use_cache=not no_cache,
-                                             peers=not no_peers, progress=progress))
     except BAD_INPUT_ERRORS as e:
         _error(console, e)
         raise typer.Exit(2) from None
-    table, notes = results_table(results, f"{model}, global batch {global_batch}: measured, {steps} steps per "
-                                          "allocation")
-    console.print(table)
-    for note in notes:
-        say(console, note)
+    results, failed = bench_clusters(
+        names, workload, global_batch, steps, use_cache=not no_cache, peers=not no_peers, json_out=json_out,
+        progress=lambda c: Progress(console, f"{c}: profiling (cached after the first run), planning, measuring"))
+    if results:
+        table, notes = results_table(results, f"{model}, global batch {global_batch}: measured, {steps} steps per "
+                                              "allocation")
+        console.print(table)
+        for note in notes:
+            say(console, note)
+    for line in failed:
+        _error(console, line)
     if json_out:
-        json_out.write_text(json.dumps(results, indent=2) + "\n")
         say(console, f"wrote {json_out}")
+    if failed:
+        raise typer.Exit(1)
 
 
 def _check_writable(path: Path | None, option: str) -> None:

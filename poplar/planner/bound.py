@@ -7,6 +7,8 @@ favourable; see :func:`ideal_samples_per_s`.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 from scipy.optimize import minimize, minimize_scalar
 
@@ -45,19 +47,20 @@ def _balanced_limit(times: dict[str, np.ndarray], rank_kinds: list[str], global_
     """The least time within which the ranks (``times[kind][b]``: ``b`` samples' time) take the whole batch,
     a rank's samples interpolated between whole counts; rank ``i`` may go on ``offsets[i]`` longer."""
     offsets = offsets or [0.0] * len(rank_kinds)
+    alike = Counter(zip(rank_kinds, offsets))     # ranks of one kind and offset take the same share
 
     def samples_within(limit: float) -> float:
         total = 0.0
-        for k, extra in zip(rank_kinds, offsets):
+        for (k, extra), count in alike.items():
             t = times[k]
             whole = int(np.searchsorted(t, limit + extra, side="right")) - 1     # most whole samples within
             if whole >= global_batch:
-                total += global_batch
+                total += count * global_batch
                 continue
             if whole < 0:
                 continue
             step = t[whole + 1] - t[whole]
-            total += whole + (min(1.0, (limit + extra - t[whole]) / step) if step > 0 else 1.0)
+            total += count * (whole + (min(1.0, (limit + extra - t[whole]) / step) if step > 0 else 1.0))
         return total
 
     lo, hi = -max(map(abs, offsets)), float(max(t[-1] for t in times.values())) + max(map(abs, offsets))
@@ -77,7 +80,10 @@ def _balanced_step_s(cost: CostModel, global_batch: int, compute: dict[str, np.n
     """
     sorts = _group_sorts(cost)
     groups = max(sorts) + 1
-    at = lambda d: _step_at(cost, global_batch, compute, [([0.0, *d])[j] for j in sorts])   # noqa: E731
+    group = cost.shape.group_of if cost.shape else (lambda i: 0)
+    rank_groups = [group(i) for i in range(len(cost.rank_kinds))]
+    at = lambda d: _step_at(cost, global_batch, compute, [([0.0, *d])[j] for j in sorts], sorts,   # noqa: E731
+                            rank_groups)
     if groups == 1:
         return at([])
     span = float(max(t[-1] for t in compute.values()))     # no rank computes longer than the whole batch takes
@@ -109,26 +115,31 @@ def _group_sorts(cost: CostModel) -> list[int]:
     return [firsts.index(key) for key in keys]
 
 
-def _step_at(cost: CostModel, global_batch: int, compute: dict[str, np.ndarray], offsets: list[float]) -> float:
+def _step_at(cost: CostModel, global_batch: int, compute: dict[str, np.ndarray], offsets: list[float],
+             sorts: list[int], rank_groups: list[int]) -> float:
     """The schedule's step when the ranks of group ``g`` compute until a common limit plus ``offsets[g]``
-    (less if the whole batch takes less), the limit at which the ranks take the whole batch.
+    (less if the whole batch takes less), the limit at which the ranks take the whole batch; ``sorts``: each
+    group's sort (:func:`_group_sorts`), ``rank_groups``: each rank's group.
 
     Each rank runs the fewest micro-steps memory allows (in ZeRO-2/3 the fewest the
     cluster's memory allows for the whole batch), of equal length: the longest last
     micro-step, under which the most communication hides.
     """
-    group = cost.shape.group_of if cost.shape else (lambda i: 0)
-    extra = [offsets[group(i)] for i in range(len(cost.rank_kinds))]
+    extra = [offsets[g] for g in rank_groups]
     limit = _balanced_limit(compute, cost.rank_kinds, global_batch, extra)
     if cost.stage >= 2:
         capacity = sum(cost.kinds[k].max_micro_batch for k in cost.rank_kinds)
         common = -(-global_batch // capacity)
     ranks = {}
     for i, k in enumerate(cost.rank_kinds):
+        # groups of one sort run alike (the same kinds on the same links, the same offset): one stands for them all
+        g = sorts.index(sorts[rank_groups[i]])
+        if (g, k) in ranks:
+            continue
         kc, t = cost.kinds[k], compute[k]
         mine = max(0.0, limit + extra[i])
         whole = max(1, min(global_batch, int(np.searchsorted(t, mine, side="right")) - 1))
         accum = common if cost.stage >= 2 else -(-whole // kc.max_micro_batch)
         seconds = min(mine, float(t[-1]))
-        ranks[group(i), k] = (group(i), [(whole / accum, seconds / accum)] * accum, kc)
+        ranks[g, k] = (g, [(whole / accum, seconds / accum)] * accum, kc)
     return cost.schedule.run(list(ranks.values()))

@@ -127,20 +127,35 @@ def _rank_list(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
+def _unfit_message(kinds: list[str], ranks: list[int], label: str) -> str:
+    return f"{', '.join(kinds)} (rank {_rank_list(ranks)}) cannot hold the model and one sample in {label}"
+
+
+def _not_profiled_to_plan(profile: Profile, stage: int, ranks: list[int], label: str) -> str:
+    """Why the profile cannot plan ``stage`` on ``ranks`` ("" where it can): a rank whose device does not hold the
+    model states and a sample, or one that fits but was not timed (a device beside it did not fit)."""
+    if any(stage not in profile.devices[profile.ranks[r]].stages for r in ranks):
+        return f"stage {stage} was not profiled"
+    profiles = {r: profile.stage(profile.ranks[r], stage) for r in ranks}
+    unfit = [r for r, sp in profiles.items() if sp.max_micro_batch == 0]
+    if unfit:
+        return _unfit_message(sorted({profile.ranks[r] for r in unfit}), unfit, label)
+    untimed = {profile.ranks[r]: sp for r, sp in profiles.items() if not sp.points}
+    return "; ".join(f"{k} {sp.note or 'has no measured points: profile it again'}" for k, sp in sorted(untimed.items()))
+
+
 def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int] | None = None,
                shaped: bool = False) -> StagePlan:
     """Poplar's allocation, the baselines and the ideal bound for one stage (``shaped``: over the nodes)."""
     ranks = ranks if ranks is not None else list(range(profile.world_size))
     out = StagePlan(stage=stage, ranks=ranks, shaped=shaped)
-    if any(stage not in profile.devices[profile.ranks[r]].stages for r in ranks):
-        out.excluded = f"stage {stage} was not profiled"
+    out.excluded = _not_profiled_to_plan(profile, stage, ranks, out.label)
+    if out.excluded:
         return out
     cost = CostModel(profile, stage, ranks, shaped)
     unfit = [r for r in ranks if not cost.kinds[profile.ranks[r]].fits()]
     if unfit:
-        kinds = sorted({profile.ranks[r] for r in unfit})
-        out.excluded = (f"{', '.join(kinds)} (rank {_rank_list(unfit)}) cannot hold the model and one sample "
-                        f"in {out.label}")
+        out.excluded = _unfit_message(sorted({profile.ranks[r] for r in unfit}), unfit, out.label)
         return out
     for name, fn in ALLOCATIONS.items():
         try:
@@ -214,12 +229,23 @@ def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanR
     left_out = [f"{r.label} left out: {r.excluded}" for r in [*results.values(), *shaped.values()] if r.excluded]
     if left_out:
         reason += "; " + "; ".join(left_out)
+    reason += _coarse_hybrid_note(profile, shaped)
     if excluded_ranks:
         kinds = sorted({profile.ranks[r] for r in excluded_ranks})
         reason += (f". Rank {_rank_list(excluded_ranks)} ({', '.join(kinds)}) cannot hold the model in any stage "
                    f"profiled: this plan is for the other {world - len(excluded_ranks)} ranks; launch without them")
     return PlanResult(plan=best.poplar.plan, stage=best.stage, predicted=pred, stages=results, ranks=best.ranks,
                       reason=reason, excluded_ranks=excluded_ranks, profile=profile, shaped=shaped)
+
+
+def _coarse_hybrid_note(profile: Profile, shaped: dict[int, StagePlan]) -> str:
+    """Where a hybrid stage's update was scaled from the flat one without ZeRO-0's (the whole model's) to go by."""
+    if not any(s >= 1 and not sp.excluded for s, sp in shaped.items()):
+        return ""
+    if all(0 in d.stages and d.stages[0].points for d in profile.devices.values()):
+        return ""
+    return ("; hybrid stages' update estimated as the flat one's times the world over the node's ranks (ZeRO-0 "
+            "not profiled on every kind): profile stage 0 too for a closer estimate")
 
 
 def _shape_note(best: StagePlan, flat: dict[int, StagePlan], shaped: dict[int, StagePlan]) -> str:

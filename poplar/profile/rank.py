@@ -86,6 +86,9 @@ def profile_stage(run: RankRun, stage: int, options: ProfileOptions) -> StagePro
     headroom = int(device.probe_headroom * device.capacity)
     limit = largest_micro_batch(device, run.workload, state + headroom, limit=options.max_micro_batch,
                                 precision=options.precision)
+    if not _everyone(run, limit > 0):   # the headroom left no room for a sample on some rank
+        run.note(stage, "done")
+        return StageProfile(max_micro_batch=min(limit, 1), state_bytes=state, note=NOT_TIMED)
     sizes = _agree_sizes(run, limit, options.n_points)
     points, per_step = time_points(run, stage, sizes)
     run.note(stage, "anatomy")
@@ -99,7 +102,7 @@ def profile_stage(run: RankRun, stage: int, options: ProfileOptions) -> StagePro
 
 class _States(NamedTuple):
     fits_one: bool      # micro-batch 1 fits this rank's device
-    before: int         # model-state bytes before any step
+    before: int         # model-state bytes before any step, the optimizer's to come included
     most: int | None    # at their most, after two steps; None: a rank's device does not fit micro-batch 1
 
 
@@ -108,19 +111,39 @@ def _model_states(run: RankRun, stage: int, precision: str) -> _States:
     # two micro-steps of one sample: the states held between micro-steps (accumulated
     # gradients) count too, as they will in any plan that accumulates
     engine = run.engine(poplar.Plan(stage, [1] * run.world_size, 2))
-    before = engine.model_state_bytes()
-    held = run.device.state_to_reserve(before, engine.memory_report()["total"])
-    fits = largest_micro_batch(run.device, run.workload, held, limit=1, precision=precision) == 1
-    everyone = torch.tensor([int(fits)], device=run.device.torch_device)
-    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+    # the optimizer's states come with its first step: counted before it, so that no rank
+    # runs out of memory inside a step while the others wait for it in a collective
+    before = engine.model_state_bytes() + _optimizer_states_to_come(engine)
+    fits, everyone = _fits_one(run, engine, before, precision)
     most = None
-    if everyone.item():
+    if everyone:
         batch = run.workload.random_batch(2)
         for _ in range(2):    # optimizer states, then accumulated gradients, exist now
             timed_step(run.device, engine, batch, run.workload.loss)
         most = engine.model_state_bytes()
     engine.close()
     return _States(fits, before, most)
+
+
+def _optimizer_states_to_come(engine) -> int:
+    """Bytes the profiler's AdamW will add at its first step: two moments the size of what it updates."""
+    if engine.optimizer.state:
+        return 0
+    return 2 * sum(u.master.numel() * u.master.element_size() for u in engine.units)
+
+
+def _fits_one(run: RankRun, engine, state_bytes: int, precision: str) -> tuple[bool, bool]:
+    """Whether micro-batch 1 fits beside ``state_bytes`` of model state: on this rank, and on every rank."""
+    held = run.device.state_to_reserve(state_bytes, engine.memory_report()["total"])
+    fits = largest_micro_batch(run.device, run.workload, held, limit=1, precision=precision) == 1
+    return fits, _everyone(run, fits)
+
+
+def _everyone(run: RankRun, flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (each rank calls this at once)."""
+    flags = torch.tensor([int(flag)], device=run.device.torch_device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return bool(flags.item())
 
 
 def _agree_sizes(run: RankRun, limit: int, n_points: int) -> list[list[int]]:

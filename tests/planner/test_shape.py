@@ -55,6 +55,15 @@ def test_over_a_fast_link_the_planner_keeps_them_flat():
     assert shaped.step_s > result.predicted.step_s and "would expose" in result.reason
 
 
+def test_without_zero0_profiled_the_plan_says_its_hybrid_update_is_a_coarse_estimate():
+    note = "ZeRO-0 not profiled"
+    assert note not in make_plan(make_profile(KINDS, comm=_comm(50.0, 0.002)), 96).reason
+    result = make_plan(make_profile(KINDS, stages=(1, 3), comm=_comm(50.0, 0.002)), 96, stages=(1, 3))
+    assert note in result.reason and "profile stage 0 too" in result.reason
+    flat_only = make_plan(make_profile(KINDS, stages=(1,), comm=INSIDE), 96, stages=(1,))   # one node: no hybrid
+    assert note not in flat_only.reason
+
+
 def test_a_shaped_plan_holds_more_states_so_it_fits_fewer_samples():
     prof = make_profile(KINDS, comm=_comm(1.0, 0.01))
     prof.model.n_params = 2**26

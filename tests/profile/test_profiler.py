@@ -24,6 +24,7 @@ HALF_SPEED = {"devices": [FAST, HALF]}
 BIG = {"kind": "big", "gpu": "A100-80GB"}
 SMALL = {"kind": "small", "gpu": "A100-40GB"}
 MEMORY_SCALE = 0.0005
+STATES_SCALE = 0.0000575  # 2.4 MiB on the small card: ZeRO-0's parameters and gradients beside a sample, not AdamW's too
 DILATION = "40"     # the pace: profiles are in declared seconds whatever it is
 
 
@@ -112,6 +113,26 @@ def test_max_micro_batch_grows_with_memory_and_one_more_runs_out(tmp_path):
     assert spawn(train_at, 1, alone, small, 0, 2, timeout_s=60) == [None]
     error = spawn(train_at, 1, alone, small + 2, timeout_s=60)[0]
     assert error is not None and "out of memory" in error
+
+
+def test_a_device_that_cannot_hold_a_stage_s_states_is_profiled_as_not_fitting_there(tmp_path):
+    """At this scale the small card holds ZeRO-0's parameters and gradients beside a sample, but not AdamW's two
+    moments too (they come with the first step), and ZeRO-1's share of them it does. Stage 0 is recorded as not
+    fitting (no rank left out of memory inside a step while the others wait in a collective), stage 1 profiled,
+    and ZeRO-1 planned."""
+    from poplar.planner import make_plan
+
+    cluster = {"devices": [BIG, SMALL], "memory_scale": STATES_SCALE}
+    prof, _ = profile_cluster("tiny", cluster, stages=(0, 1), cache_dir=tmp_path, timeout_s=240, n_points=2,
+                              repeats=1)
+    small0, big0 = prof.stage("small", 0), prof.stage("big", 0)
+    assert small0.max_micro_batch == 0 and small0.points == []
+    assert small0.state_bytes >= 16 * prof.model.n_params     # fp32 parameters, gradients and the two moments
+    assert big0.points == [] and "not timed" in big0.note       # its neighbour did not fit: not timed
+    assert prof.stage("small", 1).max_micro_batch > 0 and prof.stage("big", 1).points
+    result = make_plan(prof, 8)
+    assert result.stage == 1
+    assert "stage 0 left out: small (rank 1) cannot hold the model and one sample in stage 0" in result.reason
 
 
 def test_sizes_timed_span_one_to_the_limit():
