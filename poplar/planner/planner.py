@@ -245,7 +245,7 @@ def _coarse_hybrid_note(profile: Profile, shaped: dict[int, StagePlan]) -> str:
     if all(0 in d.stages and d.stages[0].points for d in profile.devices.values()):
         return ""
     return ("; hybrid stages' update estimated as the flat one's times the world over the node's ranks (ZeRO-0 "
-            "not profiled on every kind): profile stage 0 too for a closer estimate")
+            "not timed on every kind): profile stage 0 too for a closer estimate")
 
 
 def _shape_note(best: StagePlan, flat: dict[int, StagePlan], shaped: dict[int, StagePlan]) -> str:

@@ -56,7 +56,7 @@ def test_over_a_fast_link_the_planner_keeps_them_flat():
 
 
 def test_without_zero0_profiled_the_plan_says_its_hybrid_update_is_a_coarse_estimate():
-    note = "ZeRO-0 not profiled"
+    note = "ZeRO-0 not timed"
     assert note not in make_plan(make_profile(KINDS, comm=_comm(50.0, 0.002)), 96).reason
     result = make_plan(make_profile(KINDS, stages=(1, 3), comm=_comm(50.0, 0.002)), 96, stages=(1, 3))
     assert note in result.reason and "profile stage 0 too" in result.reason
