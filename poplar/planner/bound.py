@@ -82,8 +82,10 @@ def _balanced_step_s(cost: CostModel, global_batch: int, compute: dict[str, np.n
     groups = max(sorts) + 1
     group = cost.shape.group_of if cost.shape else (lambda i: 0)
     rank_groups = [group(i) for i in range(len(cost.rank_kinds))]
-    at = lambda d: _step_at(cost, global_batch, compute, [([0.0, *d])[j] for j in sorts], sorts,   # noqa: E731
-                            rank_groups)
+    # groups of one sort run alike (the same kinds on the same links, the same offset): one stands for them all
+    stand_ins = [sorts.index(sorts[g]) for g in rank_groups]
+    at = lambda d: _step_at(cost, global_batch, compute, [([0.0, *d])[j] for j in sorts],   # noqa: E731
+                            rank_groups, stand_ins)
     if groups == 1:
         return at([])
     span = float(max(t[-1] for t in compute.values()))     # no rank computes longer than the whole batch takes
@@ -116,10 +118,10 @@ def _group_sorts(cost: CostModel) -> list[int]:
 
 
 def _step_at(cost: CostModel, global_batch: int, compute: dict[str, np.ndarray], offsets: list[float],
-             sorts: list[int], rank_groups: list[int]) -> float:
+             rank_groups: list[int], stand_ins: list[int]) -> float:
     """The schedule's step when the ranks of group ``g`` compute until a common limit plus ``offsets[g]``
-    (less if the whole batch takes less), the limit at which the ranks take the whole batch; ``sorts``: each
-    group's sort (:func:`_group_sorts`), ``rank_groups``: each rank's group.
+    (less if the whole batch takes less), the limit at which the ranks take the whole batch; ``rank_groups``: each
+    rank's group, ``stand_ins``: the group each rank's is scheduled as (the first of its sort).
 
     Each rank runs the fewest micro-steps memory allows (in ZeRO-2/3 the fewest the
     cluster's memory allows for the whole batch), of equal length: the longest last
@@ -132,8 +134,7 @@ def _step_at(cost: CostModel, global_batch: int, compute: dict[str, np.ndarray],
         common = -(-global_batch // capacity)
     ranks = {}
     for i, k in enumerate(cost.rank_kinds):
-        # groups of one sort run alike (the same kinds on the same links, the same offset): one stands for them all
-        g = sorts.index(sorts[rank_groups[i]])
+        g = stand_ins[i]
         if (g, k) in ranks:
             continue
         kc, t = cost.kinds[k], compute[k]
