@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import threading
 import time
 import traceback
 from datetime import timedelta
@@ -25,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from poplar.engine.dist import init_distributed, shutdown
-
+from poplar.sigterm import SigtermCounter
 
 # A rank that stops because another died or failed exits with these (poplar.train.watchdog does).
 EXIT_PEER_DIED = 3
@@ -56,16 +55,13 @@ def exit_reason(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _forward_sigterm(procs):
-    """Pass SIGTERM on to the ranks while they run; returns the handler to restore (None: not the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def forward(signum, frame):
+def _forward_sigterm(procs) -> SigtermCounter:
+    """Pass every SIGTERM on to the ranks while they run (a second one means "stop now" to them)."""
+    def forward(count: int) -> None:
         for p in procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)
-    return signal.signal(signal.SIGTERM, forward)
+    return SigtermCounter(forward)
 
 
 def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float, threads: int, results, env, args, kwargs):
@@ -123,13 +119,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
                                           dict(os.environ), args, kwargs),
                             nprocs=world_size, join=False, start_method=START_METHOD)
     ranks = _Ranks(pc.processes, results)
-    previous = _forward_sigterm(pc.processes)
     try:
-        if not ranks.supervise(time.monotonic() + timeout_s, on_poll):
-            raise TimeoutError(f"{world_size} ranks did not finish within {timeout_s:.0f} s")
+        with _forward_sigterm(pc.processes):
+            if not ranks.supervise(time.monotonic() + timeout_s, on_poll):
+                raise TimeoutError(f"{world_size} ranks did not finish within {timeout_s:.0f} s")
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
         ranks.stop()
     del store
     return ranks.outputs_or_raise()

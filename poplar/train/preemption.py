@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 
 import torch
+
+from poplar.sigterm import SigtermCounter
 
 
 class Preemption:
@@ -20,20 +21,17 @@ class Preemption:
     def __init__(self, comm, tensor_device: torch.device):
         self.comm, self.tensor_device = comm, tensor_device
         self.requested = False
-        self._previous = None
+        self._counter = SigtermCounter(self._on_sigterm)
 
     def __enter__(self) -> Preemption:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._counter.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        self._counter.__exit__(*exc)
 
-    def _on_sigterm(self, signum, frame) -> None:
-        if self.requested:
+    def _on_sigterm(self, count: int) -> None:
+        if count > 1:
             print("poplar: a second SIGTERM: stopping now, without a checkpoint", file=sys.stderr, flush=True)
             os._exit(128 + signal.SIGTERM)
         self.requested = True
