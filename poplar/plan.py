@@ -60,11 +60,17 @@ def shaped_name(zero_stage: int) -> str:
     return "two-level" if zero_stage == 0 else "hybrid"
 
 
+MAX_GLOBAL_BATCH = 2**22   # samples a step (a 2M-token batch of 1-token samples would still fit)
+
+
 def check_global_batch(global_batch: int, world_size: int) -> None:
     """Every rank takes at least one sample of every global batch: known before anything is profiled."""
     if global_batch < world_size:
         raise ValueError(f"global batch {global_batch} is smaller than the {world_size} ranks (every rank takes "
                          f"at least one sample): give --global-batch {world_size} or more")
+    if global_batch > MAX_GLOBAL_BATCH:
+        raise ValueError(f"global batch {global_batch:,}: the planner weighs every sample count up to it, so at "
+                         f"most {MAX_GLOBAL_BATCH:,} samples a step: give a smaller --global-batch")
 
 
 @dataclass(frozen=True)

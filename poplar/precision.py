@@ -41,3 +41,18 @@ def torch_dtype(name: str | None) -> torch.dtype:
 
 # a pydantic field type: accepts every spelling above, holds the canonical name
 Precision = Annotated[Literal["fp32", "bf16"], BeforeValidator(precision)]
+
+
+def cast_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` on ``device``, its floating-point tensors in ``dtype``, in place (as ``model.to``).
+
+    Each tensor's ``.data`` is replaced: ``model.to`` swaps a tensor subclass's whole
+    tensor instead (a fake tensor's, in the simulator), which a model holding weak
+    references to its parameters refuses.
+    """
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            want = dtype if t.is_floating_point() else t.dtype
+            if t.device != device or t.dtype != want:
+                t.data = t.data.to(device=device, dtype=want)
+    return model

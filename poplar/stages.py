@@ -54,8 +54,24 @@ class ZeroStage:
         """Every rank must run the same number of micro-steps: a collective in each needs every rank."""
         return self.reduces_every_micro_step
 
+    def sharded_bytes_per_param(self, precision: str) -> int:
+        """Bytes of each parameter's training state this stage keeps only as a shard.
+
+        >>> stage(1).sharded_bytes_per_param("bf16"), stage(3).sharded_bytes_per_param("fp32")
+        (16, 16)
+        """
+        if not self.shards_optimizer:
+            return 0
+        master = 4 if precision != "fp32" else 0        # in fp32 the master is the parameter itself
+        params = (2 if precision != "fp32" else 4) if self.shards_parameters else 0
+        return master + OPTIMIZER_BYTES_PER_MASTER_BYTE * 4 + 4 + params   # + the fp32 gradient shard
+
     def __str__(self) -> str:
         return f"ZeRO-{self.number}"
+
+
+# AdamW, the optimizer the profiler runs and the engine is measured with: two moments the size of the fp32 master.
+OPTIMIZER_BYTES_PER_MASTER_BYTE = 2
 
 
 STAGES: dict[int, ZeroStage] = {s.number: s for s in (

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -44,9 +45,10 @@ class Workload(BaseModel):
                     raise ValueError(f"{field} = {value}: the built-in {self.model!r} model has {default}; "
                                      "use a Hugging Face preset for other shapes")
                 object.__setattr__(self, field, default)
-        else:
+        else:   # a real-size preset carries its own vocabulary
             object.__setattr__(self, "seq_len", self.seq_len or HF_DEFAULT_SEQ_LEN)
-            object.__setattr__(self, "vocab_size", self.vocab_size or HF_DEFAULT_VOCAB)
+            preset_vocab = HF_PRESETS[self.model][1].get("vocab_size", HF_DEFAULT_VOCAB)
+            object.__setattr__(self, "vocab_size", self.vocab_size or preset_vocab)
             limit = HF_PRESETS[self.model][1]["max_position_embeddings"]
             if self.seq_len > limit:
                 raise ValueError(f"seq_len = {self.seq_len}: {self.model} has {limit} positions")
@@ -56,6 +58,8 @@ class Workload(BaseModel):
         return "tiny" if self.model in MODEL_PRESETS else family(self.model)
 
     def build(self, seed: int = 0) -> torch.nn.Module:
+        """The model, initialised from ``seed``; on fake tensors or the meta device, of any size."""
+        _check_buildable(self)
         if self.model in MODEL_PRESETS:
             return build_model(self.model, seed=seed)
         overrides = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0} if self.family == "bert" else {}
@@ -88,8 +92,22 @@ class Workload(BaseModel):
 
 @functools.lru_cache(maxsize=16)
 def _param_shapes(model: str, vocab_size: int) -> list[list[int]]:
-    """Built once per process (a large model takes a while to build); shapes do not depend on seq_len."""
-    return [list(p.shape) for p in Workload(model=model, vocab_size=vocab_size).build().parameters()]
+    """Built once per process, on the meta device (shapes only: a model of any size); not on seq_len."""
+    with torch.device("meta"):
+        return [list(p.shape) for p in Workload(model=model, vocab_size=vocab_size).build().parameters()]
+
+
+def _check_buildable(wl: Workload) -> None:
+    """A model whose fp32 parameters alone would take half this host's memory is refused before it is built."""
+    from torch._guards import detect_fake_mode
+
+    if detect_fake_mode() is not None or torch.get_default_device().type == "meta":
+        return     # nothing is allocated
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
+    if 4 * wl.n_params() > limit:
+        raise ValueError(f"{wl.model} has {wl.n_params() / 1e9:.1f}B parameters ({4 * wl.n_params() / 2**30:.0f} GiB "
+                         f"in fp32), more than this host can build ({limit / 2**30:.0f} GiB is half its memory): "
+                         f"plan it with `poplar simulate`, which does not build it")
 
 
 def as_workload(x: str | Workload | dict) -> Workload:

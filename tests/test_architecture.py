@@ -27,7 +27,13 @@ FORBIDDEN = {
     "poplar.planner": {"poplar.engine", "poplar.devices", "poplar.emulate", "poplar.train", "poplar.measure",
                        "poplar.peers", "poplar.launch", "poplar.bench", "poplar.demo"},
     "poplar.train": {"poplar.bench", "poplar.demo", "poplar.measure", "poplar.peers", "poplar.cli"},
+    # the simulator writes a profile beside the profiler: upstream of planning, the profiler knows nothing of it
+    "poplar.simulate": {"poplar.planner", "poplar.train", "poplar.measure", "poplar.peers", "poplar.bench",
+                        "poplar.demo", "poplar.cli"},
 }
+for _part_name in ("poplar.cluster", "poplar.engine", "poplar.emulate", "poplar.devices", "poplar.profile",
+                   "poplar.planner"):
+    FORBIDDEN[_part_name] = FORBIDDEN[_part_name] | {"poplar.simulate"}
 # the values every part reads: they import nothing of poplar but these
 LEAVES = {"poplar.stages": set(), "poplar.precision": set(), "poplar.plan": {"poplar.stages"}}
 

@@ -349,5 +349,9 @@ def _check_writable(path: Path | None, option: str) -> None:
         raise ValueError(f"{option} {path}: " + ("is a directory: give a file name" if path.is_dir() else
                                                   f"no directory {path.parent}: create it or give another path"))
 
+from poplar.cli.simulate import simulate  # noqa: E402  (its command, defined beside this file)
+
+app.command()(simulate)
+
 if __name__ == "__main__":
     app()

@@ -40,7 +40,7 @@ _aten = torch.ops.aten
 _FREE = {getattr(_aten, name) for name in (
     "empty", "empty_strided", "empty_like", "set_", "resize_", "lift_fresh", "_local_scalar_dense", "sym_size",
     "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "record_stream") if hasattr(_aten, name)}
-_NOT_COMPUTE = ("c10d", "_c10d_functional", "profiler", "prims")
+_NOT_COMPUTE = ("c10d", "_c10d_functional", "profiler", "prims", "prim")   # prim: a fake tensor's device query
 
 
 def _cpu_attention_flops(fwd: bool):

@@ -74,9 +74,9 @@ class BatchCheck:
         sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
         sizes[self.rank] = n
         if self.enabled and self.world_size > 1:
-            self._pending = (self.comm.all_reduce(sizes, async_op=True), sizes, err)
+            self._pending = (self.comm.all_reduce(sizes, async_op=True), sizes, err, n)
         else:
-            self._pending = (None, sizes, err)
+            self._pending = (None, sizes, err, n)
         if n != self.plan.local_batch_size(self.rank):
             self.confirm()
 
@@ -89,13 +89,14 @@ class BatchCheck:
         """Raise if any rank's batch (only this rank's, when not shared) does not match the plan."""
         if self._pending is None:
             return
-        work, sizes, err = self._pending
+        work, sizes, err, own = self._pending
         self._pending = None
         if work is not None:
             work.wait()
         plan = self.plan
-        bad = [(r, int(n)) for r, n in enumerate(sizes.tolist())
-               if n != plan.local_batch_size(r) and (work is not None or r == self.rank)]
+        # unshared, only this rank's own count is known: read from the host, not back from the tensor
+        counts = enumerate(sizes.tolist()) if work is not None else [(self.rank, own)]
+        bad = [(r, int(n)) for r, n in counts if n != plan.local_batch_size(r)]
         if not bad:
             return
         if err:

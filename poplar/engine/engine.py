@@ -81,7 +81,8 @@ class Engine:
         self.accum_steps = plan.accum_steps[self.rank]
         self.compute_dtype = config.compute_dtype
 
-        model.to(self.device)
+        if any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):
+            model.to(self.device)   # (a model already there is left as built: its tensors may be a subclass's)
         self._check_consistent(model)
         self.model = model
         self._broadcast_non_trainable()

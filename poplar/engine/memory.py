@@ -26,9 +26,9 @@ def _storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> in
         if t is None:
             continue
         st = t.untyped_storage()
-        if st.nbytes() == 0 or st.data_ptr() in seen:
+        if st.nbytes() == 0 or st._cdata in seen:
             continue
-        seen.add(st.data_ptr())
+        seen.add(st._cdata)
         total += st.nbytes()
     return total
 

@@ -64,8 +64,7 @@ def _balanced_limit(times: dict[str, np.ndarray], rank_kinds: list[str], global_
         return total
 
     lo, hi = -max(map(abs, offsets)), float(max(t[-1] for t in times.values())) + max(map(abs, offsets))
-    for _ in range(100):
-        mid = (lo + hi) / 2
+    while lo < (mid := (lo + hi) / 2) < hi:    # until the interval is as narrow as floats go
         lo, hi = (mid, hi) if samples_within(mid) < global_batch else (lo, mid)
     return hi
 

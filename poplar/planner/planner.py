@@ -153,6 +153,7 @@ def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int]
     if out.excluded:
         return out
     cost = CostModel(profile, stage, ranks, shaped)
+    # a shape may not fit where the flat profile did: hybrid states, sharded over fewer ranks, are larger
     unfit = [r for r in ranks if not cost.kinds[profile.ranks[r]].fits()]
     if unfit:
         out.excluded = _unfit_message(sorted({profile.ranks[r] for r in unfit}), unfit, out.label)
@@ -212,8 +213,8 @@ def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanR
             results = {s: plan_stage(profile, s, global_batch, rest) for s in stages}
         if all(r.excluded for r in results.values()):
             why = "; ".join(f"stage {s}: {r.excluded}" for s, r in results.items())
-            raise PlanningError(f"no stage can run this job: {why}. Use a smaller model or sequence, devices with "
-                                "more memory, or profile the higher ZeRO stages")
+            raise PlanningError(f"no stage can run this job: {why}. {_smallest_need(profile, stages)}Use a smaller "
+                                "model or sequence, devices with more memory, or profile the higher ZeRO stages")
     ranks = next(r.ranks for r in results.values() if not r.excluded)
     shaped = ({s: plan_stage(profile, s, global_batch, ranks, shaped=True) for s in stages}
               if node_shape(profile, ranks) is not None else {})
@@ -236,6 +237,22 @@ def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanR
                    f"profiled: this plan is for the other {world - len(excluded_ranks)} ranks; launch without them")
     return PlanResult(plan=best.poplar.plan, stage=best.stage, predicted=pred, stages=results, ranks=best.ranks,
                       reason=reason, excluded_ranks=excluded_ranks, profile=profile, shaped=shaped)
+
+
+def _smallest_need(profile: Profile, stages: list[int]) -> str:
+    """The least memory a device needs in any stage profiled: its model states there, before any activation."""
+    need = {s: max(d.stages[s].state_bytes for d in profile.devices.values()) for s in stages
+            if all(s in d.stages for d in profile.devices.values())}
+    if not need:
+        return ""
+    s = min(need, key=need.get)
+    largest = max(d.memory_gb for d in profile.devices.values()) * 2**30
+    return (f"The least it needs is ZeRO-{s}'s model states, {_size(need[s])} a device, plus a sample's "
+            f"activations (the largest device here has {_size(largest)}). ")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _coarse_hybrid_note(profile: Profile, shaped: dict[int, StagePlan]) -> str:

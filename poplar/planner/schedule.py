@@ -37,6 +37,7 @@ puts all of the root's in its middle.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 
@@ -158,20 +159,25 @@ def run_ranks(ranks: list[list]) -> tuple[float, list[float]]:
             pos[r] += 1
         return None
 
+    at = [advance(r) for r in range(len(ranks))]
     while True:
-        at = [advance(r) for r in range(len(ranks))]
-        ready = {e.key: e for e in at if isinstance(e, Issue)
-                 and all(isinstance(at[q], Issue) and at[q].key == e.key for q in issuers[e.key])}
+        waiting = Counter(e.key for e in at if isinstance(e, Issue))   # ranks at each collective, not started
+        ready = {e.key: e for e in at if isinstance(e, Issue) and waiting[e.key] == len(issuers[e.key])}
         if not ready:
             if any(a is not None for a in at):
                 raise ValueError("the ranks' collectives cannot all start: ranks of a group must issue the same "
                                  "sequence on it")
             return max(clock), busy
+        moved = set()
         for key, e in ready.items():
             start = max(max(clock[q] for q in issuers[key]), link_free.get(e.link, 0.0))
             done[key] = link_free[e.link] = start + e.seconds
             for q in issuers[key]:
                 pos[q] += 1
+            moved.update(issuers[key])
+        for r, a in enumerate(at):    # only a rank that issued, or waits for what is done now, goes on
+            if r in moved or (isinstance(a, str) and a in done):
+                at[r] = advance(r)
 
 
 FORWARD_SHARE = 1 / 3     # of a micro-step's compute: the backward does about twice the forward's FLOPs

@@ -33,17 +33,7 @@ import math
 
 from poplar.planner.schedule import Shape
 from poplar.profile.profile import Profile, StageProfile
-
-ADAM_BYTES = 8   # AdamW's two fp32 moments, per parameter: the profiler's optimizer
-
-
-def sharded_bytes_per_param(stage: int, precision: str) -> int:
-    """Bytes of each parameter's states that ``stage`` keeps only as a shard."""
-    if stage == 0:
-        return 0
-    master = 4 if precision != "fp32" else 0      # in fp32 the master is the parameter itself
-    params = (2 if precision != "fp32" else 4) if stage == 3 else 0
-    return master + ADAM_BYTES + 4 + params       # + the fp32 gradient shard
+from poplar.stages import stage as zero_stage
 
 
 def shaped_stage(sp: StageProfile, *, stage: int, n_params: int, world: int, group: int, capacity: float,
@@ -52,7 +42,7 @@ def shaped_stage(sp: StageProfile, *, stage: int, n_params: int, world: int, gro
     kind's ZeRO-0 profile, where there is one)."""
     if group >= world or stage == 0:
         return sp
-    more = sharded_bytes_per_param(stage, precision) * n_params * (1 / group - 1 / world)
+    more = zero_stage(stage).sharded_bytes_per_param(precision) * n_params * (1 / group - 1 / world)
     state = sp.state_bytes + more
     if full is not None:
         grown = (1 / group - 1 / world) / (1 - 1 / world)

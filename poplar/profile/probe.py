@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from poplar.devices.base import Device
-from poplar.precision import torch_dtype
+from poplar.precision import cast_model, torch_dtype
 from poplar.workload import Workload, as_workload
 
 
@@ -36,7 +36,7 @@ def largest_micro_batch(device: Device, workload: str | Workload, state_bytes: i
 
 
 def _search(device: Device, wl: Workload, state_bytes: int, limit: int, dtype) -> int:
-    model = wl.build().to(device=device.torch_device, dtype=dtype)   # buffers too, as the engine holds them
+    model = cast_model(wl.build(), device.torch_device, dtype)   # buffers too, as the engine holds them
     with device.memory_probe(model, state_bytes) as fits:
         return grow_then_bisect(lambda m: fits(lambda: forward_backward(device, model, wl, m)), limit)
 

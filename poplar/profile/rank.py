@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
-import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 
 import poplar
@@ -32,6 +30,7 @@ from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import largest_micro_batch
 from poplar.profile.profile import CommProfile, StageProfile
 from poplar.profile.timing import RankRun, point_sizes, time_collectives, time_points, timed_step
+from poplar.stages import OPTIMIZER_BYTES_PER_MASTER_BYTE
 from poplar.workload import Workload, as_workload
 
 NOT_TIMED = "not timed: a device of this cluster does not fit micro-batch 1"
@@ -86,10 +85,10 @@ def profile_stage(run: RankRun, stage: int, options: ProfileOptions) -> StagePro
     headroom = int(device.probe_headroom * device.capacity)
     limit = largest_micro_batch(device, run.workload, state + headroom, limit=options.max_micro_batch,
                                 precision=options.precision)
-    if not _everyone(run, limit > 0):   # the headroom left no room for a sample on some rank
+    if not run.everyone(limit > 0):   # the headroom left no room for a sample on some rank
         run.note(stage, "done")
         return StageProfile(max_micro_batch=min(limit, 1), state_bytes=state, note=NOT_TIMED)
-    sizes = _agree_sizes(run, limit, options.n_points)
+    sizes = run.agree_sizes(point_sizes(limit, options.n_points))
     points, per_step = time_points(run, stage, sizes)
     run.note(stage, "anatomy")
     rows = sorted({len(sizes) // 2, len(sizes) - 1})     # a middle size and the largest
@@ -126,29 +125,14 @@ def _model_states(run: RankRun, stage: int, precision: str) -> _States:
 
 
 def _optimizer_states_to_come(engine) -> int:
-    """Bytes the profiler's AdamW will add at its first step: two moments the size of what it updates."""
+    """Bytes the profiler's AdamW will add at its first step: its moments, sized by what it updates."""
     if engine.optimizer.state:
         return 0
-    return 2 * sum(u.master.numel() * u.master.element_size() for u in engine.units)
+    return OPTIMIZER_BYTES_PER_MASTER_BYTE * sum(u.master.numel() * u.master.element_size() for u in engine.units)
 
 
 def _fits_one(run: RankRun, engine, state_bytes: int, precision: str) -> tuple[bool, bool]:
     """Whether micro-batch 1 fits beside ``state_bytes`` of model state: on this rank, and on every rank."""
     held = run.device.state_to_reserve(state_bytes, engine.memory_report()["total"])
     fits = largest_micro_batch(run.device, run.workload, held, limit=1, precision=precision) == 1
-    return fits, _everyone(run, fits)
-
-
-def _everyone(run: RankRun, flag: bool) -> bool:
-    """Whether ``flag`` holds on every rank (each rank calls this at once)."""
-    flags = torch.tensor([int(flag)], device=run.device.torch_device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    return bool(flags.item())
-
-
-def _agree_sizes(run: RankRun, limit: int, n_points: int) -> list[list[int]]:
-    """Every rank's sizes to time, from every rank's limit: row ``i`` is round ``i``'s micro-batch per rank."""
-    sizes = torch.zeros(run.world_size, n_points, dtype=torch.int64, device=run.device.torch_device)
-    sizes[run.rank] = torch.tensor(point_sizes(limit, n_points))
-    dist.all_reduce(sizes)
-    return [[int(s) for s in sizes[:, i]] for i in range(n_points)]
+    return fits, run.everyone(fits)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 import poplar
 from poplar.devices.base import Device
@@ -51,6 +52,19 @@ class RankRun:
     def note(self, stage: int, what: str) -> None:
         if self.progress is not None:
             self.progress.put((self.kind, stage, what))
+
+    def everyone(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (each rank calls this at once)."""
+        flags = torch.tensor([int(flag)], device=self.device.torch_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        return bool(flags.item())
+
+    def agree_sizes(self, mine: list[int]) -> list[list[int]]:
+        """Every rank's sizes to time, from this rank's ``mine``: row ``i`` is round ``i``'s micro-batch per rank."""
+        sizes = torch.zeros(self.world_size, len(mine), dtype=torch.int64, device=self.device.torch_device)
+        sizes[self.rank] = torch.tensor(mine)
+        dist.all_reduce(sizes)
+        return [[int(s) for s in sizes[:, i]] for i in range(len(mine))]
 
 
 def point_sizes(max_micro_batch: int, n_points: int) -> list[int]:

@@ -72,8 +72,12 @@ def test_a_device_that_fits_no_stage_is_left_out_of_the_plan():
 
 def test_no_stage_and_no_device_can_run():
     prof = make_profile({"x": (2, 0.01, 0.001, 0)})
-    with pytest.raises(PlanningError, match="no stage can run this job"):
+    for s, gib in zip(range(4), (4.0, 2.5, 2.0, 1.5)):   # the states shrink with the stage, ZeRO-3's the least
+        prof.devices["x"].stages[s].state_bytes = int(gib * 2**30)
+    with pytest.raises(PlanningError, match="no stage can run this job") as e:
         make_plan(prof, 8)
+    assert "The least it needs is ZeRO-3's model states, 1.50 GiB a device, plus a sample's activations (the " \
+           "largest device here has 1.00 GiB)" in str(e.value)
 
 
 def test_cli_writes_a_plan_and_rejects_bad_input(tmp_path):

@@ -1,0 +1,62 @@
+"""The collectives' figures of a simulated profile: the profiler's own timing, on simulated devices.
+
+The flat collectives and each node's own are timed by :mod:`poplar.profile.timing` on a
+:class:`~poplar.devices.simulated.SimulatedDevice`, whose collectives take the network
+model's time; the sum across nodes is the network's exchange, then the engine's own
+adding of the parts (:mod:`poplar.engine.layout`), counted on fake tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from poplar.cluster.spec import ClusterSpec
+from poplar.devices.simulated import SimulatedDevice
+from poplar.engine.layout import ShardLayout, _SumAcross
+from poplar.profile.profile import CommProfile, ShapedComm
+from poplar.profile.timing import _time_ops
+
+REPEATS = 1   # the network model is deterministic
+
+
+def simulated_comm(spec: ClusterSpec, numel: int) -> CommProfile:
+    """What :func:`poplar.profile.timing.time_collectives` measures on ``spec``, for ``numel`` parameters."""
+    from poplar.simulate.profile import fake_tensors
+
+    groups = spec.node_groups()
+    with fake_tensors():
+        devices = {r: SimulatedDevice(spec, r) for r in {0, *(g[0] for g in groups)}}
+        for d in devices.values():
+            d.start()
+        flat = _time_ops(devices[0], devices[0].comm, numel, REPEATS)
+        if len(groups) < 2:
+            return flat
+        inside = [_time_ops(devices[g[0]], devices[g[0]].comm.among(g), numel, REPEATS) for g in groups]
+        link, add = _across(devices[0], groups, numel)
+        link_tiny, add_tiny = _across(devices[0], groups, len(groups) * 64)
+    shaped = ShapedComm(groups=groups, numel=numel, inside=inside, reduce_across_s=link, across_latency_s=link_tiny,
+                        sum_s=add, sum_latency_s=add_tiny)
+    return flat.model_copy(update={"shaped": shaped})
+
+
+def _across(device: SimulatedDevice, groups: list[list[int]], numel: int) -> tuple[float, float]:
+    """The sum across the groups of ``numel`` elements, for ``device``'s rank: on the links, and adding."""
+    layout = ShardLayout(device.comm.world_size, groups, device.rank)
+    layout.comm = device.comm
+    shard = torch.zeros(layout.padded(numel) // layout.shard_size)
+    with device.step():
+        layout.reduce_across(shard, numel)
+    link = device.wait_s
+    exchange = layout._exchange(numel)
+    mine = shard[:exchange.valid]
+    with device.step():     # the engine's compute around the exchange: the parts sent cut out, those received added
+        if exchange.send:
+            torch.cat([mine[a:a + n] for a, n in exchange.send])
+        received = torch.empty(sum(exchange.sizes))
+        _SumAcross(_Done(), received, mine, exchange.parts, layout.group_index).wait()
+    return link, device.compute_s
+
+
+class _Done:
+    def wait(self, *args, **kwargs) -> bool:
+        return True

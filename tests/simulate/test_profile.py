@@ -1,0 +1,74 @@
+"""The simulated profile against the profiler's on an emulated cluster: the same device model, counted."""
+
+import pytest
+
+from poplar.profile.profiler import profile_cluster
+from poplar.simulate import simulate_profile
+from poplar.simulate.profile import fake_tensors
+
+BIG = {"kind": "big", "gpu": "A100-80GB"}
+SMALL = {"kind": "small", "gpu": "V100-16GB"}
+CLUSTER = {"devices": [BIG, SMALL], "memory_scale": 0.0005}
+STATES_SCALE = 0.0000575   # the small card (an A100-40GB) holds ZeRO-1's states beside a sample, not ZeRO-0's
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    """The profiler's profile (ranks on emulated devices) and the simulator's, of stages 0 and 2."""
+    options = dict(stages=(0, 2), n_points=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POPLAR_DILATION", "40")
+        measured, _ = profile_cluster("tiny", CLUSTER, cache_dir=tmp_path_factory.mktemp("cache"), timeout_s=300,
+                                      **options)
+    from poplar.profile.options import ProfileOptions
+
+    return measured, simulate_profile("tiny", CLUSTER, ProfileOptions(**options))
+
+
+def test_the_largest_micro_batch_and_the_states_are_the_profilers(both):
+    measured, simulated = both
+    for kind in ("big", "small"):
+        for stage in (0, 2):
+            m, s = measured.stage(kind, stage), simulated.stage(kind, stage)
+            assert abs(m.max_micro_batch - s.max_micro_batch) <= 1, (kind, stage)
+            assert s.state_bytes == m.state_bytes
+    assert simulated.stage("big", 0).max_micro_batch > simulated.stage("small", 0).max_micro_batch
+
+
+def test_the_time_curve_is_within_3_percent_of_the_measured_one(both):
+    measured, simulated = both
+    for kind in ("big", "small"):
+        for stage in (0, 2):
+            m, s = measured.stage(kind, stage), simulated.stage(kind, stage)
+            for size, seconds in m.points:
+                assert s.time(size) == pytest.approx(seconds, rel=0.03), (kind, stage, size)
+            assert s.per_step_s == pytest.approx(m.per_step_s, rel=0.1)
+            assert s.anatomy and len(s.anatomy[0].forward) == len(m.anatomy[0].forward)
+
+
+def test_the_collectives_are_the_network_models(both):
+    measured, simulated = both
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        assert simulated.comm.seconds(op, 10**5) == pytest.approx(measured.comm.seconds(op, 10**5), rel=0.02)
+    assert simulated.model == measured.model and simulated.ranks == measured.ranks
+
+
+def test_a_stage_whose_states_do_not_fit_is_simulated_as_not_fitting():
+    """As the profiler records it (tests/profile/test_profiler.py): stage 0 does not fit the small card, so the
+    big one is not timed there either; stage 1 fits both."""
+    from poplar.profile.options import ProfileOptions
+
+    cluster = {"devices": [BIG, {"kind": "small", "gpu": "A100-40GB"}], "memory_scale": STATES_SCALE}
+    prof = simulate_profile("tiny", cluster, ProfileOptions(stages=(0, 1), n_points=2))
+    small0, big0 = prof.stage("small", 0), prof.stage("big", 0)
+    assert small0.max_micro_batch == 0 and small0.points == []
+    assert big0.points == [] and "not timed" in big0.note
+    assert prof.stage("small", 1).max_micro_batch > 0 and prof.stage("big", 1).points
+
+
+def test_values_read_from_fake_tensors_are_a_finite_step():
+    import torch
+
+    with fake_tensors():
+        loss = torch.randn(4).mean()
+        assert float(loss) == 1.0 and bool(torch.isfinite(loss)) and int(torch.ones(3, dtype=torch.int64).sum()) == 0
