@@ -18,7 +18,7 @@ from tests.profile.workers import declared_step_times
 LIMIT = 48     # the largest micro-batch searched: keeps the real work of every size small
 
 
-@pytest.mark.parametrize("preset", ["both-differ", "compute-differs"])
+@pytest.mark.parametrize("preset", ["both-differ"])   # its kinds differ in compute and in memory
 def test_the_fitted_curve_is_the_declared_model_at_every_size(preset, tmp_path):
     spec = load_cluster(preset)
     profile, summary = profile_cluster("tiny", spec.model_dump(), stages=(0,), cache_dir=tmp_path,
