@@ -20,7 +20,7 @@ from poplar.devices.emulated import EmulatedDevice, _Launched
 from poplar.engine.collectives import ObservedComm, Work
 
 
-class _Issued:
+class Issued:
     """What a collective that was not issued hands back: it is done when waited for."""
 
     def wait(self, *args, **kwargs) -> bool:
@@ -60,7 +60,7 @@ class SimulatedComm(ObservedComm):
         return SimulatedComm(self.observer, ranks.index(self._rank), len(ranks), SimulatedGroup(tuple(ranks)))
 
     def run(self, op: str, nbytes: int, issue: Callable[[bool], Any], async_op: bool, groups: int = 1):
-        work = Work(_Issued(), self.observer, self.observer.launch(op, nbytes, self._group, groups))
+        work = Work(Issued(), self.observer, self.observer.launch(op, nbytes, self._group, groups))
         if async_op:
             return work
         work.wait()

@@ -11,18 +11,17 @@ from __future__ import annotations
 import torch
 
 from poplar.cluster.spec import ClusterSpec
-from poplar.devices.simulated import SimulatedDevice
+from poplar.devices.simulated import Issued, SimulatedDevice
 from poplar.engine.layout import ShardLayout, _SumAcross
 from poplar.profile.profile import CommProfile, ShapedComm
 from poplar.profile.timing import _time_ops
+from poplar.simulate.fake import fake_tensors
 
 REPEATS = 1   # the network model is deterministic
 
 
 def simulated_comm(spec: ClusterSpec, numel: int) -> CommProfile:
     """What :func:`poplar.profile.timing.time_collectives` measures on ``spec``, for ``numel`` parameters."""
-    from poplar.simulate.profile import fake_tensors
-
     groups = spec.node_groups()
     with fake_tensors():
         devices = {r: SimulatedDevice(spec, r) for r in {0, *(g[0] for g in groups)}}
@@ -53,10 +52,6 @@ def _across(device: SimulatedDevice, groups: list[list[int]], numel: int) -> tup
         if exchange.send:
             torch.cat([mine[a:a + n] for a, n in exchange.send])
         received = torch.empty(sum(exchange.sizes))
-        _SumAcross(_Done(), received, mine, exchange.parts, layout.group_index).wait()
+        _SumAcross(Issued(), received, mine, exchange.parts, layout.group_index).wait()
     return link, device.compute_s
 
-
-class _Done:
-    def wait(self, *args, **kwargs) -> bool:
-        return True

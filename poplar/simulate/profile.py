@@ -12,17 +12,12 @@ every device fit a sample?) the kinds agree the same way. The collectives' times
 the network model's: the emulated network's, without its ranks.
 
 What a fake tensor cannot say (a value: the loss, the gradient norm) reads as
-:class:`HostValues` gives it; only the step's time and memory depend on the shapes.
+:mod:`poplar.simulate.fake` gives it; only the step's time and memory depend on the shapes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from poplar.cluster.spec import ClusterSpec, parse_cluster
 from poplar.devices.simulated import SimulatedDevice
@@ -32,19 +27,10 @@ from poplar.profile.profile import Profile, StageProfile
 from poplar.profile.rank import profile_stage
 from poplar.profile.timing import RankRun
 from poplar.simulate.comm import simulated_comm
+from poplar.simulate.fake import fake_tensors
 from poplar.workload import Workload, as_workload
 
 AGREE_TIMEOUT_S = 600.0   # a kind's thread waits this long for the others at a point of agreement
-
-
-class HostValues(TorchDispatchMode):
-    """Values read back to the host from fake tensors: floats 1.0 (a finite loss and norm), flags true, counts 0."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            t = args[0]
-            return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 0)
-        return func(*args, **(kwargs or {}))
 
 
 class _Agreement:
@@ -81,13 +67,6 @@ class SimulatedRun(RankRun):
         return [[m] * self.world_size for m in mine]   # the other ranks' sizes change nothing of this rank's
 
 
-@contextlib.contextmanager
-def fake_tensors():
-    """Every tensor made inside is fake, and what is read back from one is :class:`HostValues`'."""
-    with FakeTensorMode(), HostValues():
-        yield
-
-
 def simulate_kind(spec: ClusterSpec, rank: int, workload: Workload, options: ProfileOptions, config: EngineConfig,
                   agreement: _Agreement | None = None) -> dict[int, StageProfile]:
     """The stage profiles of rank ``rank``'s device kind, simulated."""
@@ -104,8 +83,7 @@ def simulate_kind(spec: ClusterSpec, rank: int, workload: Workload, options: Pro
 def simulate_stages(workload: str | Workload, cluster, options: ProfileOptions | None = None,
                     config: EngineConfig | None = None) -> dict[tuple[str, int], StageProfile]:
     """Every kind's stage profiles, simulated side by side (one thread a kind)."""
-    options = options or ProfileOptions()
-    config = (config or EngineConfig()).model_copy(update={"mixed_precision": options.precision})
+    options, config = _resolved(options, config)
     wl, spec = as_workload(workload), parse_cluster(cluster)
     wl.n_params()   # the model built once here (on the meta device): its modules imported before the threads
     firsts = {}
@@ -137,11 +115,15 @@ def simulate_profile(workload: str | Workload, cluster, options: ProfileOptions 
     """The :class:`Profile` of ``workload`` on ``cluster``, simulated (see the module)."""
     from poplar.profile.profiler import _assemble
 
-    options = options or ProfileOptions()
-    config = (config or EngineConfig()).model_copy(update={"mixed_precision": options.precision})
+    options, config = _resolved(options, config)
     wl, spec = as_workload(workload), parse_cluster(cluster)
     stages = simulate_stages(wl, spec, options, config)
     with fake_tensors():     # the model is built once more, for its units: of any size
-        n_params = wl.n_params()
         profile = _assemble(wl, spec, options.precision, config, stages, None)
-    return profile.model_copy(update={"comm": simulated_comm(spec, n_params)})
+    return profile.model_copy(update={"comm": simulated_comm(spec, wl.n_params())})
+
+
+def _resolved(options: ProfileOptions | None, config: EngineConfig | None) -> tuple[ProfileOptions, EngineConfig]:
+    """The options, and the engine's config in their precision (as :func:`poplar.profile.profile_cluster`)."""
+    options = options or ProfileOptions()
+    return options, (config or EngineConfig()).model_copy(update={"mixed_precision": options.precision})

@@ -4,7 +4,7 @@ import pytest
 
 from poplar.profile.profiler import profile_cluster
 from poplar.simulate import simulate_profile
-from poplar.simulate.profile import fake_tensors
+from poplar.simulate.fake import fake_tensors
 
 BIG = {"kind": "big", "gpu": "A100-80GB"}
 SMALL = {"kind": "small", "gpu": "V100-16GB"}
