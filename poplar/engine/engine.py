@@ -202,15 +202,14 @@ class Engine:
             unit.reset_after_abandon()
 
     def set_plan(self, plan: Plan) -> None:
-        """Train with ``plan`` from the next step: another split of the same global batch, same world and stage."""
+        """Train with ``plan`` from the next step: another split of the global batch (or another global batch:
+        a batch-size schedule), on the same world, stage and shape."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a poplar.Plan, got {type(plan).__name__}")
         plan.check_world_size(self.world_size)
-        if (plan.zero_stage != self.zero_stage or plan.global_batch_size != self.plan.global_batch_size
-                or plan.shard_groups != self.plan.shard_groups):
-            raise ValueError(f"set_plan keeps the ZeRO stage ({self.zero_stage}), the shape ({self.plan.shape}) "
-                             f"and the global batch ({self.plan.global_batch_size}); got {plan}: build a new "
-                             "engine for another")
+        if plan.zero_stage != self.zero_stage or plan.shard_groups != self.plan.shard_groups:
+            raise ValueError(f"set_plan keeps the ZeRO stage ({self.zero_stage}) and the shape ({self.plan.shape}); "
+                             f"got {plan}: build a new engine for another")
         self.plan = plan
         self.accum_steps = plan.accum_steps[self.rank]
         self._batch_check = BatchCheck(plan, self.rank, self.world_size, self.device, self.comm,

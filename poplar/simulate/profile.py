@@ -1,113 +1,167 @@
 """The simulated profile: the :class:`~poplar.profile.profile.Profile` the profiler would write, without running.
 
-Each device kind of the cluster is profiled by the profiler's own procedure
-(:func:`poplar.profile.rank.profile_stage`: the states, the memory probe, the timed
-points, the step's anatomy), on its first rank's :class:`~poplar.devices.simulated.
-SimulatedDevice`, with every tensor fake (``FakeTensorMode``: no memory is allocated,
-so a model of any size can be profiled on a laptop). Each operator costs what the
-emulated device charges for it and the saved activations count against the same
-capacity, so the figures are those of the emulated cluster, counted instead of paced.
-The kinds run side by side in threads, so that where the profiler's ranks agree (does
-every device fit a sample?) the kinds agree the same way. The collectives' times are
-the network model's: the emulated network's, without its ranks.
+The profiler's procedure (:func:`poplar.profile.rank.profile_stage`), per stage, with
+every tensor fake (``FakeTensorMode``: nothing allocated, so a model of any size is
+profiled on a laptop) and each step run once for all device kinds
+(:mod:`poplar.simulate.trace`: counted, then priced for each kind by the emulated
+device's own roofline):
 
-What a fake tensor cannot say (a value: the loss, the gradient norm) reads as
-:mod:`poplar.simulate.fake` gives it; only the step's time and memory depend on the shapes.
+1. the stage's model states: the engine's own accounting, after two steps of two
+   micro-batches of 1;
+2. each kind's largest micro-batch: the bytes autograd saves in a forward and backward
+   (what the emulated device counts) beside the states, against the kind's capacity,
+   found by the probe's own search and checked by measuring the limit and one more;
+3. each kind's timed points at its own sizes, the once-per-step part, and the step's
+   anatomy (where its compute falls between the collectives).
+
+The collectives' times are the network model's (:mod:`poplar.simulate.comm`). What a
+fake tensor cannot say (a value: the loss, the gradient norm) reads as
+:mod:`poplar.simulate.fake` gives it; only the step's time and memory depend on shapes.
 """
 
 from __future__ import annotations
 
-import threading
+import statistics
 
-from poplar.cluster.spec import ClusterSpec, parse_cluster
-from poplar.devices.simulated import SimulatedDevice
+import poplar
+from poplar.cluster.spec import ClusterSpec, DeviceGroup, parse_cluster
+from poplar.emulate.model import GpuModel
 from poplar.engine.config import EngineConfig
+from poplar.precision import cast_model, torch_dtype
 from poplar.profile.options import ProfileOptions
+from poplar.profile.probe import forward_backward, grow_then_bisect
 from poplar.profile.profile import Profile, StageProfile
-from poplar.profile.rank import profile_stage
-from poplar.profile.timing import RankRun
+from poplar.profile.rank import NOT_TIMED, _optimizer_states_to_come
+from poplar.profile.timing import PER_STEP_SIZES, RankRun, point_sizes, timed_step
 from poplar.simulate.comm import simulated_comm
 from poplar.simulate.fake import fake_tensors
+from poplar.simulate.trace import Activations, CountedMarks, CountingDevice, Steps, Trace
 from poplar.workload import Workload, as_workload
-
-AGREE_TIMEOUT_S = 600.0   # a kind's thread waits this long for the others at a point of agreement
-
-
-class _Agreement:
-    """Where the kinds' threads agree, as the profiler's ranks do by an all-reduce."""
-
-    def __init__(self, parties: int):
-        self._barrier = threading.Barrier(parties, timeout=AGREE_TIMEOUT_S)
-        self._flags: list[bool] = []
-        self._lock = threading.Lock()
-
-    def all(self, flag: bool) -> bool:
-        with self._lock:
-            self._flags.append(flag)
-        self._barrier.wait()
-        every = all(self._flags)
-        if self._barrier.wait() == 0:   # every thread has read: one clears for the next agreement
-            self._flags.clear()
-        self._barrier.wait()
-        return every
-
-    def abort(self) -> None:
-        self._barrier.abort()
-
-
-class SimulatedRun(RankRun):
-    """One kind's profiling in the simulator: it agrees with the other kinds' threads, not with ranks."""
-
-    agreement: _Agreement | None = None
-
-    def everyone(self, flag: bool) -> bool:
-        return self.agreement.all(flag) if self.agreement is not None else flag
-
-    def agree_sizes(self, mine: list[int]) -> list[list[int]]:
-        return [[m] * self.world_size for m in mine]   # the other ranks' sizes change nothing of this rank's
-
-
-def simulate_kind(spec: ClusterSpec, rank: int, workload: Workload, options: ProfileOptions, config: EngineConfig,
-                  agreement: _Agreement | None = None) -> dict[int, StageProfile]:
-    """The stage profiles of rank ``rank``'s device kind, simulated."""
-    config = config.model_copy(update={"check_batches": False})   # the other ranks' batches are not there
-    with fake_tensors():
-        device = SimulatedDevice(spec, rank)
-        with device:
-            run = SimulatedRun(device, rank, spec.world_size, workload, config, warmup=1, repeats=1,
-                               kind=spec.device(rank).kind)
-            run.agreement = agreement
-            return {s: profile_stage(run, s, options) for s in options.stages}
 
 
 def simulate_stages(workload: str | Workload, cluster, options: ProfileOptions | None = None,
                     config: EngineConfig | None = None) -> dict[tuple[str, int], StageProfile]:
-    """Every kind's stage profiles, simulated side by side (one thread a kind)."""
+    """Every kind's stage profiles, simulated: ``{(kind, stage): StageProfile}``."""
     options, config = _resolved(options, config)
     wl, spec = as_workload(workload), parse_cluster(cluster)
-    wl.n_params()   # the model built once here (on the meta device): its modules imported before the threads
-    firsts = {}
-    for r, d in enumerate(spec.rank_devices()):
-        firsts.setdefault(d.kind, r)
-    agreement = _Agreement(len(firsts))
-    results: dict[str, dict[int, StageProfile]] = {}
-    errors: list[BaseException] = []
+    kinds: dict[str, DeviceGroup] = {}
+    for d in spec.rank_devices():
+        kinds.setdefault(d.kind, d)
+    config = config.model_copy(update={"check_batches": False})   # the other ranks' batches are not there
+    out = {}
+    with fake_tensors():
+        device = CountingDevice(spec, 0)
+        with device:
+            run = RankRun(device, 0, spec.world_size, wl, config, warmup=1, repeats=1)
+            saved = Activations(_saved_bytes(device, wl, options.precision))
+            for stage in options.stages:
+                for kind, sp in _stage(run, stage, options, kinds, saved).items():
+                    out[(kind, stage)] = sp
+    return out
 
-    def one(kind: str, rank: int) -> None:
-        try:
-            results[kind] = simulate_kind(spec, rank, wl, options, config, agreement)
-        except BaseException as e:   # the others must not wait for this one
-            errors.append(e)
-            agreement.abort()
 
-    threads = [threading.Thread(target=one, args=(k, r), name=f"simulate-{k}") for k, r in firsts.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
-    return {(k, s): sp for k, stages in results.items() for s, sp in stages.items()}
+def _saved_bytes(device: CountingDevice, wl: Workload, precision: str):
+    """``m`` -> the bytes autograd saves at most in a forward and backward of ``m`` samples (the memory probe's
+    run, the model's own parameters not counted again)."""
+    model = cast_model(wl.build(), device.torch_device, torch_dtype(precision))
+    own = {p.untyped_storage()._cdata for p in model.parameters()}
+
+    def saved(m: int) -> int:
+        device.peak_bytes = 0
+        device.check_fits(lambda: (0, own), lambda: forward_backward(device, model, wl, m))
+        model.zero_grad(set_to_none=True)
+        device.free_memory()
+        return device.peak_bytes
+    return saved
+
+
+def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, DeviceGroup],
+           saved: Activations) -> dict[str, StageProfile]:
+    """Every kind's profile of ``stage`` (as :func:`poplar.profile.rank.profile_stage` decides, kind by kind)."""
+    spec: ClusterSpec = run.device.cluster
+    with _Recording(run, stage) as recording:
+        steps = Steps(recording.trace)
+        steps.recorded(1, 2)    # two steps of two micro-batches of 1: the states at their most
+        before, most = recording.before, recording.most
+        capacity = {k: spec.memory_bytes(d) for k, d in kinds.items()}
+        fits = {k: before + saved.exact(1) <= capacity[k] for k in kinds}
+        if not all(fits.values()):
+            return {k: StageProfile(max_micro_batch=int(f), state_bytes=before, note=NOT_TIMED)
+                    for k, f in fits.items()}
+        limits = {k: _largest(saved, most + int(run.device.probe_headroom * capacity[k]), capacity[k],
+                              options.max_micro_batch) for k in kinds}
+        if not all(limits.values()):
+            return {k: StageProfile(max_micro_batch=min(n, 1), state_bytes=most, note=NOT_TIMED)
+                    for k, n in limits.items()}
+        return {k: _timed(steps, GpuModel.of(kinds[k]), limits[k], most, options.n_points) for k in kinds}
+
+
+class _Recording:
+    """A stage's steps recorded on one engine per accumulation, re-planned to each micro-batch after a warm-up
+    step (the optimizer's states are made in the first); the model states around the first engine's steps."""
+
+    def __init__(self, run: RankRun, stage: int):
+        self.run, self.stage = run, stage
+        self.engines: dict[int, object] = {}
+        self.before = self.most = 0
+
+    def __enter__(self) -> _Recording:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for engine in self.engines.values():
+            engine.close()
+
+    def _plan(self, m: int, accumulation: int) -> poplar.Plan:
+        return poplar.Plan(self.stage, [m] * self.run.world_size, accumulation)
+
+    def trace(self, m: int, accumulation: int) -> Trace:
+        """The trace of a step of ``accumulation`` micro-batches of ``m``, with its marks."""
+        run, wl = self.run, self.run.workload
+        if accumulation not in self.engines:
+            engine = self.engines[accumulation] = run.engine(self._plan(1, accumulation))
+            before = engine.model_state_bytes() + _optimizer_states_to_come(engine)
+            timed_step(run.device, engine, wl.random_batch(accumulation), wl.loss)
+            if accumulation == 2:
+                self.before = before
+        engine = self.engines[accumulation]
+        engine.set_plan(self._plan(m, accumulation))
+        batch = wl.random_batch(m * accumulation)
+        marks = CountedMarks(run.device)
+        with marks.watch(engine), run.device.step(engine.held_state):
+            engine.train_batch(batch, wl.loss)
+        if (m, accumulation) == (1, 2):
+            self.most = engine.model_state_bytes()
+        return Trace.of(run.device.recorder, marks, len(engine.units))
+
+
+def _largest(saved: Activations, held: int, capacity: int, limit: int) -> int:
+    """The probe's answer: the largest micro-batch up to ``limit`` whose saved bytes fit beside ``held``."""
+    found = grow_then_bisect(lambda m: held + saved(m) <= capacity, limit)
+
+    def fits(m: int) -> bool:
+        return held + saved.exact(m) <= capacity
+
+    if (found == 0 or fits(found)) and (found >= limit or not fits(found + 1)):
+        return found     # read from the line, and measured: it fits, one more does not
+    return grow_then_bisect(fits, limit)
+
+
+def _timed(steps: Steps, gpu: GpuModel, limit: int, state: int, n_points: int) -> StageProfile:
+    """A kind's points, once-per-step part and anatomy, priced from the stage's traces (as
+    :func:`poplar.profile.timing.time_points` and :func:`poplar.profile.anatomy.measure_anatomy` measure)."""
+    sizes = point_sizes(limit, n_points)
+    one = [steps.at(m, 1).busy(gpu) for m in sizes]
+    per_step = statistics.median(max(0.0, 2 * one[i] - steps.at(sizes[i], 2).busy(gpu))
+                                 for i in range(min(len(sizes), PER_STEP_SIZES)))
+    anatomy = []
+    for i in sorted({len(sizes) // 2, len(sizes) - 1}):     # a middle size and the largest
+        trace = steps.at(sizes[i], 1)
+        a = trace.marks_on(gpu).anatomy(trace.n_units, sizes[i])
+        if a is not None:
+            anatomy.append(a)
+    return StageProfile(max_micro_batch=limit, state_bytes=state, points=list(zip(sizes, one)), per_step_s=per_step,
+                        anatomy=sorted(anatomy, key=lambda a: a.micro_batch))
 
 
 def simulate_profile(workload: str | Workload, cluster, options: ProfileOptions | None = None,

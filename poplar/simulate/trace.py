@@ -1,0 +1,175 @@
+"""A step counted once, priced for every device kind.
+
+The emulated device prices each operator as it runs (:mod:`poplar.emulate.model`: a
+launch, then FLOPs or bytes, whichever takes longer). What an operator *is* (its FLOPs,
+its bytes, its dtype) does not depend on the device, only its price does. So the
+simulator runs a step once on fake tensors, on a :class:`CountingDevice` that writes
+down every operator instead of pricing it (a :class:`Trace`), and prices that list for
+each kind with the same roofline: one run of the model's Python for every kind.
+
+A step of ``m`` samples runs the same operators at every ``m``, each with FLOPs and
+bytes an affine function of ``m`` (the weights' part fixed, the activations' part
+proportional). :class:`Steps` records ``m`` = 2, 3 and 4, checks that the third is on
+the line through the first two, operator by operator, and derives every other size from
+it; ``m`` = 1 (where a model may take another path: a dimension of one squeezed) and a
+model for which the line does not hold are recorded at each size asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from poplar.devices.simulated import SimulatedDevice
+from poplar.emulate.model import GpuModel, op_cost
+from poplar.profile.anatomy import _Marks
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the compute dtypes a price depends on
+LINE_SIZES = (2, 3, 4)   # the micro-batches a line is drawn through (the first two) and checked at (the third)
+
+
+class Recorder(TorchDispatchMode):
+    """Writes down every operator run inside it that launches a kernel: its FLOPs, bytes and dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops: list[float] = []
+        self.nbytes: list[float] = []
+        self.dtypes: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.flops)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        cost = op_cost(func, args, kwargs, out)
+        if cost is not None:
+            self.flops.append(cost[0])
+            self.nbytes.append(cost[1])
+            self.dtypes.append(_DTYPES.index(cost[2]) if cost[2] in _DTYPES else 0)
+        return out
+
+
+class CountingDevice(SimulatedDevice):
+    """A simulated device that counts each step's operators (``recorder``) instead of pricing them; no limit
+    on memory (each kind's capacity is compared by the simulator)."""
+
+    def __init__(self, cluster, rank: int):
+        super().__init__(cluster, rank)
+        self.capacity = float("inf")
+        self.recorder = Recorder()
+
+    def _step_context(self, held):
+        self.recorder = Recorder()
+        return self.recorder
+
+
+@dataclass
+class Trace:
+    """One step's operators in order, and the step's marks (:mod:`poplar.profile.anatomy`) as operator counts."""
+
+    flops: np.ndarray
+    nbytes: np.ndarray
+    dtypes: np.ndarray
+    marks: dict[tuple[str, int], int] = field(default_factory=dict)
+    launches: list[tuple[str, int, int]] = field(default_factory=list)   # (op, bytes, operators before it)
+    n_units: int = 0
+
+    @classmethod
+    def of(cls, recorder: Recorder, marks: _Marks | None = None, n_units: int = 0) -> Trace:
+        return cls(np.array(recorder.flops), np.array(recorder.nbytes), np.array(recorder.dtypes, dtype=np.int8),
+                   dict(marks.at) if marks else {}, list(marks.launches) if marks else [], n_units)
+
+    def seconds(self, gpu: GpuModel) -> np.ndarray:
+        """Each operator's seconds on ``gpu``: exactly :meth:`GpuModel.op_seconds`, for the whole list."""
+        peak = np.array([gpu.flops_per_s(d) for d in _DTYPES])[self.dtypes]
+        memory = self.nbytes / (gpu.bandwidth_gbs * 1e9 * gpu.bandwidth_efficiency)
+        return gpu.kernel_overhead_s + np.maximum(self.flops / peak, memory)
+
+    def busy(self, gpu: GpuModel) -> float:
+        return float(self.seconds(gpu).sum())
+
+    def marks_on(self, gpu: GpuModel) -> _Marks:
+        """The marks in busy seconds on ``gpu``, as the device's clock would have read them."""
+        at = np.concatenate([[0.0], np.cumsum(self.seconds(gpu))])
+        marks = _Marks(None)
+        marks.at = {k: float(at[i]) for k, i in self.marks.items()}
+        marks.launches = [(op, nbytes, float(at[i])) for op, nbytes, i in self.launches]
+        return marks
+
+    def _same_steps(self, other: Trace) -> bool:
+        return (len(self.flops) == len(other.flops) and np.array_equal(self.dtypes, other.dtypes)
+                and self.marks == other.marks and self.launches == other.launches)
+
+    @staticmethod
+    def line(t1: Trace, t2: Trace, t3: Trace) -> Callable[[int], Trace] | None:
+        """The step at any micro-batch ``m`` from those at :data:`LINE_SIZES` (``t1`` at the first, steps of
+        one sample apart); None where the third is not on the line through the first two."""
+        if not (t1._same_steps(t2) and t1._same_steps(t3)):
+            return None
+        df, db = t2.flops - t1.flops, t2.nbytes - t1.nbytes
+        if not (np.array_equal(t1.flops + 2 * df, t3.flops) and np.array_equal(t1.nbytes + 2 * db, t3.nbytes)):
+            return None
+        return lambda m: Trace(t1.flops + (m - LINE_SIZES[0]) * df, t1.nbytes + (m - LINE_SIZES[0]) * db, t1.dtypes, t1.marks,
+                               t1.launches, t1.n_units)
+
+
+class Steps:
+    """A stage's step traces by ``(micro_batch, accumulation)``: recorded by ``record``, or read from the line
+    through 2 and 3 checked at 4 (a micro-batch of one sample may run other operators: it is recorded)."""
+
+    def __init__(self, record: Callable[[int, int], Trace]):
+        self._record = record
+        self._traces: dict[tuple[int, int], Trace] = {}
+        self._lines: dict[int, Callable[[int], Trace] | None] = {}
+
+    def recorded(self, m: int, accumulation: int) -> Trace:
+        key = (m, accumulation)
+        if key not in self._traces:
+            self._traces[key] = self._record(m, accumulation)
+        return self._traces[key]
+
+    def at(self, m: int, accumulation: int) -> Trace:
+        if m == 1 or (m, accumulation) in self._traces:
+            return self.recorded(m, accumulation)
+        if accumulation not in self._lines:
+            self._lines[accumulation] = Trace.line(*(self.recorded(k, accumulation) for k in LINE_SIZES))
+        line = self._lines[accumulation]
+        return self.recorded(m, accumulation) if line is None or (m, accumulation) in self._traces else line(m)
+
+
+class Activations:
+    """The bytes autograd saves in a forward and backward of ``m`` samples (a memory probe's peak), by ``m``:
+    measured at 1 and at :data:`LINE_SIZES` and, where those are on a line, read from it; ``exact(m)`` measures."""
+
+    def __init__(self, measure: Callable[[int], int]):
+        self._measure = measure
+        self._seen: dict[int, int] = {}
+
+    def exact(self, m: int) -> int:
+        if m not in self._seen:
+            self._seen[m] = self._measure(m)
+        return self._seen[m]
+
+    def __call__(self, m: int) -> int:
+        if m == 1 or m in self._seen:
+            return self.exact(m)
+        a2, a3, a4 = (self.exact(k) for k in LINE_SIZES)
+        if a4 - a3 != a3 - a2:
+            return self.exact(m)
+        return a2 + (m - 2) * (a3 - a2)
+
+
+class CountedMarks(_Marks):
+    """The anatomy's marks on a :class:`CountingDevice`: each mark is the number of operators run before it."""
+
+    def busy(self) -> int:
+        return len(self.device.recorder)
+
+    def start(self) -> None:
+        pass

@@ -1,0 +1,63 @@
+"""A step counted once and priced per kind: the same seconds as the emulated device's, at every micro-batch."""
+
+import numpy as np
+import pytest
+import torch
+
+from poplar.cluster.spec import parse_cluster
+from poplar.emulate.model import GpuModel, WorkCounter
+from poplar.engine.config import EngineConfig
+from poplar.profile.timing import RankRun
+from poplar.simulate.fake import fake_tensors
+from poplar.simulate.profile import _Recording, _saved_bytes
+from poplar.simulate.trace import Activations, CountingDevice, Recorder, Steps, Trace
+from poplar.workload import Workload
+
+CLUSTER = parse_cluster({"devices": [{"kind": "big", "gpu": "A100-80GB"}, {"kind": "small", "gpu": "T4-16GB"}]})
+
+
+def test_a_trace_is_priced_as_the_emulated_device_prices_each_operator():
+    a, b = torch.randn(64, 256), torch.randn(256, 128, dtype=torch.float32)
+    with Recorder() as recorder:
+        torch.relu(a @ b).sum()
+        (a.bfloat16() @ b.bfloat16()).float()
+    trace = Trace.of(recorder)
+    for kind in CLUSTER.devices:
+        gpu = GpuModel.of(kind)
+        with WorkCounter(gpu) as work:
+            torch.relu(a @ b).sum()
+            (a.bfloat16() @ b.bfloat16()).float()
+        assert work.ops == len(trace.flops) == 7   # matmul, relu, sum; two casts, matmul, cast
+        assert trace.busy(gpu) == pytest.approx(work.seconds, rel=1e-12)
+
+
+@pytest.mark.parametrize("model, stage", [("tiny", 3), ("llama-tiny", 1)])
+def test_a_step_read_from_the_line_is_the_step_recorded_at_that_size(model, stage):
+    """Every operator's FLOPs and bytes, and the marks, at 7 samples: from the line through 2 and 3, and run."""
+    wl = Workload(model=model)
+    with fake_tensors():
+        device = CountingDevice(CLUSTER, 0)
+        with device:
+            run = RankRun(device, 0, CLUSTER.world_size, wl, EngineConfig(check_batches=False), 1, 1)
+            with _Recording(run, stage) as recording:
+                steps = Steps(recording.trace)
+                derived = steps.at(7, 1)
+                with _Recording(run, stage) as again:
+                    recorded = again.trace(7, 1)
+            saved = Activations(_saved_bytes(device, wl, "fp32"))
+            assert saved(9) == saved.exact(9) > saved(8) > saved.exact(1) > 0
+    assert np.array_equal(derived.flops, recorded.flops) and np.array_equal(derived.nbytes, recorded.nbytes)
+    assert derived.marks == recorded.marks and derived.launches == recorded.launches and recorded.marks
+    gpu = GpuModel.of(CLUSTER.devices[1])
+    assert derived.marks_on(gpu).anatomy(derived.n_units, 7) == recorded.marks_on(gpu).anatomy(recorded.n_units, 7)
+
+
+def test_a_model_off_the_line_is_recorded_at_each_size():
+    calls = []
+
+    def record(m, accumulation):
+        calls.append(m)
+        return Trace(np.array([float(m * m)]), np.array([4.0 * m]), np.array([0], dtype=np.int8))
+
+    steps = Steps(record)
+    assert steps.at(6, 1).flops[0] == 36.0 and calls == [2, 3, 4, 6]
