@@ -22,6 +22,12 @@ from typing import Sequence
 from poplar.stages import STAGES, stage
 
 
+def near_equal(samples: int, parts: int) -> list[int]:
+    """``samples`` cut into ``parts`` near-equal micro-batches, the larger first."""
+    q, rem = divmod(samples, parts)
+    return [q + 1] * rem + [q] * (parts - rem)
+
+
 def _positive_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise ValueError(f"{name} must be a list of positive integers, one per rank; got {values!r}")
@@ -214,8 +220,7 @@ class Plan:
     def micro_batches(self, rank: int) -> list[int]:
         """Sizes of ``rank``'s micro-batches in the order it runs them (the larger first)."""
         rank = self._check_rank(rank)
-        q, rem = divmod(self.local_batch_sizes[rank], self.accum_steps[rank])
-        return [q + 1] * rem + [q] * (self.accum_steps[rank] - rem)
+        return near_equal(self.local_batch_sizes[rank], self.accum_steps[rank])
 
     @property
     def is_exact(self) -> bool:

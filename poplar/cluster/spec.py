@@ -12,15 +12,21 @@ devices:
     gpu: A100-80GB          # figures from the catalogue (poplar.cluster.catalogue) ...
     count: 1
     node: 0                 # which node the ranks sit on (default 0)
+  - kind: nvlinked
+    gpu: A100-40GB
+    count: 16
+    gpus_per_node: 8        # 8 ranks a node, on the nodes after the previous kinds' (here 1 and 2)
+    intra_node: {bandwidth_gbs: 300, latency_us: 3}    # their own link inside a node (NVLink)
   - kind: custom
     count: 2
     memory_gb: 24           # ... or declared here (these also override a catalogue entry's)
     tflops: {fp32: 20, bf16: 80}
     memory_bandwidth_gbs: 900
-    node: 1
+    node: 3
 ```
 
-Ranks take the devices in file order (rank 0 is ``big``, ranks 1-2 ``custom``). An
+Ranks take the devices in file order (rank 0 is ``big``, ranks 1-16 ``nvlinked``,
+17-18 ``custom``). An
 emulated device is a model of a GPU (:mod:`poplar.emulate`): it computes for real and
 takes the time its figures say. A cluster of real CUDA devices is not written by hand:
 it is discovered from the launched ranks (:mod:`poplar.profile.discover`), and each of
@@ -119,7 +125,11 @@ class DeviceGroup(BaseModel):
     flops_efficiency: float = Field(FLOPS_EFFICIENCY, gt=0, le=1, description="of peak TFLOP/s, what is reached")
     bandwidth_efficiency: float = Field(BANDWIDTH_EFFICIENCY, gt=0, le=1,
                                         description="of peak bandwidth, what is reached")
-    node: int = Field(0, ge=0, description="the node these ranks sit on")
+    node: int = Field(0, ge=0, description="the node these ranks sit on (with gpus_per_node: the first)")
+    gpus_per_node: int | None = Field(None, gt=0, description="spread the ranks over nodes of this many each, "
+                                      "from `node` (if not given: the node after the previous kinds')")
+    intra_node: Link | None = Field(None, description="the link among these ranks inside a node (NVLink, PCIe); "
+                                    "default: the network's intra_node")
     cuda: CudaProperties | None = Field(None, description="a real CUDA device, as discovered; None: emulated")
 
     @model_validator(mode="after")
@@ -195,7 +205,8 @@ class ClusterSpec(BaseModel):
                              "emulated, not both")
         seen: dict[str, DeviceGroup] = {}
         for d in self.devices:
-            if d.kind in seen and seen[d.kind].model_copy(update={"count": d.count, "node": d.node}) != d:
+            placed = {"count": d.count, "node": d.node, "gpus_per_node": d.gpus_per_node}
+            if d.kind in seen and seen[d.kind].model_copy(update=placed) != d:
                 raise ValueError(f"kind {d.kind!r} is declared twice with different figures: give the second "
                                  "another name")
             seen[d.kind] = d
@@ -215,7 +226,28 @@ class ClusterSpec(BaseModel):
         return [d for d in self.devices for _ in range(d.count)]
 
     def rank_nodes(self) -> list[int]:
-        return [d.node for d in self.rank_devices()]
+        """The node each rank sits on."""
+        nodes: list[int] = []
+        for d in self.devices:
+            if d.gpus_per_node is None:
+                nodes += [d.node] * d.count
+            else:
+                first = d.node if "node" in d.model_fields_set or not nodes else max(nodes) + 1
+                nodes += [first + i // d.gpus_per_node for i in range(d.count)]
+        return nodes
+
+    def intra_links(self) -> dict[int, Link]:
+        """Each node's link among its own ranks: its kind's (``intra_node``), the network's where none is given;
+        on a node of several kinds the slowest of theirs and the network's (unlike cards share no NVLink)."""
+        kinds: dict[int, set] = {}
+        for d, n in zip(self.rank_devices(), self.rank_nodes()):
+            kinds.setdefault(n, set()).add(d.intra_node)
+        out = {}
+        for n, links in kinds.items():
+            if len(links) > 1 or None in links:
+                links = (links - {None}) | {self.network.intra_node}
+            out[n] = Link(bandwidth_gbs=min(k.bandwidth_gbs for k in links), latency_us=max(k.latency_us for k in links))
+        return out
 
     def node_groups(self) -> list[list[int]]:
         """The ranks on each node, node by node: the shard groups of a plan shaped to the nodes."""

@@ -78,7 +78,7 @@ class EmulatedDevice(Device):
         self.cluster, self.rank = cluster, rank
         self.kind = cluster.device(rank)
         self.gpu = GpuModel.of(self.kind)
-        self.network = NetworkModel(cluster.network, cluster.rank_nodes())
+        self.network = NetworkModel.of(cluster)
         self.capacity = cluster.memory_bytes(self.kind)
         self.fixed_dilation, self.probe = dilation, probe
         self.dilation = dilation or 1.0

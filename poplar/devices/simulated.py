@@ -59,6 +59,11 @@ class SimulatedComm(ObservedComm):
         """The collectives among ``ranks`` only (global ranks; this rank among them), over their own links."""
         return SimulatedComm(self.observer, ranks.index(self._rank), len(ranks), SimulatedGroup(tuple(ranks)))
 
+    def agree(self, values: list[int], device) -> tuple[list[int], list[int]]:
+        """The (min, max) across ranks of values every rank holds alike (this one stands for all): its own."""
+        self.run("all_reduce", 16 * len(values), lambda a: None, False)
+        return list(values), list(values)
+
     def run(self, op: str, nbytes: int, issue: Callable[[bool], Any], async_op: bool, groups: int = 1):
         work = Work(Issued(), self.observer, self.observer.launch(op, nbytes, self._group, groups))
         if async_op:

@@ -37,8 +37,15 @@ _RING = {"all_reduce": (2, 2.0), "reduce_scatter": (1, 1.0), "all_gather": (1, 1
 class NetworkModel:
     """Collective times of one cluster's ranks (``nodes[r]``: the node rank ``r`` sits on)."""
 
-    def __init__(self, network: Network, nodes: list[int]):
-        self.network, self.nodes = network, list(nodes)
+    def __init__(self, network: Network, nodes: list[int], intra: dict[int, Link] | None = None):
+        """``intra``: each node's own link inside it (default: the network's ``intra_node``)."""
+        self.network, self.nodes, self.intra = network, list(nodes), intra or {}
+        self._links: dict = {}   # (ranks or None, exchange) -> (ranks, bottleneck link): a group's, once
+
+    @classmethod
+    def of(cls, spec) -> NetworkModel:
+        """The network of a :class:`~poplar.cluster.spec.ClusterSpec`: its ranks' nodes, each node's own link."""
+        return cls(spec.network, spec.rank_nodes(), spec.intra_links())
 
     @property
     def link(self) -> Link:
@@ -54,11 +61,12 @@ class NetworkModel:
         """
         net = self.network
         distinct = sorted(set(nodes))
+        inside = [self.intra.get(n, net.intra_node) for n in distinct]
         if len(distinct) <= 1:
-            return net.intra_node
+            return inside[0] if inside else net.intra_node
         pairs = ([(a, b) for i, a in enumerate(distinct) for b in distinct[i + 1:]] if exchange
                  else list(zip(distinct, distinct[1:] + distinct[:1])))
-        links = [net.intra_node, *(net.link(a, b) for a, b in pairs)]
+        links = [*inside, *(net.link(a, b) for a, b in pairs)]
         return Link(bandwidth_gbs=min(k.bandwidth_gbs for k in links), latency_us=max(k.latency_us for k in links))
 
     def seconds(self, op: str, nbytes: float, ranks: list[int] | None = None, groups: int = 1) -> float:
@@ -66,9 +74,7 @@ class NetworkModel:
 
         ``groups``: the groups a ``reduce_across`` sums across.
         """
-        nodes = self.nodes if ranks is None else [self.nodes[r] for r in ranks]
-        n = len(nodes)
-        link = self.link_among(nodes, exchange=op == "reduce_across")
+        n, link = self._group_link(ranks, op == "reduce_across")
         if op == "reduce_across":
             return (groups - 1) * (link.latency_us * 1e-6 + nbytes / (link.bandwidth_gbs * 1e9))
         if n <= 1:
@@ -79,3 +85,10 @@ class NetworkModel:
         messages = rounds * (n - 1)
         moved = nbytes if share is None else share * (n - 1) / n * nbytes
         return messages * link.latency_us * 1e-6 + moved / (link.bandwidth_gbs * 1e9)
+
+    def _group_link(self, ranks: list[int] | None, exchange: bool) -> tuple[int, Link]:
+        key = (None if ranks is None else tuple(ranks), exchange)
+        if key not in self._links:
+            nodes = self.nodes if ranks is None else [self.nodes[r] for r in ranks]
+            self._links[key] = (len(nodes), self.link_among(nodes, exchange))
+        return self._links[key]

@@ -38,16 +38,16 @@ def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
             t = t - kc.per_step_s
         times[k] = np.maximum.accumulate(np.where(b == 0, 0.0, t))   # more samples never take less time
     if not scheduled:
-        return global_batch / (_balanced_limit(times, cost.rank_kinds, global_batch) + cost.comm_s(1))
+        alike = Counter((k, 0.0) for k in cost.rank_kinds)
+        return global_batch / (_balanced_limit(times, alike, global_batch) + cost.comm_s(1))
     return global_batch / _balanced_step_s(cost, global_batch, times)
 
 
-def _balanced_limit(times: dict[str, np.ndarray], rank_kinds: list[str], global_batch: int,
-                    offsets: list[float] | None = None) -> float:
+def _balanced_limit(times: dict[str, np.ndarray], alike: Counter, global_batch: int) -> float:
     """The least time within which the ranks (``times[kind][b]``: ``b`` samples' time) take the whole batch,
-    a rank's samples interpolated between whole counts; rank ``i`` may go on ``offsets[i]`` longer."""
-    offsets = offsets or [0.0] * len(rank_kinds)
-    alike = Counter(zip(rank_kinds, offsets))     # ranks of one kind and offset take the same share
+    a rank's samples interpolated between whole counts; ``alike[(kind, extra)]``: how many ranks of ``kind``
+    may go on ``extra`` seconds longer (ranks of one kind and offset take the same share)."""
+    offsets = [extra for _, extra in alike]
 
     def samples_within(limit: float) -> float:
         total = 0.0
@@ -64,8 +64,25 @@ def _balanced_limit(times: dict[str, np.ndarray], rank_kinds: list[str], global_
         return total
 
     lo, hi = -max(map(abs, offsets)), float(max(t[-1] for t in times.values())) + max(map(abs, offsets))
-    while lo < (mid := (lo + hi) / 2) < hi:    # until the interval is as narrow as floats go
-        lo, hi = (mid, hi) if samples_within(mid) < global_batch else (lo, mid)
+    return _least_reaching(lambda x: samples_within(x) - global_batch, lo, hi)
+
+
+def _least_reaching(f, lo: float, hi: float, rel: float = 1e-13) -> float:
+    """The least ``x`` in ``(lo, hi]`` with ``f(x) >= 0``, ``f`` non-decreasing and piecewise linear (``f(lo) < 0 <=
+    f(hi)``), to within ``rel`` of it: regula falsi on the bracket, the stale end's value halved when one end
+    keeps moving (the Illinois rule), a bisection where the secant would leave the bracket."""
+    f_lo, f_hi, moved = f(lo), f(hi), 0
+    while hi - lo > rel * max(1.0, abs(hi)):
+        mid = hi - f_hi * (hi - lo) / (f_hi - f_lo) if f_hi > f_lo else (lo + hi) / 2
+        if not lo < mid < hi:
+            mid = (lo + hi) / 2
+        value = f(mid)
+        if value < 0:
+            lo, f_lo = mid, value
+            f_hi, moved = (f_hi / 2 if moved < 0 else f_hi), -1
+        else:
+            hi, f_hi = mid, value
+            f_lo, moved = (f_lo / 2 if moved > 0 else f_lo), 1
     return hi
 
 
@@ -79,12 +96,12 @@ def _balanced_step_s(cost: CostModel, global_batch: int, compute: dict[str, np.n
     """
     sorts = _group_sorts(cost)
     groups = max(sorts) + 1
-    group = cost.shape.group_of if cost.shape else (lambda i: 0)
-    rank_groups = [group(i) for i in range(len(cost.rank_kinds))]
-    # groups of one sort run alike (the same kinds on the same links, the same offset): one stands for them all
-    stand_ins = [sorts.index(sorts[g]) for g in rank_groups]
-    at = lambda d: _step_at(cost, global_batch, compute, [([0.0, *d])[j] for j in sorts],   # noqa: E731
-                            rank_groups, stand_ins)
+    rank_groups = cost.shape.rank_groups if cost.shape else [0] * len(cost.rank_kinds)
+    # groups of one sort run alike (the same kinds on the same links, the same offset): the first stands for
+    # them all, and its ranks of one kind for each other
+    reps = Counter((sorts[g], k) for g, k in zip(rank_groups, cost.rank_kinds))
+    firsts = [sorts.index(j) for j in range(groups)]
+    at = lambda d: _step_at(cost, global_batch, compute, [0.0, *d], reps, firsts)   # noqa: E731
     if groups == 1:
         return at([])
     span = float(max(t[-1] for t in compute.values()))     # no rank computes longer than the whole batch takes
@@ -100,7 +117,7 @@ def _balanced_step_s(cost: CostModel, global_batch: int, compute: dict[str, np.n
         return min(float(found.fun), at(best))
     simplex = np.vstack([best, best + step * np.eye(groups - 1)])
     found = minimize(at, best, method="Nelder-Mead",
-                     options={"xatol": span * 1e-7, "fatol": span * 1e-9, "initial_simplex": simplex})
+                     options={"xatol": span * 1e-5, "fatol": span * 1e-7, "initial_simplex": simplex})
     return min(float(found.fun), at(best))
 
 
@@ -117,29 +134,29 @@ def _group_sorts(cost: CostModel) -> list[int]:
 
 
 def _step_at(cost: CostModel, global_batch: int, compute: dict[str, np.ndarray], offsets: list[float],
-             rank_groups: list[int], stand_ins: list[int]) -> float:
-    """The schedule's step when the ranks of group ``g`` compute until a common limit plus ``offsets[g]``
-    (less if the whole batch takes less), the limit at which the ranks take the whole batch; ``rank_groups``: each
-    rank's group, ``stand_ins``: the group each rank's is scheduled as (the first of its sort).
+             reps: Counter, firsts: list[int]) -> float:
+    """The schedule's step when the ranks of groups of sort ``j`` compute until a common limit plus
+    ``offsets[j]`` (less if the whole batch takes less), the limit at which the ranks take the whole batch;
+    ``reps[(j, kind)]``: how many ranks of ``kind`` groups of sort ``j`` hold, ``firsts[j]``: the group that is
+    scheduled for its sort.
 
     Each rank runs the fewest micro-steps memory allows (in ZeRO-2/3 the fewest the
     cluster's memory allows for the whole batch), of equal length: the longest last
     micro-step, under which the most communication hides.
     """
-    extra = [offsets[g] for g in rank_groups]
-    limit = _balanced_limit(compute, cost.rank_kinds, global_batch, extra)
+    alike = Counter()
+    for (j, k), count in reps.items():
+        alike[k, offsets[j]] += count
+    limit = _balanced_limit(compute, alike, global_batch)
     if cost.stage >= 2:
-        capacity = sum(cost.kinds[k].max_micro_batch for k in cost.rank_kinds)
+        capacity = sum(count * cost.kinds[k].max_micro_batch for (_, k), count in reps.items())
         common = -(-global_batch // capacity)
-    ranks = {}
-    for i, k in enumerate(cost.rank_kinds):
-        g = stand_ins[i]
-        if (g, k) in ranks:
-            continue
+    ranks = []
+    for j, k in reps:
         kc, t = cost.kinds[k], compute[k]
-        mine = max(0.0, limit + extra[i])
+        mine = max(0.0, limit + offsets[j])
         whole = max(1, min(global_batch, int(np.searchsorted(t, mine, side="right")) - 1))
         accum = common if cost.stage >= 2 else -(-whole // kc.max_micro_batch)
         seconds = min(mine, float(t[-1]))
-        ranks[g, k] = (g, [(whole / accum, seconds / accum)] * accum, kc)
-    return cost.schedule.run(list(ranks.values()))
+        ranks.append((firsts[j], [(whole / accum, seconds / accum)] * accum, kc))
+    return cost.schedule.run(ranks)

@@ -39,6 +39,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
+
+from poplar.plan import near_equal
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,22 @@ class Shape:
     across: object            # the sum across groups (a ShapedComm)
 
     def group_of(self, rank: int) -> int:
-        return next(j for j, g in enumerate(self.groups) if rank in g)
+        return self.rank_groups[rank]
+
+    @cached_property
+    def rank_groups(self) -> list[int]:
+        """Each plan rank's group."""
+        out = [0] * sum(len(g) for g in self.groups)
+        for j, g in enumerate(self.groups):
+            for r in g:
+                out[r] = j
+        return out
+
+    @cached_property
+    def links(self) -> list[int]:
+        """Each group's sort of link: the first group whose collectives among its ranks take the same times."""
+        firsts: dict[str, int] = {}
+        return [firsts.setdefault(comm.model_dump_json(), j) for j, comm in enumerate(self.inside)]
 
 
 class StepSchedule:
@@ -225,10 +243,21 @@ class StepSchedule:
         self.small_s = profile.comm.seconds("all_reduce", 1)
 
     def step_s(self, plan, rank_kinds: list[str], kinds: dict) -> float:
-        """The plan's step time: every distinct rank (group, kind and micro-batches) followed together."""
-        group = self.shape.group_of if self.shape else (lambda r: 0)
-        distinct = dict.fromkeys((group(r), rank_kinds[r], tuple(plan.micro_batches(r))) for r in range(plan.world_size))
-        return self.run([(g, [(m, float(kinds[k].g[m])) for m in mbs], kinds[k]) for g, k, mbs in distinct])
+        """The plan's step time: every distinct rank (group, kind and micro-batches) followed together; a group
+        alike another (links, and its ranks' kinds and micro-batches) runs as it does, and stands for it."""
+        sizes = list(zip(rank_kinds, plan.local_batch_sizes, plan.accum_steps))
+        group = [0] * len(sizes)
+        if self.shape:
+            members: list[set] = [set() for _ in self.shape.groups]
+            for r, j in enumerate(self.shape.rank_groups):
+                members[j].add(sizes[r])
+            firsts: dict = {}
+            stand_in = [firsts.setdefault((link, frozenset(m)), j) for j, (link, m) in
+                        enumerate(zip(self.shape.links, members))]
+            group = [stand_in[j] for j in self.shape.rank_groups]
+        distinct = dict.fromkeys((g, *size) for g, size in zip(group, sizes))
+        return self.run([(g, [(m, float(kinds[k].g[m])) for m in near_equal(b, a)], kinds[k])
+                         for g, k, b, a in distinct])
 
     def run(self, ranks: list[tuple]) -> float:
         """The step's end for ranks given as (group, each micro-step's (micro-batch, compute seconds), the

@@ -68,8 +68,9 @@ def node_shape(profile: Profile, ranks: list[int]) -> Shape | None:
     if shaped is None:
         return None
     groups, inside = [], []
+    index = {r: i for i, r in enumerate(ranks)}
     for node, comm in zip(shaped.groups, shaped.inside):
-        members = [i for i, r in enumerate(ranks) if r in node]
+        members = sorted(index[r] for r in node if r in index)
         if members:
             groups.append(members)
             inside.append(comm)

@@ -24,15 +24,21 @@ def simulated_comm(spec: ClusterSpec, numel: int) -> CommProfile:
     """What :func:`poplar.profile.timing.time_collectives` measures on ``spec``, for ``numel`` parameters."""
     groups = spec.node_groups()
     with fake_tensors():
-        devices = {r: SimulatedDevice(spec, r) for r in {0, *(g[0] for g in groups)}}
-        for d in devices.values():
-            d.start()
-        flat = _time_ops(devices[0], devices[0].comm, numel, REPEATS)
+        first = SimulatedDevice(spec, 0)
+        flat = _time_ops(first, first.comm, numel, REPEATS)
         if len(groups) < 2:
             return flat
-        inside = [_time_ops(devices[g[0]], devices[g[0]].comm.among(g), numel, REPEATS) for g in groups]
-        link, add = _across(devices[0], groups, numel)
-        link_tiny, add_tiny = _across(devices[0], groups, len(groups) * 64)
+        links, nodes = spec.intra_links(), spec.rank_nodes()
+        alike: dict[tuple, CommProfile] = {}   # nodes of as many ranks over the same link time the same
+        inside = []
+        for g in groups:
+            key = (len(g), links[nodes[g[0]]])
+            if key not in alike:
+                device = SimulatedDevice(spec, g[0])
+                alike[key] = _time_ops(device, device.comm.among(g), numel, REPEATS)
+            inside.append(alike[key])
+        link, add = _across(first, groups, numel)
+        link_tiny, add_tiny = _across(first, groups, len(groups) * 64)
     shaped = ShapedComm(groups=groups, numel=numel, inside=inside, reduce_across_s=link, across_latency_s=link_tiny,
                         sum_s=add, sum_latency_s=add_tiny)
     return flat.model_copy(update={"shaped": shaped})

@@ -19,8 +19,13 @@ class HostValues(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+_MODE: list[FakeTensorMode] = []   # one for the process: fake tensors kept from one simulation meet the next's
+
+
 @contextlib.contextmanager
 def fake_tensors():
     """Every tensor made inside is fake, and what is read back from one is :class:`HostValues`'."""
-    with FakeTensorMode(), HostValues():
+    if not _MODE:
+        _MODE.append(FakeTensorMode())
+    with _MODE[0], HostValues():
         yield

@@ -53,7 +53,10 @@ def simulate_stages(workload: str | Workload, cluster, options: ProfileOptions |
         device = CountingDevice(spec, 0)
         with device:
             run = RankRun(device, 0, spec.world_size, wl, config, warmup=1, repeats=1)
-            saved = Activations(_saved_bytes(device, wl, options.precision))
+            key = (wl.model_dump_json(), options.precision)
+            if key not in _SAVED:
+                _SAVED[key] = Activations(_saved_bytes(device, wl, options.precision))
+            saved = _SAVED[key]
             for stage in options.stages:
                 for kind, sp in _stage(run, stage, options, kinds, saved).items():
                     out[(kind, stage)] = sp
@@ -79,38 +82,47 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
            saved: Activations) -> dict[str, StageProfile]:
     """Every kind's profile of ``stage`` (as :func:`poplar.profile.rank.profile_stage` decides, kind by kind)."""
     spec: ClusterSpec = run.device.cluster
-    with _Recording(run, stage) as recording:
+    steps, recording = _counted(run, stage)
+    before, most = recording.before, recording.most
+    capacity = {k: spec.memory_bytes(d) for k, d in kinds.items()}
+    fits = {k: before + saved.exact(1) <= capacity[k] for k in kinds}
+    if not all(fits.values()):
+        return {k: StageProfile(max_micro_batch=int(f), state_bytes=before, note=NOT_TIMED)
+                for k, f in fits.items()}
+    limits = {k: _largest(saved, most + int(run.device.probe_headroom * capacity[k]), capacity[k],
+                          options.max_micro_batch) for k in kinds}
+    if not all(limits.values()):
+        return {k: StageProfile(max_micro_batch=min(n, 1), state_bytes=most, note=NOT_TIMED)
+                for k, n in limits.items()}
+    return {k: _timed(steps, GpuModel.of(kinds[k]), limits[k], most, options.n_points) for k in kinds}
+
+
+# What a step runs depends on the model, the stage, the world's size and the engine's options, not on the
+# devices: counted once a process, for every cluster simulated in it (as the saved bytes, by model and precision).
+_COUNTED: dict[tuple, tuple[Steps, _Recording]] = {}
+_SAVED: dict[tuple, Activations] = {}
+
+
+def _counted(run: RankRun, stage: int) -> tuple[Steps, _Recording]:
+    """The stage's step traces for ``run``'s workload and world, and the recording (its states)."""
+    key = (run.workload.model_dump_json(), stage, run.world_size, run.config.model_dump_json())
+    if key not in _COUNTED:
+        recording = _Recording(run, stage)
         steps = Steps(recording.trace)
         steps.recorded(1, 2)    # two steps of two micro-batches of 1: the states at their most
-        before, most = recording.before, recording.most
-        capacity = {k: spec.memory_bytes(d) for k, d in kinds.items()}
-        fits = {k: before + saved.exact(1) <= capacity[k] for k in kinds}
-        if not all(fits.values()):
-            return {k: StageProfile(max_micro_batch=int(f), state_bytes=before, note=NOT_TIMED)
-                    for k, f in fits.items()}
-        limits = {k: _largest(saved, most + int(run.device.probe_headroom * capacity[k]), capacity[k],
-                              options.max_micro_batch) for k in kinds}
-        if not all(limits.values()):
-            return {k: StageProfile(max_micro_batch=min(n, 1), state_bytes=most, note=NOT_TIMED)
-                    for k, n in limits.items()}
-        return {k: _timed(steps, GpuModel.of(kinds[k]), limits[k], most, options.n_points) for k in kinds}
+        _COUNTED[key] = steps, recording
+    return _COUNTED[key]
 
 
 class _Recording:
     """A stage's steps recorded on one engine per accumulation, re-planned to each micro-batch after a warm-up
-    step (the optimizer's states are made in the first); the model states around the first engine's steps."""
+    step (the optimizer's states are made in the first); the model states around the first engine's steps.
+    Its engines live on (fake: they hold no memory), for the sizes asked for later."""
 
     def __init__(self, run: RankRun, stage: int):
         self.run, self.stage = run, stage
         self.engines: dict[int, object] = {}
         self.before = self.most = 0
-
-    def __enter__(self) -> _Recording:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for engine in self.engines.values():
-            engine.close()
 
     def _plan(self, m: int, accumulation: int) -> poplar.Plan:
         return poplar.Plan(self.stage, [m] * self.run.world_size, accumulation)

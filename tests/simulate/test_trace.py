@@ -39,11 +39,8 @@ def test_a_step_read_from_the_line_is_the_step_recorded_at_that_size(model, stag
         device = CountingDevice(CLUSTER, 0)
         with device:
             run = RankRun(device, 0, CLUSTER.world_size, wl, EngineConfig(check_batches=False), 1, 1)
-            with _Recording(run, stage) as recording:
-                steps = Steps(recording.trace)
-                derived = steps.at(7, 1)
-                with _Recording(run, stage) as again:
-                    recorded = again.trace(7, 1)
+            derived = Steps(_Recording(run, stage).trace).at(7, 1)
+            recorded = _Recording(run, stage).trace(7, 1)
             saved = Activations(_saved_bytes(device, wl, "fp32"))
             assert saved(9) == saved.exact(9) > saved(8) > saved.exact(1) > 0
     assert np.array_equal(derived.flops, recorded.flops) and np.array_equal(derived.nbytes, recorded.nbytes)
