@@ -299,6 +299,19 @@ class Plan:
         shape = f", {self.shape}" if self.shard_groups else ""
         return f"Plan(stage {self.zero_stage}{shape}, global batch {self.global_batch_size}: {rows})"
 
+    def summary(self) -> str:
+        """One short line at any scale: the stage, the shape, the batch, and the spread of micro-batches and counts.
+
+        >>> Plan.from_local_batches(1, [8, 6, 2], [1, 2, 1]).summary()
+        'stage 1 flat, global batch 16 on 3 ranks: micro-batch 2-8, accumulation 1-2'
+        """
+        def spread(values) -> str:
+            return str(min(values)) if min(values) == max(values) else f"{min(values)}-{max(values)}"
+
+        shape = "flat" if not self.shard_groups else f"{shaped_name(self.zero_stage)} over {len(self.shard_groups)} groups"
+        return (f"stage {self.zero_stage} {shape}, global batch {self.global_batch_size} on {self.world_size} ranks: "
+                f"micro-batch {spread(self.micro_batch_sizes)}, accumulation {spread(self.accum_steps)}")
+
     @property
     def shape(self) -> str:
         """How the collectives are shaped: 'flat', or 'hybrid' over its groups ('two-level' in stage 0).

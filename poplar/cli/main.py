@@ -200,7 +200,7 @@ def plan(
     console.print(comparison_table(result))
     say(console, f"chosen: {result.reason}")
     result.save(out)
-    say(console, f"wrote {out} ({result.plan})")
+    say(console, f"wrote {out} ({result.plan.summary()})")
 
 
 def _where_run_stands(cfg) -> str:

@@ -2,23 +2,47 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import typer
 
+_SUFFIX = {"k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_tokens(text: str) -> int:
+    """A token count: ``2M`` (2 x 2^20, as batches of 2,048-token samples count), ``512k``, ``1048576``.
+
+    >>> parse_tokens("2M"), parse_tokens("512k"), parse_tokens("4096")
+    (2097152, 524288, 4096)
+    """
+    t = text.strip().lower()
+    scale = _SUFFIX.get(t[-1:], 1)
+    number = t[:-1] if scale > 1 else t
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise ValueError(f"--global-batch-tokens {text!r}: give a number of tokens, e.g. 2M or 524288") from None
+    if value < 1 or value != int(value):
+        raise ValueError(f"--global-batch-tokens {text!r}: give a positive whole number of tokens")
+    return int(value)
+
 
 def simulate(
     cluster: str = typer.Option(..., help="cluster YAML file, or a preset (e.g. two-node-10gbe)"),
-    model: str = typer.Option(..., help="model preset (see `poplar profile --help`)"),
-    global_batch: int = typer.Option(..., min=1, help="samples per optimizer step, over all ranks"),
+    model: str = typer.Option(..., help="model preset (see `poplar profile --help`), e.g. llama-7b"),
+    global_batch: int | None = typer.Option(None, min=1, help="samples per optimizer step, over all ranks"),
+    global_batch_tokens: str | None = typer.Option(None, help="tokens per optimizer step instead (2M = 2^21): "
+                                                   "that many samples of --seq-len, rounded down"),
     seq_len: int | None = typer.Option(None, help="tokens per sample (Hugging Face presets)"),
     stages: str = typer.Option("0,1,2,3", help="ZeRO stages to consider, comma-separated"),
     points: int = typer.Option(6, min=2, help="micro-batch sizes simulated per stage"),
     max_micro_batch: int = typer.Option(256, min=1, help="largest micro-batch the memory search tries"),
     mixed_precision: str = typer.Option("none", help="none (fp32) or bf16 (the engine's bf16 mixed precision)"),
+    alone: bool = typer.Option(True, help="also plan each kind's homogeneous cluster (the paper's baselines)"),
     out: Path = typer.Option(Path("plan.json"), help="where to write the chosen plan (JSON)"),
     profile_out: Path | None = typer.Option(None, help="also write the simulated profile here (JSON)"),
+    json_out: Path | None = typer.Option(None, "--json", help="write the figures (the tables') here as JSON"),
+    plot: Path | None = typer.Option(None, help="draw the comparison here (PNG)"),
 ) -> None:
     """Plan a model on a cluster from a simulated profile: the device model counted on fake tensors, not run."""
     from pydantic import ValidationError
@@ -27,10 +51,9 @@ def simulate(
     from poplar.cli.output import console as _console
     from poplar.cli.output import say
     from poplar.cluster.spec import load_cluster
-    from poplar.planner import make_plan
     from poplar.planner.report import comparison_table, stage_table
     from poplar.profile.options import ProfileOptions
-    from poplar.simulate import simulate_profile
+    from poplar.simulate.evaluate import evaluate
     from poplar.workload import Workload
 
     console = _console()
@@ -43,27 +66,92 @@ def simulate(
         except ValidationError as e:
             raise ValueError(f"--model/--seq-len: {e.errors()[0]['msg']}") from None
         spec = load_cluster(cluster)
-        spec.check_global_batch(global_batch)
-        _check_writable(out, "--out")
-        _check_writable(profile_out, "--profile-out")
+        batch = _global_batch(global_batch, global_batch_tokens, workload.seq_len)
+        spec.check_global_batch(batch)
+        for path, option in ((out, "--out"), (profile_out, "--profile-out"), (json_out, "--json"), (plot, "--plot")):
+            _check_writable(path, option)
     except BAD_INPUT_ERRORS as e:
         _error(console, e)
         raise typer.Exit(2) from None
-    start = time.perf_counter()
-    prof = simulate_profile(workload, spec, options)
-    simulated_s = time.perf_counter() - start
     try:
-        result = make_plan(prof, global_batch, stage_list)
+        evaluation, result = evaluate(workload, spec, batch, options, alone=alone)
     except BAD_INPUT_ERRORS as e:   # PlanningError: no stage can run it
         _error(console, e)
         raise typer.Exit(2) from None
     console.print(stage_table(result, result.chosen))
     console.print(comparison_table(result))
+    console.print(_summary_table(evaluation))
+    console.print(_kinds_table(evaluation))
     say(console, f"chosen: {result.reason}")
-    say(console, f"simulated {prof.model.n_params:,} parameters on {spec.world_size} ranks in {simulated_s:.1f} s, "
-                 f"planned in {time.perf_counter() - start - simulated_s:.1f} s")
+    say(console, f"simulated {result.profile.model.n_params:,} parameters on {spec.world_size} ranks in "
+                 f"{evaluation.simulated_s:.1f} s, planned in {evaluation.planned_s:.1f} s")
     result.save(out)
-    say(console, f"wrote {out} ({result.plan})")
-    if profile_out:
-        prof.save(profile_out)
-        say(console, f"wrote {profile_out}")
+    say(console, f"wrote {out} ({result.plan.summary()})")
+    for path, write in ((profile_out, lambda p: result.profile.save(p)),
+                        (json_out, lambda p: p.write_text(evaluation.model_dump_json(indent=1))),
+                        (plot, lambda p: _plot(evaluation, p))):
+        if path:
+            write(path)
+            say(console, f"wrote {path}")
+
+
+def _global_batch(samples: int | None, tokens: str | None, seq_len: int) -> int:
+    """The global batch in samples, from exactly one of the two options."""
+    if (samples is None) == (tokens is None):
+        raise ValueError("give the global batch as --global-batch (samples) or --global-batch-tokens, one of them")
+    if samples is not None:
+        return samples
+    n = parse_tokens(tokens) // seq_len
+    if n < 1:
+        raise ValueError(f"--global-batch-tokens {tokens}: fewer tokens than one sample of {seq_len}")
+    return n
+
+
+def _summary_table(ev):
+    from rich.table import Table
+
+    table = Table(title=f"{ev.model}, global batch {ev.global_batch} x {ev.seq_len} tokens: Poplar against the "
+                        "baselines (each at its best stage)")
+    for col in ("plan", "samples/s", "tokens/s", "Poplar's speedup"):
+        table.add_column(col, justify="right")
+    table.add_row(f"Poplar ({ev.label})", f"{ev.samples_per_s:,.1f}", f"{ev.tokens_per_s:,.0f}", "1.00x")
+    rows = [(name, s) for name, s in ev.baselines.items()]
+    rows += [(f"{a.kind} alone ({a.ranks}{', ' + a.label if a.label else ''})", a.samples_per_s) for a in ev.alone]
+    for name, s in rows:
+        table.add_row(name, f"{s:,.1f}" if s else "-", f"{s * ev.seq_len:,.0f}" if s else "-",
+                      f"{ev.speedup(s):.2f}x" if s else "no plan")
+    table.add_row("ideal bound", f"{ev.ideal_samples_per_s:,.1f}", f"{ev.ideal_samples_per_s * ev.seq_len:,.0f}",
+                  f"{100 * ev.samples_per_s / ev.ideal_samples_per_s:.0f}% of it")
+    return table
+
+
+def _kinds_table(ev):
+    from rich.table import Table
+
+    table = Table(title=f"each kind in Poplar's plan ({ev.tflops:,.1f} model TFLOP/s in all)")
+    for col in ("kind", "ranks", "samples", "micro-batch", "accum", "TFLOP/s a device", "MFU"):
+        table.add_column(col, justify="right")
+    for k in ev.kinds:
+        table.add_row(k.kind, str(k.ranks), str(k.samples), str(k.micro_batch), str(k.accum), f"{k.tflops:,.1f}",
+                      f"{100 * k.mfu:.0f}%")
+    return table
+
+
+def _plot(ev, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [f"Poplar\n{ev.label}", *ev.baselines, *(f"{a.kind}\nalone" for a in ev.alone), "ideal"]
+    values = [ev.samples_per_s, *(s or 0 for s in ev.baselines.values()), *(a.samples_per_s or 0 for a in ev.alone),
+              ev.ideal_samples_per_s]
+    fig, ax = plt.subplots(figsize=(1.3 * len(names) + 2, 3.8))
+    ax.bar(range(len(names)), values, color=["C0"] + ["C7"] * (len(names) - 2) + ["C2"])
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_ylabel("samples/s (simulated)")
+    ax.set_title(f"{ev.model} on {ev.world_size} GPUs, global batch {ev.global_batch}", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

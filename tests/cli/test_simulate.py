@@ -56,3 +56,35 @@ def test_a_model_that_fits_no_device_in_any_stage_names_what_it_needs(tmp_path):
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert "no stage can run this job" in run.stdout and "The least it needs is ZeRO-" in run.stdout
     assert "MiB a device, plus a sample's activations (the largest device here has 0.2 MiB)" in run.stdout
+
+
+def test_a_token_batch_the_baselines_each_kind_alone_and_the_figures_as_json(tmp_path):
+    """2k tokens of 64-token samples: 32 samples; Poplar beside uniform, proportional and each kind alone."""
+    out = tmp_path / "e.json"
+    run = _simulate("--cluster", "memory-differs", "--model", "tiny", "--global-batch-tokens", "2k", "--stages", "0",
+                    "--points", "2", "--out", str(tmp_path / "plan.json"), "--json", str(out),
+                    "--plot", str(tmp_path / "e.png"))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    ev = json.loads(out.read_text())
+    assert ev["global_batch"] == 32 and ev["seq_len"] == 64 and ev["tokens_per_s"] == ev["samples_per_s"] * 64
+    assert set(ev["baselines"]) == {"uniform", "proportional", "measured-peak"}
+    assert ev["samples_per_s"] >= max(v for v in ev["baselines"].values() if v) * (1 - 1e-9)
+    assert ev["samples_per_s"] <= ev["ideal_samples_per_s"] * (1 + 1e-9)
+    assert [(a["kind"], a["ranks"]) for a in ev["alone"]] == [("a100-80gb", 1), ("a100-40gb", 1)]
+    assert all(a["samples_per_s"] > 0 for a in ev["alone"])
+    assert {k["kind"] for k in ev["kinds"]} == {"a100-80gb", "a100-40gb"}
+    assert sum(k["ranks"] * k["samples"] for k in ev["kinds"]) == 32
+    for k in ev["kinds"]:    # the model's FLOPs a device computes, below its peak
+        assert 0 < k["mfu"] < 1 and k["tflops"] > 0
+    assert (tmp_path / "e.png").stat().st_size > 0 and "Poplar's speedup" in run.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--global-batch", "64", "--global-batch-tokens", "2M"], "one of them"),
+    ([], "one of them"),
+    (["--global-batch-tokens", "lots"], "give a number of tokens"),
+    (["--global-batch-tokens", "32"], "fewer tokens than one sample of 64"),
+])
+def test_the_global_batch_is_given_once_in_samples_or_tokens(args, says):
+    run = _simulate("--cluster", "memory-differs", "--model", "tiny", *args)
+    assert run.returncode == 2 and says in run.stdout and "Traceback" not in run.stdout + run.stderr, run.stdout

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from poplar.cluster.catalogue import CATALOGUE, gpu
-from poplar.cluster.spec import ClusterSpec, CudaProperties, load_cluster, parse_cluster, presets
+from poplar.cluster.spec import ClusterSpec, CudaProperties, Link, load_cluster, parse_cluster, presets
 from poplar.emulate import NetworkModel
 
 PRESETS = ["both-differ", "compute-differs", "memory-differs", "three-node", "two-node", "two-node-100g",
@@ -175,3 +175,19 @@ def test_files_that_are_not_there_or_not_yaml(tmp_path):
     speed.write_text("devices:\n  - kind: x\n    speed: 1.0\n    memory_gb: 1\n")
     with pytest.raises(ValueError, match=f"{speed}: devices.0.speed"):   # the error names the file too
         load_cluster(speed)
+
+
+def test_kinds_spread_over_nodes_of_their_own_with_their_own_link_inside():
+    """``gpus_per_node``: a kind fills nodes of that many ranks, after the previous kinds' unless ``node`` says."""
+    spec = parse_cluster({"devices": [
+        {"kind": "a", "gpu": "A100-80GB", "count": 10, "gpus_per_node": 4, "intra_node": {"bandwidth_gbs": 300,
+                                                                                            "latency_us": 3}},
+        {"kind": "b", "gpu": "T4-16GB", "count": 3},                     # node 0 (the default), beside a's first
+        {"kind": "c", "gpu": "V100-16GB", "count": 4, "gpus_per_node": 2},
+        {"kind": "d", "gpu": "V100-16GB", "count": 2, "gpus_per_node": 8, "node": 9}]})
+    assert spec.rank_nodes() == [0] * 4 + [1] * 4 + [2] * 2 + [0] * 3 + [3, 3, 4, 4] + [9, 9]
+    links = spec.intra_links()
+    assert links[1] == links[2] == Link(bandwidth_gbs=300, latency_us=3)
+    assert links[0] == spec.network.intra_node      # a's NVLink does not join a T4: the slowest
+    assert links[3] == links[9] == spec.network.intra_node
+    assert parse_cluster(spec.model_dump()) == spec   # written back as given

@@ -43,3 +43,16 @@ def test_links_between_particular_nodes():
 def test_a_bad_link_between_nodes_says_what_to_change(between, words):
     with pytest.raises(ValueError, match=words):
         parse_cluster({**TWO_NODES, "network": {"between": between}})
+
+
+def test_a_kinds_own_link_inside_its_nodes_times_its_collectives_there():
+    """NVLink among one kind's ranks on a node; the slow link where a ring crosses nodes; PCIe by default."""
+    spec = parse_cluster({"network": {"inter_node": {"bandwidth_gbs": 12.5, "latency_us": 5}},
+                          "devices": [{"kind": "a", "gpu": "A100-80GB", "count": 4, "gpus_per_node": 2,
+                                       "intra_node": {"bandwidth_gbs": 300, "latency_us": 2}},
+                                      {"kind": "t", "gpu": "T4-16GB", "count": 2, "gpus_per_node": 2}]})
+    net, mb = NetworkModel.of(spec), 1e6
+    assert net.seconds("all_gather", mb, [0, 1]) == pytest.approx(2e-6 + 0.5 * mb / 300e9)
+    assert net.seconds("all_gather", mb, [4, 5]) == pytest.approx(10e-6 + 0.5 * mb / 25e9)   # the default PCIe
+    assert net.seconds("all_gather", mb, [0, 1, 2, 3]) == pytest.approx(3 * 5e-6 + 0.75 * mb / 12.5e9)
+    assert net.seconds("all_gather", mb) == pytest.approx(5 * 10e-6 + 5 / 6 * mb / 12.5e9)   # T4's latency
