@@ -31,6 +31,7 @@ from poplar.precision import cast_model, torch_dtype
 from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import forward_backward, grow_then_bisect
 from poplar.profile.profile import Profile, StageProfile
+from poplar.profile.profiler import merge_stage
 from poplar.profile.rank import NOT_TIMED, _optimizer_states_to_come
 from poplar.profile.timing import PER_STEP_SIZES, RankRun, point_sizes, timed_step
 from poplar.simulate.comm import simulated_comm
@@ -172,8 +173,9 @@ def _timed(steps: Steps, gpu: GpuModel, limit: int, state: int, n_points: int) -
         a = trace.marks_on(gpu).anatomy(trace.n_units, sizes[i])
         if a is not None:
             anatomy.append(a)
-    return StageProfile(max_micro_batch=limit, state_bytes=state, points=list(zip(sizes, one)), per_step_s=per_step,
-                        anatomy=sorted(anatomy, key=lambda a: a.micro_batch))
+    timed = StageProfile(max_micro_batch=limit, state_bytes=state, points=list(zip(sizes, one)), per_step_s=per_step,
+                         anatomy=sorted(anatomy, key=lambda a: a.micro_batch))
+    return merge_stage([timed])     # as the profiler's: a size timed twice (a small limit) is one point
 
 
 def simulate_profile(workload: str | Workload, cluster, options: ProfileOptions | None = None,

@@ -1,0 +1,69 @@
+"""The paper's evaluation, simulated: its three clusters at two sizes, Llama at three sizes and BERT-large.
+
+Each cluster pairs two GPU kinds, each kind on nodes of its own (8 GPUs a node at most,
+NVLink inside where the card has it, PCIe where not) joined by 100 Gb/s InfiniBand:
+A100-80GB + A100-40GB, V100-16GB + T4-16GB, A800-80GB + V100S-32GB, with 4+4 and 16+16
+GPUs. Every model trains in the engine's bf16 mixed precision (fp32 master weights and
+AdamW moments) on a 2M-token global batch (2^21 tokens: 1,024 Llama samples of 2,048,
+4,096 BERT samples of 512). For each: Poplar's plan (stage, shape, allocation) against
+DeepSpeed-style uniform, Whale-style proportional and each kind alone (its own plan on
+its own GPUs), as `poplar simulate` reports them (poplar.simulate.evaluate).
+
+    python bench/bench_paper.py --out docs/paper-eval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from poplar.cluster.spec import parse_cluster
+from poplar.profile.options import ProfileOptions
+from poplar.simulate.evaluate import evaluate
+from poplar.workload import Workload
+
+TOKENS = 2**21
+NETWORK = {"inter_node": {"bandwidth_gbs": 12.5, "latency_us": 5}, "intra_node": {"bandwidth_gbs": 16, "latency_us": 10}}
+NVLINK = {"A100-80GB": 300, "A100-40GB": 300, "A800-80GB": 200, "V100-16GB": 150}   # GB/s one way; PCIe cards: none
+PAIRS = {"a100": ("A100-80GB", "A100-40GB"), "v100-t4": ("V100-16GB", "T4-16GB"), "a800-v100s": ("A800-80GB", "V100S-32GB")}
+MODELS = {"llama-1b": 2048, "llama-7b": 2048, "llama-13b": 2048, "bert-large": 512}
+
+
+def cluster(pair: str, each: int) -> dict:
+    devices = []
+    for gpu in PAIRS[pair]:
+        d = {"kind": gpu.lower(), "gpu": gpu, "count": each, "gpus_per_node": min(each, 8)}
+        if gpu in NVLINK:
+            d["intra_node"] = {"bandwidth_gbs": NVLINK[gpu], "latency_us": 3}
+        devices.append(d)
+    return {"network": NETWORK, "devices": devices}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pairs", default=",".join(PAIRS))
+    p.add_argument("--sizes", default="4,16", help="GPUs of each kind")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--out", default="paper-eval.json", help="the figures, written after every row")
+    args = p.parse_args()
+    rows = []
+    options = ProfileOptions(precision="bf16")
+    for model in args.models.split(","):        # models outermost: one model's steps are counted once for all
+        wl = Workload(model=model, seq_len=MODELS[model])
+        for each in map(int, args.sizes.split(",")):
+            for pair in args.pairs.split(","):
+                start = time.perf_counter()
+                ev, _ = evaluate(wl, parse_cluster(cluster(pair, each)), TOKENS // wl.seq_len, options)
+                rows.append({"pair": pair, "each": each, **ev.model_dump(), "wall_s": time.perf_counter() - start})
+                json.dump(rows, open(args.out, "w"), indent=1)
+                base = {k: (ev.speedup(v) or 0) for k, v in ev.baselines.items()}
+                alone = ", ".join(f"{a.kind} alone {ev.speedup(a.samples_per_s) or 0:.2f}x" for a in ev.alone)
+                print(f"{pair} {each}+{each} {model}: {ev.label}, {ev.samples_per_s:.2f} samples/s, "
+                      f"x uniform {base['uniform']:.2f}, x proportional {base['proportional']:.2f}, {alone}, "
+                      f"{100 * ev.samples_per_s / ev.ideal_samples_per_s:.1f}% of ideal "
+                      f"({time.perf_counter() - start:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
