@@ -19,6 +19,7 @@ import json
 import time
 
 from poplar.cluster.spec import parse_cluster
+from poplar.planner.planner import PlanningError
 from poplar.profile.options import ProfileOptions
 from poplar.simulate.evaluate import evaluate
 from poplar.workload import Workload
@@ -54,7 +55,13 @@ def main() -> None:
         for each in map(int, args.sizes.split(",")):
             for pair in args.pairs.split(","):
                 start = time.perf_counter()
-                ev, _ = evaluate(wl, parse_cluster(cluster(pair, each)), TOKENS // wl.seq_len, options)
+                try:
+                    ev, _ = evaluate(wl, parse_cluster(cluster(pair, each)), TOKENS // wl.seq_len, options)
+                except PlanningError as e:
+                    rows.append({"pair": pair, "each": each, "model": model, "no_plan": str(e)})
+                    json.dump(rows, open(args.out, "w"), indent=1)
+                    print(f"{pair} {each}+{each} {model}: no plan: {e}", flush=True)
+                    continue
                 rows.append({"pair": pair, "each": each, **ev.model_dump(), "wall_s": time.perf_counter() - start})
                 json.dump(rows, open(args.out, "w"), indent=1)
                 base = {k: (ev.speedup(v) or 0) for k, v in ev.baselines.items()}

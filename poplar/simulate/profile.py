@@ -32,7 +32,7 @@ from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import forward_backward, grow_then_bisect
 from poplar.profile.profile import Profile, StageProfile
 from poplar.profile.profiler import merge_stage
-from poplar.profile.rank import NOT_TIMED, _optimizer_states_to_come
+from poplar.profile.rank import _optimizer_states_to_come
 from poplar.profile.timing import PER_STEP_SIZES, RankRun, point_sizes, timed_step
 from poplar.simulate.comm import simulated_comm
 from poplar.simulate.fake import fake_tensors
@@ -87,15 +87,18 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
     before, most = recording.before, recording.most
     capacity = {k: spec.memory_bytes(d) for k, d in kinds.items()}
     fits = {k: before + saved.exact(1) <= capacity[k] for k in kinds}
-    if not all(fits.values()):
-        return {k: StageProfile(max_micro_batch=int(f), state_bytes=before, note=NOT_TIMED)
-                for k, f in fits.items()}
+    out = {k: StageProfile(max_micro_batch=0, state_bytes=before, note=DOES_NOT_FIT) for k in kinds if not fits[k]}
     limits = {k: _largest(saved, most + int(run.device.probe_headroom * capacity[k]), capacity[k],
-                          options.max_micro_batch) for k in kinds}
-    if not all(limits.values()):
-        return {k: StageProfile(max_micro_batch=min(n, 1), state_bytes=most, note=NOT_TIMED)
-                for k, n in limits.items()}
-    return {k: _timed(steps, GpuModel.of(kinds[k]), limits[k], most, options.n_points) for k in kinds}
+                          options.max_micro_batch) for k in kinds if fits[k]}
+    for k, n in limits.items():
+        out[k] = (_timed(steps, GpuModel.of(kinds[k]), n, most, options.n_points) if n else
+                  StageProfile(max_micro_batch=0, state_bytes=most, note=DOES_NOT_FIT))
+    return out
+
+
+# Unlike the profiler's ranks, which time a step together, a kind is simulated alone: it is timed even where
+# another kind does not fit (the planner then plans around the one that does not).
+DOES_NOT_FIT = "does not fit micro-batch 1 beside this stage's model states"
 
 
 # What a step runs depends on the model, the stage, the world's size and the engine's options, not on the

@@ -71,17 +71,21 @@ def test_the_collectives_are_the_network_models(both):
     assert simulated.model == measured.model and simulated.ranks == measured.ranks
 
 
-def test_a_stage_whose_states_do_not_fit_is_simulated_as_not_fitting():
-    """As the profiler records it (tests/profile/test_profiler.py): stage 0 does not fit the small card, so the
-    big one is not timed there either; stage 1 fits both."""
+def test_a_stage_whose_states_do_not_fit_is_simulated_as_not_fitting_and_planned_around():
+    """Stage 0 does not fit the small card (as the profiler records it: tests/profile/test_profiler.py); the big
+    one is timed there all the same (the profiler's ranks cannot time a step without the small one); stage 1 fits
+    both. Planned on stage 0 only, the small card is left out."""
+    from poplar.planner import make_plan
     from poplar.profile.options import ProfileOptions
 
     cluster = {"devices": [BIG, {"kind": "small", "gpu": "A100-40GB"}], "memory_scale": STATES_SCALE}
     prof = simulate_profile("tiny", cluster, ProfileOptions(stages=(0, 1), n_points=2))
     small0, big0 = prof.stage("small", 0), prof.stage("big", 0)
-    assert small0.max_micro_batch == 0 and small0.points == []
-    assert big0.points == [] and "not timed" in big0.note
+    assert small0.max_micro_batch == 0 and small0.points == [] and "does not fit" in small0.note
+    assert big0.max_micro_batch > 0 and big0.points
     assert prof.stage("small", 1).max_micro_batch > 0 and prof.stage("big", 1).points
+    result = make_plan(prof, 8, [0])
+    assert result.excluded_ranks == [1] and result.plan.world_size == 1
 
 
 def test_values_read_from_fake_tensors_are_a_finite_step():
