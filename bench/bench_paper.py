@@ -41,13 +41,34 @@ def cluster(pair: str, each: int) -> dict:
     return {"network": NETWORK, "devices": devices}
 
 
+def table(rows: list[dict]) -> str:
+    """The rows as the markdown table of docs/simulate.md."""
+    lines = ["| cluster | GPUs | model | Poplar's plan | samples/s | vs uniform | vs proportional | vs each kind alone "
+             "| of ideal |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {' + '.join(PAIRS[r['pair']])} | {r['each']}+{r['each']} | {r['model']} "
+        if "no_plan" in r:
+            lines.append(head + "| no plan: no stage fits a sample | - | - | - | - | - |")
+            continue
+        x = lambda v: f"{r['samples_per_s'] / v:.2f}x" if v else "no plan"   # noqa: E731
+        alone = ", ".join(f"{a['kind']} {x(a['samples_per_s'])}" for a in r["alone"])
+        lines.append(head + f"| {r['label']} | {r['samples_per_s']:,.2f} | {x(r['baselines']['uniform'])} | "
+                     f"{x(r['baselines']['proportional'])} | {alone} | "
+                     f"{100 * r['samples_per_s'] / r['ideal_samples_per_s']:.1f}% |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pairs", default=",".join(PAIRS))
     p.add_argument("--sizes", default="4,16", help="GPUs of each kind")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--out", default="paper-eval.json", help="the figures, written after every row")
+    p.add_argument("--table", nargs="*", help="print these runs' figures (JSON files) as a markdown table, and stop")
     args = p.parse_args()
+    if args.table:
+        print(table([r for path in args.table for r in json.load(open(path))]))
+        return
     rows = []
     options = ProfileOptions(precision="bf16")
     for model in args.models.split(","):        # models outermost: one model's steps are counted once for all

@@ -4,7 +4,10 @@ The paper's comparison, on a simulated profile: Poplar's plan (the planner's cho
 stage, shape and allocation) against DeepSpeed-style ``uniform`` and Whale-style
 ``proportional`` splits (each at its best stage and shape), against the homogeneous
 clusters of each kind alone (the same devices, nodes and links, the other kinds left
-out: their own simulated profile and plan), and against the ideal bound. Throughput in
+out: their own simulated profile and plan), and against the ideal bound. Where one kind
+alone is faster than every plan of the whole cluster (the others' memory holds every rank
+to a sample a micro-step, or their links to slow collectives), Poplar's answer is to
+leave the others out, and it says so. Throughput in
 samples, tokens and model FLOPs (three times a sample's forward FLOPs: the backward
 does twice the forward's), and each kind's share of it: its model TFLOP/s per device
 and its MFU (of the device's peak in the compute dtype).
@@ -97,15 +100,25 @@ def evaluate(workload: Workload, spec: ClusterSpec, global_batch: int, options: 
     planned = time.perf_counter() - start - simulated
     others = [_alone(workload, spec, kind, global_batch, options) for kind in dict.fromkeys(profile.ranks)] \
         if alone and len(set(profile.ranks)) > 1 else []
+    baselines, label, reason = _best_baselines(result), result.chosen.label, result.reason
+    faster = max((o for o in others if o[1] is not None), key=lambda o: o[1].predicted.samples_per_s, default=None)
+    if faster is not None and faster[1].predicted.samples_per_s > result.predicted.samples_per_s:
+        # fewer devices go faster (the others' memory or links hold every rank back): Poplar says so
+        left_out = sorted({k for k in profile.ranks if k != faster[0].kind})
+        reason = (f"leaving {', '.join(left_out)} out is {faster[1].predicted.samples_per_s / result.predicted.samples_per_s:.2f}x "
+                  f"faster than the whole cluster's best plan ({result.chosen.label}): launch without them. "
+                  f"{faster[1].reason}")
+        label = f"{faster[0].kind} only, {faster[1].chosen.label}"
+        result = faster[1]
     pred = result.predicted
-    kinds = _shares(result, profile)
     evaluation = Evaluation(
         model=workload.model, cluster=spec.describe(), world_size=spec.world_size, global_batch=global_batch,
-        seq_len=profile.model.seq_len, label=result.chosen.label, reason=result.reason,
+        seq_len=profile.model.seq_len, label=label, reason=reason,
         samples_per_s=pred.samples_per_s, tokens_per_s=pred.tokens_per_s,
         tflops=per_device_tflops(global_batch, sum(profile.model.unit_flops), pred.step_s),
-        ideal_samples_per_s=result.chosen.ideal_samples_per_s, baselines=_best_baselines(result), kinds=kinds,
-        alone=others, simulated_s=simulated, planned_s=planned)
+        ideal_samples_per_s=result.chosen.ideal_samples_per_s, baselines=baselines,
+        kinds=_shares(result, result.profile), alone=[a for a, _ in others], simulated_s=simulated,
+        planned_s=planned)
     return evaluation, result
 
 
@@ -143,14 +156,15 @@ def alone_cluster(spec: ClusterSpec, kind: str) -> ClusterSpec:
     return spec.model_copy(update={"devices": [d for d in spec.devices if d.kind == kind]})
 
 
-def _alone(workload: Workload, spec: ClusterSpec, kind: str, global_batch: int, options: ProfileOptions) -> Alone:
+def _alone(workload: Workload, spec: ClusterSpec, kind: str, global_batch: int,
+           options: ProfileOptions) -> tuple[Alone, PlanResult | None]:
     sub = alone_cluster(spec, kind)
     if global_batch < sub.world_size:
         return Alone(kind=kind, ranks=sub.world_size, why_not=f"a global batch of {global_batch} is smaller than "
-                     f"its {sub.world_size} ranks")
+                     f"its {sub.world_size} ranks"), None
     try:
         result = make_plan(simulate_profile(workload, sub, options), global_batch, options.stages)
     except PlanningError as e:
-        return Alone(kind=kind, ranks=sub.world_size, why_not=str(e))
+        return Alone(kind=kind, ranks=sub.world_size, why_not=str(e)), None
     return Alone(kind=kind, ranks=sub.world_size, label=result.chosen.label,
-                 samples_per_s=result.predicted.samples_per_s)
+                 samples_per_s=result.predicted.samples_per_s), result
