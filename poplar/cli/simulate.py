@@ -49,9 +49,7 @@ def simulate(
 
     from poplar.cli.main import BAD_INPUT_ERRORS, _check_writable, _error, stages_option
     from poplar.cli.output import console as _console
-    from poplar.cli.output import say
     from poplar.cluster.spec import load_cluster
-    from poplar.planner.report import comparison_table, stage_table
     from poplar.profile.options import ProfileOptions
     from poplar.simulate.evaluate import evaluate
     from poplar.workload import Workload
@@ -78,21 +76,26 @@ def simulate(
     except BAD_INPUT_ERRORS as e:   # PlanningError: no stage can run it
         _error(console, e)
         raise typer.Exit(2) from None
-    console.print(stage_table(result, result.chosen))
-    console.print(comparison_table(result))
-    console.print(_summary_table(evaluation))
-    console.print(_kinds_table(evaluation))
-    say(console, f"chosen: {result.reason}")
-    say(console, f"simulated {result.profile.model.n_params:,} parameters on {spec.world_size} ranks in "
+    _report(console, evaluation, result, {out: "plan", profile_out: "profile", json_out: "json", plot: "plot"})
+
+
+def _report(console, evaluation, result, writes: dict) -> None:
+    """The tables, the choice, and the files asked for (``writes``: path -> what; None paths are skipped)."""
+    from poplar.cli.output import say
+    from poplar.planner.report import comparison_table, stage_table
+
+    for table in (stage_table(result, result.chosen), comparison_table(result), _summary_table(evaluation),
+                  _kinds_table(evaluation)):
+        console.print(table)
+    say(console, f"chosen: {evaluation.reason}")
+    say(console, f"simulated {result.profile.model.n_params:,} parameters on {evaluation.world_size} ranks in "
                  f"{evaluation.simulated_s:.1f} s, planned in {evaluation.planned_s:.1f} s")
-    result.save(out)
-    say(console, f"wrote {out} ({result.plan.summary()})")
-    for path, write in ((profile_out, lambda p: result.profile.save(p)),
-                        (json_out, lambda p: p.write_text(evaluation.model_dump_json(indent=1))),
-                        (plot, lambda p: _plot(evaluation, p))):
-        if path:
-            write(path)
-            say(console, f"wrote {path}")
+    write = {"plan": result.save, "profile": result.profile.save, "plot": lambda p: _plot(evaluation, p),
+             "json": lambda p: p.write_text(evaluation.model_dump_json(indent=1))}
+    for path, what in writes.items():
+        if path is not None:
+            write[what](path)
+            say(console, f"wrote {path}" + (f" ({result.plan.summary()})" if what == "plan" else ""))
 
 
 def _global_batch(samples: int | None, tokens: str | None, seq_len: int) -> int:
