@@ -195,9 +195,6 @@ class Shape:
     inside: list              # per group: its collectives among its own ranks (a CommProfile)
     across: object            # the sum across groups (a ShapedComm)
 
-    def group_of(self, rank: int) -> int:
-        return self.rank_groups[rank]
-
     @cached_property
     def rank_groups(self) -> list[int]:
         """Each plan rank's group."""
