@@ -7,7 +7,7 @@ GPUs. Every model trains in the engine's bf16 mixed precision (fp32 master weigh
 AdamW moments) on a 2M-token global batch (2^21 tokens: 1,024 Llama samples of 2,048,
 4,096 BERT samples of 512). For each: Poplar's plan (stage, shape, allocation) against
 DeepSpeed-style uniform, Whale-style proportional and each kind alone (its own plan on
-its own GPUs), as `poplar simulate` reports them (poplar.simulate.evaluate).
+its own GPUs), as `poplar simulate` reports them (poplar.evaluate).
 
     python bench/bench_paper.py --out docs/paper-eval.json
 """
@@ -21,7 +21,7 @@ import time
 from poplar.cluster.spec import parse_cluster
 from poplar.planner.planner import PlanningError
 from poplar.profile.options import ProfileOptions
-from poplar.simulate.evaluate import evaluate
+from poplar.evaluate import evaluate
 from poplar.workload import Workload
 
 TOKENS = 2**21

@@ -51,7 +51,7 @@ def simulate(
     from poplar.cli.output import console as _console
     from poplar.cluster.spec import load_cluster
     from poplar.profile.options import ProfileOptions
-    from poplar.simulate.evaluate import evaluate
+    from poplar.evaluate import evaluate
     from poplar.workload import Workload
 
     console = _console()

@@ -39,7 +39,7 @@ def half_speed(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:   # the pace chosen from the host: the ratio below depends on it
         mp.delenv("POPLAR_DILATION", raising=False)
         # the search capped: what is compared is the two kinds' times at the same sizes
-        prof, summary = _stage0(HALF_SPEED, cache_dir, n_points=3, max_micro_batch=HALF_SPEED_CAP)
+        prof, summary = _stage0(HALF_SPEED, cache_dir, n_points=2, max_micro_batch=HALF_SPEED_CAP)
     return prof, summary, cache_dir
 
 
@@ -52,7 +52,7 @@ def test_a_device_of_half_the_figures_profiles_at_twice_the_time(half_speed):
     prof, summary, _ = half_speed
     fast, half = prof.stage("fast", 0), prof.stage("half", 0)
     assert fast.max_micro_batch == half.max_micro_batch > 1   # same memory: the same sizes were timed
-    assert [m for m, _ in fast.points] == [m for m, _ in half.points] == point_sizes(fast.max_micro_batch, 3)
+    assert [m for m, _ in fast.points] == [m for m, _ in half.points] == point_sizes(fast.max_micro_batch, 2)
     # declared seconds, not the host's: every operator costs twice as long on the half device
     for (_, f), (_, h) in zip(fast.points, half.points):
         assert h / f == pytest.approx(2.0, rel=0.05), (fast.points, half.points)
@@ -76,7 +76,7 @@ def test_a_device_of_half_the_figures_profiles_at_twice_the_time(half_speed):
 
 def test_second_run_reads_the_cache_and_a_changed_device_does_not(half_speed):
     first, _, cache_dir = half_speed
-    again, summary = _stage0(HALF_SPEED, cache_dir, n_points=3, max_micro_batch=HALF_SPEED_CAP)
+    again, summary = _stage0(HALF_SPEED, cache_dir, n_points=2, max_micro_batch=HALF_SPEED_CAP)
     assert summary["measured"] == [] and len(summary["from_cache"]) == 2 and summary["dilation"] is None
     assert again == first
     changed = dict(HALF, memory_gb=0.02)
@@ -92,7 +92,7 @@ def test_second_run_reads_the_cache_and_a_changed_device_does_not(half_speed):
 def test_a_profile_is_in_declared_seconds_whatever_the_pace(half_speed, tmp_path, monkeypatch):
     first, _, _ = half_speed
     monkeypatch.setenv("POPLAR_DILATION", "60")
-    again, summary = _stage0(HALF_SPEED, tmp_path, n_points=3)
+    again, summary = _stage0(HALF_SPEED, tmp_path, n_points=2, max_micro_batch=HALF_SPEED_CAP)
     assert summary["dilation"] == 60.0
     for kind in ("fast", "half"):
         a, b = first.stage(kind, 0), again.stage(kind, 0)

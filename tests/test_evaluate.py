@@ -2,7 +2,7 @@
 
 from poplar.cluster.spec import load_cluster
 from poplar.profile.options import ProfileOptions
-from poplar.simulate.evaluate import alone_cluster, evaluate
+from poplar.evaluate import alone_cluster, evaluate
 from poplar.workload import Workload
 
 
