@@ -147,7 +147,7 @@ def test_sizes_timed_span_one_to_the_limit():
 def test_cli_profiles_a_preset_and_rejects_a_bad_cluster_file(tmp_path):
     env = {**os.environ, "POPLAR_CACHE_DIR": str(tmp_path / "cache")}
     run = subprocess.run([sys.executable, "-m", "poplar.cli.main", "profile", "--cluster", "memory-differs",
-                          "--stages", "0", "--points", "2", "--repeats", "3", "--out", str(tmp_path / "p.json"),
+                          "--stages", "0", "--points", "2", "--repeats", "1", "--out", str(tmp_path / "p.json"),
                           "--plot", str(tmp_path / "p.png")], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
