@@ -19,7 +19,8 @@ def _simulate(*args, cwd=ROOT):
 
 def test_it_plans_a_preset_and_writes_the_plan_and_the_profile(tmp_path):
     run = _simulate("--cluster", "memory-differs", "--model", "tiny", "--global-batch", "64", "--stages", "0",
-                    "--points", "2", "--out", str(tmp_path / "plan.json"), "--profile-out", str(tmp_path / "p.json"))
+                    "--points", "2", "--no-alone", "--out", str(tmp_path / "plan.json"),
+                    "--profile-out", str(tmp_path / "p.json"))
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "chosen: stage" in run.stdout and "simulated 120,064 parameters on 2 ranks" in run.stdout
     plan = json.loads((tmp_path / "plan.json").read_text())

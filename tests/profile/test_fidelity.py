@@ -15,7 +15,7 @@ from poplar.launch import spawn
 from poplar.profile.profiler import profile_cluster
 from tests.profile.workers import declared_step_times
 
-LIMIT = 48     # the largest micro-batch searched: keeps the real work of every size small
+LIMIT = 24     # the largest micro-batch searched: keeps the real work of every size small
 
 
 @pytest.mark.parametrize("preset", ["both-differ"])   # its kinds differ in compute and in memory
