@@ -33,6 +33,8 @@ def _positive_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
         raise ValueError(f"{name} must be a list of positive integers, one per rank; got {values!r}")
     if len(values) == 0:
         raise ValueError(f"{name} is empty: give one positive integer per rank")
+    if set(map(type, values)) == {int} and min(values) > 0:    # the common case, checked at C speed
+        return tuple(values)
     out = []
     for rank, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -50,8 +52,11 @@ def _shard_groups(groups, world: int) -> tuple[tuple[int, ...], ...] | None:
         return None
     example = f"e.g. {[list(range(world // 2)), list(range(world // 2, world))]}" if world > 1 else "or none"
     try:
-        parts = tuple(tuple(sorted(int(r) for r in g if not isinstance(r, bool) and int(r) == r)) for g in groups)
-        lengths_ok = all(len(p) == len(g) for p, g in zip(parts, groups))
+        if all(set(map(type, g)) <= {int} for g in groups):    # the common case, at C speed
+            parts, lengths_ok = tuple(tuple(sorted(g)) for g in groups), True
+        else:
+            parts = tuple(tuple(sorted(int(r) for r in g if not isinstance(r, bool) and int(r) == r)) for g in groups)
+            lengths_ok = all(len(p) == len(g) for p, g in zip(parts, groups))
     except (TypeError, ValueError):
         parts, lengths_ok = (), False
     flat = sorted(r for p in parts for r in p)

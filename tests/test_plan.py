@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 
 from poplar import Plan
@@ -35,6 +36,8 @@ def test_json_round_trip_and_file(tmp_path):
     (dict(zero_stage=0, micro_batch_sizes=[2, 0], accum_steps=[1, 1]), "micro_batch_sizes[1] = 0"),
     (dict(zero_stage=0, micro_batch_sizes=[2, -1], accum_steps=[1, 1]), "micro_batch_sizes[1] = -1"),
     (dict(zero_stage=0, micro_batch_sizes=[2, 1.5], accum_steps=[1, 1]), "positive integer"),
+    (dict(zero_stage=0, micro_batch_sizes=[2, True], accum_steps=[1, 1]), "micro_batch_sizes[1] = True"),
+    (dict(zero_stage=0, micro_batch_sizes=[2, 2], accum_steps=[np.int64(1), 1]), "accum_steps[0] = np.int64(1)"),
     (dict(zero_stage=0, micro_batch_sizes=[], accum_steps=[]), "empty"),
     (dict(zero_stage=0, micro_batch_sizes=[1, 1], accum_steps=[0, 1]), "accum_steps[0] = 0"),
     (dict(zero_stage=0, micro_batch_sizes=[1, 1], accum_steps=[1, 1, 1]), "exactly one of each per rank"),

@@ -29,10 +29,12 @@ def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
     and the sum across nodes are a real share of a step that no allocation avoids.
     Without collectives to follow, the busy times (update included) are what is balanced.
     """
-    b = np.arange(0, global_batch + 1)
     scheduled = cost.profile.comm is not None and len(cost.ranks) > 1
+    span = OFFSET_SPAN * _even_longest(cost, global_batch)
+    reach = span / OFFSET_SPAN + 2 * span    # the most any rank computes in the search (see _most_within)
     times = {}
     for k, kc in cost.kinds.items():
+        b = np.arange(0, _most_within(kc, reach, global_batch) + 1)
         t, _ = fastest_accum_table(kc, np.maximum(b, 1))
         if scheduled:   # the update follows the step's last collective on every rank: balance the compute
             t = t - kc.per_step_s
@@ -40,7 +42,28 @@ def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
     if not scheduled:
         alike = Counter((k, 0.0) for k in cost.rank_kinds)
         return global_batch / (_balanced_limit(times, alike, global_batch) + cost.comm_s(1))
-    return global_batch / _balanced_step_s(cost, global_batch, times)
+    return global_batch / _balanced_step_s(cost, global_batch, times, span)
+
+
+# Groups of ranks may compute up to this many times an even split's longest busy time longer or shorter than the
+# first (the bound's search over offsets, :func:`_balanced_step_s`).
+OFFSET_SPAN = 2.0
+GRID_HALVINGS = 6    # the grid of offsets tried along each axis before refining (see _balanced_step_s)
+REFINE_EVALS = 12    # steps the refinement may take for each offset (it gains ~1e-5 of the step at scale)
+
+
+def _even_longest(cost: CostModel, global_batch: int) -> float:
+    """The longest busy time of an even split: the balanced limit is within it (every rank computing longer
+    would take more than the whole batch)."""
+    even = -(-global_batch // len(cost.ranks))
+    return max(float(kc.busy(even, -(-even // kc.max_micro_batch))) for kc in cost.kinds.values())
+
+
+def _most_within(kc, seconds: float, global_batch: int) -> int:
+    """More samples than ``kc`` computes within ``seconds`` (each sample takes at least its cheapest time), at most
+    the whole batch: the bound's tables stop there. The least rank computes within an even split's time and no
+    offset is wider than ``span``, so no rank computes longer than that time plus twice ``span``."""
+    return int(min(global_batch, seconds / kc.cheapest_sample_s + 2))
 
 
 def _balanced_limit(times: dict[str, np.ndarray], alike: Counter, global_batch: int) -> float:
@@ -54,8 +77,8 @@ def _balanced_limit(times: dict[str, np.ndarray], alike: Counter, global_batch: 
         for (k, extra), count in alike.items():
             t = times[k]
             whole = int(np.searchsorted(t, limit + extra, side="right")) - 1     # most whole samples within
-            if whole >= global_batch:
-                total += count * global_batch
+            if whole >= len(t) - 1:     # the table's end: the whole batch, or more than the search reaches
+                total += count * (len(t) - 1)
                 continue
             if whole < 0:
                 continue
@@ -86,13 +109,14 @@ def _least_reaching(f, lo: float, hi: float, rel: float = 1e-13) -> float:
     return hi
 
 
-def _balanced_step_s(cost: CostModel, global_batch: int, compute: dict[str, np.ndarray]) -> float:
+def _balanced_step_s(cost: CostModel, global_batch: int, compute: dict[str, np.ndarray], span: float) -> float:
     """The least step of the schedule over fractional allocations (see :func:`_step_at`).
 
     Flat, every rank computes equally long. Over shard groups, a group whose own links
     leave it slack may compute longer than another: one offset per sort of group (its
-    kinds and its links) but the first, chosen for the least step (two sorts: over a
-    grid, then refined; more: from the best of the grid's axes, by Nelder-Mead).
+    kinds and its links) but the first, within ``span`` seconds of it, chosen for the least
+    step (two sorts: over a grid, then refined; more: from the best of the grid's axes, by
+    Nelder-Mead).
     """
     sorts = _group_sorts(cost)
     groups = max(sorts) + 1
@@ -104,20 +128,25 @@ def _balanced_step_s(cost: CostModel, global_batch: int, compute: dict[str, np.n
     at = lambda d: _step_at(cost, global_batch, compute, [0.0, *d], reps, firsts)   # noqa: E731
     if groups == 1:
         return at([])
-    span = float(max(t[-1] for t in compute.values()))     # no rank computes longer than the whole batch takes
-    grid = np.linspace(-span, span, 41)
+    # finer near no offset, where the best are found: 0 and +-span halved GRID_HALVINGS times
+    halved = span * 0.5 ** np.arange(GRID_HALVINGS + 1)
+    grid = np.sort(np.concatenate([-halved, [0.0], halved]))
     best = np.zeros(groups - 1)
     for axis in range(groups - 1):
         trials = [best + x * np.eye(groups - 1)[axis] for x in grid]
         best = min(trials, key=at)
-    step = grid[1] - grid[0]
+    # the grid's spacing around the best point: the refinement's first step
+    i = int(np.searchsorted(grid, best[0]))
+    step = max(grid[min(i + 1, len(grid) - 1)] - grid[i], grid[i] - grid[max(i - 1, 0)])
     if groups == 2:
         found = minimize_scalar(lambda x: at([x]), bounds=(best[0] - step, best[0] + step), method="bounded",
                                 options={"xatol": span * 1e-7})
         return min(float(found.fun), at(best))
+    step = min(step, span * 0.5 ** GRID_HALVINGS)
     simplex = np.vstack([best, best + step * np.eye(groups - 1)])
     found = minimize(at, best, method="Nelder-Mead",
-                     options={"xatol": span * 1e-5, "fatol": span * 1e-7, "initial_simplex": simplex})
+                     options={"xatol": span * 1e-5, "fatol": span * 1e-7, "initial_simplex": simplex,
+                              "maxfev": REFINE_EVALS * (groups - 1)})
     return min(float(found.fun), at(best))
 
 

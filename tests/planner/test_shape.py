@@ -126,3 +126,24 @@ def test_the_ideal_bound_lets_a_node_with_slack_on_its_links_take_more():
     assert leaning.step_s < even.step_s
     from poplar.planner import ideal_samples_per_s
     assert ideal_samples_per_s(cost, 96) >= leaning.samples_per_s
+
+
+def test_the_bound_s_tables_stop_where_no_rank_reaches_and_lose_nothing(monkeypatch):
+    """The bound's tables go as far as any rank computes in its search, not to the whole batch: on three nodes
+    of unlike kinds and links, the bound is the same as with tables over the whole batch."""
+    from poplar.planner import bound
+    kinds = {"big": (2, 0.008, 0.0015, 64), "mid": (2, 0.012, 0.003, 32), "small": (1, 0.025, 0.005, 16)}
+    slow = CommProfile(numel=1000, all_reduce_s=0.05, reduce_scatter_s=0.03, all_gather_s=0.02)
+    shaped = ShapedComm(groups=[[0, 1], [2, 3], [4]], numel=1000, inside=[INSIDE, slow, INSIDE],
+                        reduce_across_s=0.004)
+    comm = CommProfile(numel=1000, all_reduce_s=0.5, reduce_scatter_s=0.3, all_gather_s=0.2, shaped=shaped)
+    prof = make_profile(kinds, comm=comm, per_step=0.002)
+    capped = {}
+    for stage in (0, 3):
+        cost = CostModel(prof, stage, shaped=True)
+        capped[stage] = bound.ideal_samples_per_s(cost, 4000)
+        assert all(bound._most_within(kc, 1.0, 4000) < 4000 for kc in cost.kinds.values())   # capped here
+    monkeypatch.setattr(bound, "_most_within", lambda kc, seconds, global_batch: global_batch)
+    for stage in (0, 3):
+        assert bound.ideal_samples_per_s(CostModel(prof, stage, shaped=True), 4000) == pytest.approx(capped[stage],
+                                                                                                    rel=1e-12)
