@@ -8,6 +8,7 @@ and train that plan on the emulated cluster: its simulated throughput against th
 measured one.
 
     python bench/bench_simulate.py --clusters two-node-10gbe --model tiny --global-batch 256
+    python bench/bench_simulate.py --clusters memory-bound --model llama-tiny --seq-len 64 --vocab-size 1024 --global-batch 32
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def compare(measured, simulated) -> dict:
     return worst
 
 
-def bench_cluster(name: str, model: str, global_batch: int, stages, steps: int) -> dict:
-    wl, spec = as_workload(model), load_cluster(name)
+def bench_cluster(name: str, workload: dict, global_batch: int, stages, steps: int) -> dict:
+    wl, spec = as_workload(workload), load_cluster(name)
     options = ProfileOptions(stages=stages)
     start = time.perf_counter()
     measured, _ = profile_cluster(wl, spec.model_dump(), options)
@@ -62,11 +63,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clusters", default=",".join(presets()), help="comma-separated presets or YAML files")
     p.add_argument("--model", default="tiny")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's)")
+    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary (default: the model's)")
     p.add_argument("--global-batch", type=int, default=256)
     p.add_argument("--stages", default="0,1,2,3")
     p.add_argument("--steps", type=int, default=4, help="measured steps of the chosen plan")
     args = p.parse_args()
-    rows = [bench_cluster(c.strip(), args.model, args.global_batch, parse_stages(args.stages), args.steps)
+    workload = {"model": args.model, "seq_len": args.seq_len, "vocab_size": args.vocab_size}
+    rows = [bench_cluster(c.strip(), workload, args.global_batch, parse_stages(args.stages), args.steps)
             for c in args.clusters.split(",") if c.strip()]
     print(f"{'cluster':<22} {'max mb':>6} {'curve':>7} {'per-step':>8} {'states':>6} {'sim s':>6} {'prof s':>6} "
           f"{'predicted':>10} {'measured':>10} {'error':>7}  plan")

@@ -34,7 +34,7 @@ def check_demo(cluster: str, out: str | Path, global_batch: int) -> None:
         raise ValueError(f"--out {out} is a file: give a directory for the demo's runs")
 
 
-def run_demo(steps: int = 12, cluster: str = "both-differ", out: str | Path = "runs/demo", global_batch: int = 96,
+def run_demo(steps: int, cluster: str, out: str | Path, global_batch: int,
              console: Console | None = None, progress: Callable[[str], object] | None = None) -> dict:
     """Profile, plan and train each allocation; print the table. ``progress(title)``: a context reporting a wait."""
     console = console or Console()

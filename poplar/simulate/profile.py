@@ -21,6 +21,9 @@ fake tensor cannot say (a value: the loss, the gradient norm) reads as
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import Any, Callable
+
 import poplar
 from poplar.cluster.spec import ClusterSpec, DeviceGroup, parse_cluster
 from poplar.emulate.model import GpuModel
@@ -52,10 +55,8 @@ def simulate_stages(workload: str | Workload, cluster, options: ProfileOptions |
         device = CountingDevice(spec, 0)
         with device:
             run = RankRun(device, 0, spec.world_size, wl, config, warmup=1, repeats=1)
-            key = (wl.model_dump_json(), options.precision)
-            if key not in _SAVED:
-                _SAVED[key] = Activations(_saved_bytes(device, wl, options.precision))
-            saved = _SAVED[key]
+            saved = _SAVED.get_or((wl.model_dump_json(), options.precision),
+                                  lambda: Activations(_saved_bytes(device, wl, options.precision)))
             for stage in options.stages:
                 for kind, sp in _stage(run, stage, options, kinds, saved).items():
                     out[(kind, stage)] = sp
@@ -99,21 +100,39 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
 DOES_NOT_FIT = "does not fit micro-batch 1 beside this stage's model states"
 
 
+class _Kept(OrderedDict):
+    """The last ``most`` values made, by key."""
+
+    def __init__(self, most: int):
+        super().__init__()
+        self.most = most
+
+    def get_or(self, key, make: Callable[[], Any]) -> Any:
+        if key in self:
+            self.move_to_end(key)
+        else:
+            self[key] = make()
+            while len(self) > self.most:
+                self.popitem(last=False)
+        return self[key]
+
+
 # What a step runs depends on the model, the stage, the world's size and the engine's options, not on the
 # devices: counted once a process, for every cluster simulated in it (as the saved bytes, by model and precision).
-_COUNTED: dict[tuple, tuple[Steps, _Recording]] = {}
-_SAVED: dict[tuple, Activations] = {}
+# Kept for the last few: the paper's evaluation simulates 24 models and worlds in one process.
+_COUNTED = _Kept(most=16)
+_SAVED = _Kept(most=4)
 
 
 def _counted(run: RankRun, stage: int) -> tuple[Steps, _Recording]:
     """The stage's step traces for ``run``'s workload and world, and the recording (its states)."""
-    key = (run.workload.model_dump_json(), stage, run.world_size, run.config.model_dump_json())
-    if key not in _COUNTED:
+    def record() -> tuple[Steps, _Recording]:
         recording = _Recording(run, stage)
         steps = Steps(recording.trace)
         steps.recorded(1, 2)    # two steps of two micro-batches of 1: the states at their most
-        _COUNTED[key] = steps, recording
-    return _COUNTED[key]
+        return steps, recording
+    key = (run.workload.model_dump_json(), stage, run.world_size, run.config.model_dump_json())
+    return _COUNTED.get_or(key, record)
 
 
 class _Recording:

@@ -94,3 +94,13 @@ def test_values_read_from_fake_tensors_are_a_finite_step():
     with fake_tensors():
         loss = torch.randn(4).mean()
         assert float(loss) == 1.0 and bool(torch.isfinite(loss)) and int(torch.ones(3, dtype=torch.int64).sum()) == 0
+
+
+def test_the_process_keeps_only_the_last_few_counted_steps():
+    from poplar.simulate.profile import _Kept
+
+    kept, made = _Kept(most=2), []
+    for key in ["a", "b", "a", "c", "b"]:
+        kept.get_or(key, lambda k=key: made.append(k) or k.upper())
+    assert made == ["a", "b", "c", "b"]          # "a" was reused; "b", the least recently used, made again
+    assert list(kept) == ["c", "b"]
