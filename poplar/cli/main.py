@@ -69,7 +69,7 @@ def main() -> None:
 
 # The demo's cluster: its small card holds the model states only sharded (ZeRO-1), and then one sample a
 # micro-step, the regime Poplar is for; a batch and steps that measure it in a few minutes on a laptop's CPU.
-DEMO_CLUSTER, DEMO_BATCH, DEMO_STEPS = "memory-bound", 32, 8
+DEMO_CLUSTER, DEMO_BATCH, DEMO_STEPS = "memory-bound", 24, 6
 
 
 @app.command()
