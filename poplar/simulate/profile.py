@@ -126,38 +126,35 @@ _SAVED = _Kept(most=4)
 
 def _counted(run: RankRun, stage: int) -> tuple[Steps, _Recording]:
     """The stage's step traces for ``run``'s workload and world, and the recording (its states)."""
+    step = (run.workload.model_dump_json(), stage, run.config.model_dump_json())
+
     def record() -> tuple[Steps, _Recording]:
         recording = _Recording(run, stage)
-        steps = Steps(recording.trace)
+        checked = frozenset().union(*(s.held for key, (s, _) in _COUNTED.items() if key[:3] == step))
+        steps = Steps(recording.trace, checked)
         steps.recorded(1, 2)    # two steps of two micro-batches of 1: the states at their most
         return steps, recording
-    key = (run.workload.model_dump_json(), stage, run.world_size, run.config.model_dump_json())
-    return _COUNTED.get_or(key, record)
+    return _COUNTED.get_or((*step, run.world_size), record)
 
 
 class _Recording:
-    """A stage's steps recorded on one engine per accumulation, re-planned to each micro-batch after a warm-up
-    step (the optimizer's states are made in the first); the model states around the first engine's steps.
-    Its engines live on (fake: they hold no memory), for the sizes asked for later."""
+    """A stage's steps recorded on one engine, re-planned to each micro-batch and accumulation after a warm-up
+    step of two micro-batches of 1 (the optimizer's states are made in the first); the model states around it.
+    The engine lives on (fake: it holds no memory), for the sizes asked for later."""
 
     def __init__(self, run: RankRun, stage: int):
         self.run, self.stage = run, stage
-        self.engines: dict[int, object] = {}
-        self.before = self.most = 0
+        self.engine = run.engine(self._plan(1, 2))
+        self.before = self.engine.model_state_bytes() + _optimizer_states_to_come(self.engine)
+        timed_step(run.device, self.engine, run.workload.random_batch(2), run.workload.loss)
+        self.most = 0
 
     def _plan(self, m: int, accumulation: int) -> poplar.Plan:
         return poplar.Plan(self.stage, [m] * self.run.world_size, accumulation)
 
     def trace(self, m: int, accumulation: int) -> Trace:
         """The trace of a step of ``accumulation`` micro-batches of ``m``, with its marks."""
-        run, wl = self.run, self.run.workload
-        if accumulation not in self.engines:
-            engine = self.engines[accumulation] = run.engine(self._plan(1, accumulation))
-            before = engine.model_state_bytes() + _optimizer_states_to_come(engine)
-            timed_step(run.device, engine, wl.random_batch(accumulation), wl.loss)
-            if accumulation == 2:
-                self.before = before
-        engine = self.engines[accumulation]
+        run, wl, engine = self.run, self.run.workload, self.engine
         engine.set_plan(self._plan(m, accumulation))
         batch = wl.random_batch(m * accumulation)
         marks = CountedMarks(run.device)

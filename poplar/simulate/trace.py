@@ -107,13 +107,15 @@ class Trace:
                 and self.marks == other.marks and self.launches == other.launches)
 
     @staticmethod
-    def line(t1: Trace, t2: Trace, t3: Trace) -> Callable[[int], Trace] | None:
+    def line(t1: Trace, t2: Trace, t3: Trace | None) -> Callable[[int], Trace] | None:
         """The step at any micro-batch ``m`` from those at :data:`LINE_SIZES` (``t1`` at the first, steps of
-        one sample apart); None where the third is not on the line through the first two."""
-        if not (t1._same_steps(t2) and t1._same_steps(t3)):
+        one sample apart); None where the third is not on the line through the first two (``t3`` None: the
+        line is known to hold, see :class:`Steps`)."""
+        if not (t1._same_steps(t2) and (t3 is None or t1._same_steps(t3))):
             return None
         df, db = t2.flops - t1.flops, t2.nbytes - t1.nbytes
-        if not (np.array_equal(t1.flops + 2 * df, t3.flops) and np.array_equal(t1.nbytes + 2 * db, t3.nbytes)):
+        if t3 is not None and not (np.array_equal(t1.flops + 2 * df, t3.flops)
+                                   and np.array_equal(t1.nbytes + 2 * db, t3.nbytes)):
             return None
         return lambda m: Trace(t1.flops + (m - LINE_SIZES[0]) * df, t1.nbytes + (m - LINE_SIZES[0]) * db, t1.dtypes, t1.marks,
                                t1.launches, t1.n_units)
@@ -121,12 +123,21 @@ class Trace:
 
 class Steps:
     """A stage's step traces by ``(micro_batch, accumulation)``: recorded by ``record``, or read from the line
-    through 2 and 3 checked at 4 (a micro-batch of one sample may run other operators: it is recorded)."""
+    through 2 and 3 checked at 4 (a micro-batch of one sample may run other operators: it is recorded).
 
-    def __init__(self, record: Callable[[int, int], Trace]):
+    ``checked``: the accumulations whose line was checked for this model, stage and engine options at another
+    world size (a shard's size changes the update's operators, not how a step's grow with its samples): not
+    checked again. :attr:`held` says which held here."""
+
+    def __init__(self, record: Callable[[int, int], Trace], checked: frozenset[int] = frozenset()):
         self._record = record
+        self._checked = checked
         self._traces: dict[tuple[int, int], Trace] = {}
         self._lines: dict[int, Callable[[int], Trace] | None] = {}
+
+    @property
+    def held(self) -> frozenset[int]:
+        return frozenset(a for a, line in self._lines.items() if line is not None)
 
     def recorded(self, m: int, accumulation: int) -> Trace:
         key = (m, accumulation)
@@ -138,7 +149,9 @@ class Steps:
         if m == 1 or (m, accumulation) in self._traces:
             return self.recorded(m, accumulation)
         if accumulation not in self._lines:
-            self._lines[accumulation] = Trace.line(*(self.recorded(k, accumulation) for k in LINE_SIZES))
+            sizes = LINE_SIZES[:2] if accumulation in self._checked else LINE_SIZES
+            traces = [self.recorded(k, accumulation) for k in sizes]
+            self._lines[accumulation] = Trace.line(*traces, *([None] if len(traces) == 2 else []))
         line = self._lines[accumulation]
         return self.recorded(m, accumulation) if line is None or (m, accumulation) in self._traces else line(m)
 

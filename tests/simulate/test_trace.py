@@ -58,3 +58,19 @@ def test_a_model_off_the_line_is_recorded_at_each_size():
 
     steps = Steps(record)
     assert steps.at(6, 1).flops[0] == 36.0 and calls == [2, 3, 4, 6]
+
+
+def test_a_line_checked_at_another_world_size_is_drawn_through_two_sizes():
+    calls = []
+
+    def record(m, accumulation):
+        calls.append(m)
+        return Trace(np.array([3.0 * m + 1]), np.array([4.0 * m]), np.array([0], dtype=np.int8))
+
+    first = Steps(record)
+    assert first.at(6, 1).flops[0] == 19.0 and calls == [2, 3, 4] and first.held == {1}
+    calls.clear()
+    second = Steps(record, checked=first.held)
+    assert second.at(6, 1).flops[0] == 19.0 and calls == [2, 3] and second.held == {1}
+    calls.clear()
+    assert Steps(record, checked=first.held).at(6, 2).flops[0] == 19.0 and calls == [2, 3, 4]   # not checked for 2
