@@ -107,7 +107,7 @@ class Trace:
                 and self.marks == other.marks and self.launches == other.launches)
 
     @staticmethod
-    def line(t1: Trace, t2: Trace, t3: Trace | None) -> Callable[[int], Trace] | None:
+    def line(t1: Trace, t2: Trace, t3: Trace | None = None) -> Callable[[int], Trace] | None:
         """The step at any micro-batch ``m`` from those at :data:`LINE_SIZES` (``t1`` at the first, steps of
         one sample apart); None where the third is not on the line through the first two (``t3`` None: the
         line is known to hold, see :class:`Steps`)."""
@@ -151,7 +151,7 @@ class Steps:
         if accumulation not in self._lines:
             sizes = LINE_SIZES[:2] if accumulation in self._checked else LINE_SIZES
             traces = [self.recorded(k, accumulation) for k in sizes]
-            self._lines[accumulation] = Trace.line(*traces, *([None] if len(traces) == 2 else []))
+            self._lines[accumulation] = Trace.line(*traces)
         line = self._lines[accumulation]
         return self.recorded(m, accumulation) if line is None or (m, accumulation) in self._traces else line(m)
 
