@@ -76,11 +76,11 @@ def simulate(
     except BAD_INPUT_ERRORS as e:   # PlanningError: no stage can run it
         _error(console, e)
         raise typer.Exit(2) from None
-    _report(console, evaluation, result, {out: "plan", profile_out: "profile", json_out: "json", plot: "plot"})
+    _report(console, evaluation, result, [(out, "plan"), (profile_out, "profile"), (json_out, "json"), (plot, "plot")])
 
 
-def _report(console, evaluation, result, writes: dict) -> None:
-    """The tables, the choice, and the files asked for (``writes``: path -> what; None paths are skipped)."""
+def _report(console, evaluation, result, writes: list[tuple[Path | None, str]]) -> None:
+    """The tables, the choice, and the files asked for (``writes``: (path, what); None paths are skipped)."""
     from poplar.cli.output import say
     from poplar.planner.report import comparison_table, stage_table
 
@@ -92,7 +92,7 @@ def _report(console, evaluation, result, writes: dict) -> None:
                  f"{evaluation.simulated_s:.1f} s, planned in {evaluation.planned_s:.1f} s")
     write = {"plan": result.save, "profile": result.profile.save, "plot": lambda p: _plot(evaluation, p),
              "json": lambda p: p.write_text(evaluation.model_dump_json(indent=1))}
-    for path, what in writes.items():
+    for path, what in writes:
         if path is not None:
             write[what](path)
             say(console, f"wrote {path}" + (f" ({result.plan.summary()})" if what == "plan" else ""))

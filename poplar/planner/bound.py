@@ -13,7 +13,7 @@ import numpy as np
 from scipy.optimize import minimize, minimize_scalar
 
 from poplar.planner.cost import CostModel
-from poplar.planner.search import fastest_accum_table
+from poplar.planner.search import even_split_busy_s, fastest_accum_table
 
 
 def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
@@ -30,8 +30,11 @@ def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
     Without collectives to follow, the busy times (update included) are what is balanced.
     """
     scheduled = cost.profile.comm is not None and len(cost.ranks) > 1
-    span = OFFSET_SPAN * _even_longest(cost, global_batch)
-    reach = span / OFFSET_SPAN + 2 * span    # the most any rank computes in the search (see _most_within)
+    # the balanced limit is within an even split's longest busy time (every rank computing longer would take
+    # more than the whole batch)
+    longest = even_split_busy_s(cost, global_batch)
+    span = OFFSET_SPAN * longest
+    reach = longest + 2 * span    # the most any rank computes in the search (see _most_within)
     times = {}
     for k, kc in cost.kinds.items():
         b = np.arange(0, _most_within(kc, reach, global_batch) + 1)
@@ -50,13 +53,6 @@ def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
 OFFSET_SPAN = 2.0
 GRID_HALVINGS = 6    # the grid of offsets tried along each axis before refining (see _balanced_step_s)
 REFINE_EVALS = 12    # steps the refinement may take for each offset (it gains ~1e-5 of the step at scale)
-
-
-def _even_longest(cost: CostModel, global_batch: int) -> float:
-    """The longest busy time of an even split: the balanced limit is within it (every rank computing longer
-    would take more than the whole batch)."""
-    even = -(-global_batch // len(cost.ranks))
-    return max(float(kc.busy(even, -(-even // kc.max_micro_batch))) for kc in cost.kinds.values())
 
 
 def _most_within(kc, seconds: float, global_batch: int) -> int:

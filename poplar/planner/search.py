@@ -56,6 +56,12 @@ def _require_feasible(cost: CostModel, global_batch: int) -> int:
     return n
 
 
+def even_split_busy_s(cost: CostModel, global_batch: int) -> float:
+    """The longest busy time of the batch split evenly over the ranks, each in the fewest micro-steps it holds."""
+    even = -(-global_batch // len(cost.ranks))
+    return max(float(kc.busy(even, -(-even // kc.max_micro_batch))) for kc in cost.kinds.values())
+
+
 def _target_sizes(kc: KindCost, n: int = 12) -> np.ndarray:
     """Micro-batch sizes worth aiming at: spread over 1..max, and the most efficient one."""
     m = kc.max_micro_batch
@@ -135,8 +141,7 @@ def allocate(cost: CostModel, global_batch: int) -> Plan:
         # Tables need not go beyond what a rank could take within the time of an even split
         # (a feasible plan): its busy time is at least its per-step part plus its samples at
         # its cheapest per-sample cost.
-        even = -(-global_batch // n)
-        bound = max(float(kc.busy(even, -(-even // kc.max_micro_batch))) for kc in cost.kinds.values())
+        even, bound = -(-global_batch // n), even_split_busy_s(cost, global_batch)
         most = {k: int(min(global_batch - (n - 1), max(even, (bound - kc.per_step_s) / kc.cheapest_sample_s + 1)))
                 for k, kc in cost.kinds.items()}
         free = {k: fastest_accum_table(kc, np.arange(1, most[k] + 1)) for k, kc in cost.kinds.items()}
