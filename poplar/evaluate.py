@@ -22,9 +22,10 @@ import time
 
 from pydantic import BaseModel, ConfigDict
 
+from poplar.alone import Alone, AloneRuns
 from poplar.cluster.spec import ClusterSpec
 from poplar.planner import make_plan
-from poplar.planner.planner import PlanningError, PlanResult
+from poplar.planner.planner import PlanResult
 from poplar.profile.options import ProfileOptions
 from poplar.profile.profile import Profile
 from poplar.simulate.profile import simulate_profile
@@ -45,18 +46,6 @@ class KindShare(BaseModel):
     accum: int
     tflops: float         # model TFLOP/s a device computes, over the whole step
     mfu: float            # of the device's peak TFLOP/s in the compute dtype
-
-
-class Alone(BaseModel):
-    """The homogeneous cluster of one kind: its own best plan, or why it has none."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    kind: str
-    ranks: int
-    label: str = ""
-    samples_per_s: float | None = None
-    why_not: str = ""
 
 
 class Evaluation(BaseModel):
@@ -91,15 +80,17 @@ def per_device_tflops(samples: float, flops_per_sample: float, step_s: float) ->
 
 
 def evaluate(workload: Workload, spec: ClusterSpec, global_batch: int, options: ProfileOptions,
-             alone: bool = True) -> tuple[Evaluation, PlanResult]:
-    """Simulate, plan and compare (``alone``: also each kind's homogeneous cluster)."""
+             alone: bool = True, workers: int | None = None) -> tuple[Evaluation, PlanResult]:
+    """Simulate, plan and compare (``alone``: also each kind's homogeneous cluster, in up to ``workers``
+    processes beside this one, :class:`poplar.alone.AloneRuns`)."""
     start = time.perf_counter()
-    profile = simulate_profile(workload, spec, options)
-    simulated = time.perf_counter() - start
-    result = make_plan(profile, global_batch, options.stages)
-    planned = time.perf_counter() - start - simulated
-    others = [_alone(workload, spec, kind, global_batch, options) for kind in dict.fromkeys(profile.ranks)] \
-        if alone and len(set(profile.ranks)) > 1 else []
+    kinds = list(dict.fromkeys(d.kind for d in spec.rank_devices()))
+    with AloneRuns(workload, spec, kinds if alone and len(kinds) > 1 else [], global_batch, options, workers) as runs:
+        profile = simulate_profile(workload, spec, options)
+        simulated = time.perf_counter() - start
+        result = make_plan(profile, global_batch, options.stages)
+        planned = time.perf_counter() - start - simulated
+        others = runs.results()
     baselines, label, reason = _best_baselines(result), result.chosen.label, result.reason
     faster = max((o for o in others if o[1] is not None), key=lambda o: o[1].predicted.samples_per_s, default=None)
     if faster is not None and faster[1].predicted.samples_per_s > result.predicted.samples_per_s:
@@ -149,22 +140,3 @@ def _shares(result: PlanResult, profile: Profile) -> list[KindShare]:
                                   mfu=tflops / peak if peak else 0.0)
         out[kind].ranks += 1
     return list(out.values())
-
-
-def alone_cluster(spec: ClusterSpec, kind: str) -> ClusterSpec:
-    """``spec`` with only the devices of ``kind``: on the same nodes, over the same links."""
-    return spec.model_copy(update={"devices": [d for d in spec.devices if d.kind == kind]})
-
-
-def _alone(workload: Workload, spec: ClusterSpec, kind: str, global_batch: int,
-           options: ProfileOptions) -> tuple[Alone, PlanResult | None]:
-    sub = alone_cluster(spec, kind)
-    if global_batch < sub.world_size:
-        return Alone(kind=kind, ranks=sub.world_size, why_not=f"a global batch of {global_batch} is smaller than "
-                     f"its {sub.world_size} ranks"), None
-    try:
-        result = make_plan(simulate_profile(workload, sub, options), global_batch, options.stages)
-    except PlanningError as e:
-        return Alone(kind=kind, ranks=sub.world_size, why_not=str(e)), None
-    return Alone(kind=kind, ranks=sub.world_size, label=result.chosen.label,
-                 samples_per_s=result.predicted.samples_per_s), result

@@ -1,8 +1,9 @@
 """The simulator's comparison: Poplar's plan, the baselines, each kind alone, and when to leave a kind out."""
 
+from poplar.alone import alone_cluster
 from poplar.cluster.spec import load_cluster
 from poplar.profile.options import ProfileOptions
-from poplar.evaluate import alone_cluster, evaluate
+from poplar.evaluate import evaluate
 from poplar.workload import Workload
 
 

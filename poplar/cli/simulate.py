@@ -39,6 +39,8 @@ def simulate(
     max_micro_batch: int = typer.Option(256, min=1, help="largest micro-batch the memory search tries"),
     mixed_precision: str = typer.Option("none", help="none (fp32) or bf16 (the engine's bf16 mixed precision)"),
     alone: bool = typer.Option(True, help="also plan each kind's homogeneous cluster (the paper's baselines)"),
+    workers: int | None = typer.Option(None, min=0, help="processes that simulate the kinds alone beside this one "
+                                       "(default: the cores to spare; 0: all here)"),
     out: Path = typer.Option(Path("plan.json"), help="where to write the chosen plan (JSON)"),
     profile_out: Path | None = typer.Option(None, help="also write the simulated profile here (JSON)"),
     json_out: Path | None = typer.Option(None, "--json", help="write the figures (the tables') here as JSON"),
@@ -72,7 +74,7 @@ def simulate(
         _error(console, e)
         raise typer.Exit(2) from None
     try:
-        evaluation, result = evaluate(workload, spec, batch, options, alone=alone)
+        evaluation, result = evaluate(workload, spec, batch, options, alone=alone, workers=workers)
     except BAD_INPUT_ERRORS as e:   # PlanningError: no stage can run it
         _error(console, e)
         raise typer.Exit(2) from None

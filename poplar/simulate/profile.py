@@ -139,14 +139,15 @@ def _counted(run: RankRun, stage: int) -> tuple[Steps, _Recording]:
 
 class _Recording:
     """A stage's steps recorded on one engine, re-planned to each micro-batch and accumulation after a warm-up
-    step of two micro-batches of 1 (the optimizer's states are made in the first); the model states around it.
+    step of one sample (the optimizer's states are made in it; the steps after it count the same operators as
+    after a warm-up of two micro-batches); the model states around it.
     The engine lives on (fake: it holds no memory), for the sizes asked for later."""
 
     def __init__(self, run: RankRun, stage: int):
         self.run, self.stage = run, stage
-        self.engine = run.engine(self._plan(1, 2))
+        self.engine = run.engine(self._plan(1, 1))
         self.before = self.engine.model_state_bytes() + _optimizer_states_to_come(self.engine)
-        timed_step(run.device, self.engine, run.workload.random_batch(2), run.workload.loss)
+        timed_step(run.device, self.engine, run.workload.random_batch(1), run.workload.loss)
         self.most = 0
 
     def _plan(self, m: int, accumulation: int) -> poplar.Plan:
