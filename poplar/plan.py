@@ -15,6 +15,8 @@ True
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -66,6 +68,29 @@ def _shard_groups(groups, world: int) -> tuple[tuple[int, ...], ...] | None:
     return None if len(parts) == 1 else tuple(sorted(parts))
 
 
+def _shard_shares(shares, world: int, zero_stage: int, groups) -> tuple[float, ...] | None:
+    """Each rank's share of the states its group shards (weights, normalised within each group); None where
+    every group's are equal (the even layout)."""
+    if shares is None:
+        return None
+    if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence) or len(shares) != world:
+        raise ValueError(f"shard_shares must be a list of {world} numbers >= 0, one per rank; got {shares!r}")
+    for rank, v in enumerate(shares):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"shard_shares[{rank}] = {v!r}: a share is a finite number >= 0 (the part of each "
+                             "unit's states the rank holds, relative to its group's; 0: none)")
+    if not stage(zero_stage).shards_optimizer:
+        raise ValueError("ZeRO stage 0 shards nothing, so it takes no shard_shares: drop them or use stage 1, 2 or 3")
+    values = tuple(float(v) for v in shares)
+    for g in groups or [range(world)]:
+        if sum(values[r] for r in g) <= 0:
+            raise ValueError(f"shard_shares: ranks {list(g)} hold one copy of the states together and all their "
+                             "shares are 0: give at least one of them a share")
+    if all(len({values[r] for r in g}) == 1 for g in groups or [range(world)]):
+        return None
+    return values
+
+
 def shaped_name(zero_stage: int) -> str:
     """What shard groups make of a stage: the two-level all-reduce in stage 0 (nothing sharded), else hybrid."""
     return "two-level" if zero_stage == 0 else "hybrid"
@@ -107,6 +132,12 @@ class Plan:
     each group, then across groups on each rank's share, then inside again). ``None``:
     one flat group of every rank.
 
+    ``shard_shares`` (optional, stages 1-3) gives each rank its part of the model states it
+    shards: weights, one per rank, normalised within each shard group (``[3, 1]``: the
+    first rank holds three quarters of every unit's master weights, optimizer states and
+    gradient shard, and in stage 3 of its parameters). A share may be 0 (the rank holds
+    none, and steps nothing). ``None``, or equal shares: every rank an equal slice.
+
     ``accum_steps`` may be a single integer, meaning the same count on every rank.
     Stages 2 and 3 reduce-scatter gradients on every micro-step, so they require the
     same ``accum_steps`` on every rank (balance them with ``micro_batch_sizes``).
@@ -118,10 +149,12 @@ class Plan:
 
     local_batch_sizes: tuple[int, ...]
     shard_groups: tuple[tuple[int, ...], ...] | None
+    shard_shares: tuple[float, ...] | None
 
     def __init__(self, zero_stage: int, micro_batch_sizes: Sequence[int], accum_steps: Sequence[int] | int = 1,
                  local_batch_sizes: Sequence[int] | None = None,
-                 shard_groups: Sequence[Sequence[int]] | None = None):
+                 shard_groups: Sequence[Sequence[int]] | None = None,
+                 shard_shares: Sequence[float] | None = None):
         zs = stage(zero_stage)
         mbs = _positive_ints("micro_batch_sizes", micro_batch_sizes)
         if isinstance(accum_steps, int) and not isinstance(accum_steps, bool):
@@ -159,11 +192,13 @@ class Plan:
         object.__setattr__(self, "accum_steps", acc)
         object.__setattr__(self, "local_batch_sizes", local)
         object.__setattr__(self, "shard_groups", _shard_groups(shard_groups, len(mbs)))
+        object.__setattr__(self, "shard_shares", _shard_shares(shard_shares, len(mbs), zs.number, self.shard_groups))
 
     @classmethod
     def from_local_batches(cls, zero_stage: int, local_batch_sizes: Sequence[int],
                            accum_steps: Sequence[int] | int = 1,
-                           shard_groups: Sequence[Sequence[int]] | None = None) -> "Plan":
+                           shard_groups: Sequence[Sequence[int]] | None = None,
+                           shard_shares: Sequence[float] | None = None) -> "Plan":
         """``local_batch_sizes[i]`` samples on rank ``i`` in ``accum_steps[i]`` near-equal micro-batches.
 
         >>> Plan.from_local_batches(0, [37, 5], [2, 1]).micro_batches(0)
@@ -176,7 +211,7 @@ class Plan:
         if len(acc) != len(local):
             raise ValueError(f"local_batch_sizes has {len(local)} entries but accum_steps has {len(acc)}: "
                              "give exactly one of each per rank")
-        return cls(zero_stage, [-(-b // a) for b, a in zip(local, acc)], acc, local, shard_groups)
+        return cls(zero_stage, [-(-b // a) for b, a in zip(local, acc)], acc, local, shard_groups, shard_shares)
 
     def lower_micro_batch(self, rank: int, largest: int) -> "Plan":
         """This plan with rank ``rank``'s micro-batches at most ``largest`` samples (more of them).
@@ -207,13 +242,32 @@ class Plan:
                     donor = max((i for i in range(len(local)) if local[i] > a), key=lambda i: local[i])
                     local[donor] -= 1
                     local[short] += 1
-        return Plan.from_local_batches(self.zero_stage, local, acc, self.shard_groups)
+        return Plan.from_local_batches(self.zero_stage, local, acc, self.shard_groups, self.shard_shares)
 
     def with_shard_groups(self, shard_groups) -> "Plan":
-        """This plan with other shard groups (None: flat)."""
+        """This plan with other shard groups (None: flat), and even shares."""
         return Plan(self.zero_stage, self.micro_batch_sizes, self.accum_steps, self.local_batch_sizes, shard_groups)
 
+    def with_shard_shares(self, shard_shares) -> "Plan":
+        """This plan with other shares of the states (None: even)."""
+        return Plan(self.zero_stage, self.micro_batch_sizes, self.accum_steps, self.local_batch_sizes,
+                    self.shard_groups, shard_shares)
+
     # -- derived figures ---------------------------------------------------------------
+    @property
+    def share_fractions(self) -> tuple[float, ...]:
+        """Each rank's fraction of its group's copy of the states (1/n of a group of n where even).
+
+        >>> Plan(1, [1, 1, 1], shard_shares=[2, 1, 1]).share_fractions
+        (0.5, 0.25, 0.25)
+        """
+        out = [0.0] * self.world_size
+        for g in self.shard_groups or [range(self.world_size)]:
+            total = sum(self.shard_shares[r] for r in g) if self.shard_shares else len(g)
+            for r in g:
+                out[r] = (self.shard_shares[r] if self.shard_shares else 1) / total
+        return tuple(out)
+
     @property
     def world_size(self) -> int:
         return len(self.micro_batch_sizes)
@@ -262,6 +316,7 @@ class Plan:
             "accum_steps": list(self.accum_steps),
             "local_batch_sizes": list(self.local_batch_sizes),
             **({"shard_groups": [list(g) for g in self.shard_groups]} if self.shard_groups else {}),
+            **({"shard_shares": list(self.shard_shares)} if self.shard_shares else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -272,15 +327,15 @@ class Plan:
         if not isinstance(data, dict):
             raise ValueError(f"a plan is a JSON object with zero_stage, micro_batch_sizes, accum_steps; got {data!r}")
         expected = {"zero_stage", "micro_batch_sizes", "accum_steps"}
-        unknown = set(data) - expected - {"local_batch_sizes", "shard_groups", "predicted", "meta"}
+        unknown = set(data) - expected - {"local_batch_sizes", "shard_groups", "shard_shares", "predicted", "meta"}
         missing = expected - set(data)
         if missing or unknown:
             raise ValueError(
                 f"plan fields: missing {sorted(missing) or 'none'}, unknown {sorted(unknown) or 'none'}; "
-                f"a plan has {sorted(expected)} and optionally local_batch_sizes, shard_groups"
+                f"a plan has {sorted(expected)} and optionally local_batch_sizes, shard_groups, shard_shares"
             )
         return cls(data["zero_stage"], data["micro_batch_sizes"], data["accum_steps"], data.get("local_batch_sizes"),
-                   data.get("shard_groups"))
+                   data.get("shard_groups"), data.get("shard_shares"))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -302,7 +357,8 @@ class Plan:
                          for i, (b, m, a) in enumerate(zip(self.local_batch_sizes, self.micro_batch_sizes,
                                                            self.accum_steps)))
         shape = f", {self.shape}" if self.shard_groups else ""
-        return f"Plan(stage {self.zero_stage}{shape}, global batch {self.global_batch_size}: {rows})"
+        shares = f", shares {':'.join(f'{v:g}' for v in self.shard_shares)}" if self.shard_shares else ""
+        return f"Plan(stage {self.zero_stage}{shape}{shares}, global batch {self.global_batch_size}: {rows})"
 
     def summary(self) -> str:
         """One short line at any scale: the stage, the shape, the batch, and the spread of micro-batches and counts.
@@ -314,6 +370,8 @@ class Plan:
             return str(min(values)) if min(values) == max(values) else f"{min(values)}-{max(values)}"
 
         shape = "flat" if not self.shard_groups else f"{shaped_name(self.zero_stage)} over {len(self.shard_groups)} groups"
+        if self.shard_shares:
+            shape += f", uneven shares {spread([round(v, 3) for v in self.share_fractions])}"
         return (f"stage {self.zero_stage} {shape}, global batch {self.global_batch_size} on {self.world_size} ranks: "
                 f"micro-batch {spread(self.micro_batch_sizes)}, accumulation {spread(self.accum_steps)}")
 

@@ -51,6 +51,15 @@ def test_json_round_trip_and_file(tmp_path):
     (dict(zero_stage=1, micro_batch_sizes=[1, 1], shard_groups=[[0], ["x"]]), "ranks 0..1"),
     (dict(zero_stage=1, micro_batch_sizes=[1, 1], shard_groups=[[0], [1.5]]), "ranks 0..1"),
     (dict(zero_stage=1, micro_batch_sizes=[1, 1], shard_groups=3), "ranks 0..1"),
+    (dict(zero_stage=0, micro_batch_sizes=[1, 1], shard_shares=[2, 1]), "stage 0 shards nothing"),
+    (dict(zero_stage=1, micro_batch_sizes=[1, 1], shard_shares=[2]), "list of 2 numbers"),
+    (dict(zero_stage=1, micro_batch_sizes=[1, 1], shard_shares=[2, -1]), "shard_shares[1] = -1"),
+    (dict(zero_stage=2, micro_batch_sizes=[1, 1], shard_shares=[1, float("inf")]), "shard_shares[1] = inf"),
+    (dict(zero_stage=3, micro_batch_sizes=[1, 1], shard_shares=[True, 1]), "shard_shares[0] = True"),
+    (dict(zero_stage=3, micro_batch_sizes=[1, 1], shard_shares="21"), "one per rank"),
+    (dict(zero_stage=1, micro_batch_sizes=[1, 1], shard_shares=[0, 0]), "give at least one of them a share"),
+    (dict(zero_stage=1, micro_batch_sizes=[1, 1, 1], shard_groups=[[0], [1, 2]], shard_shares=[1, 0, 0]),
+     "ranks [1, 2] hold one copy"),
 ])
 def test_invalid_plans_say_what_to_change(kwargs, words):
     with pytest.raises(ValueError, match=None) as e:
@@ -66,6 +75,18 @@ def test_shard_groups_shape_the_plan_and_survive_json_and_replanning():
     assert Plan(0, [1, 1], shard_groups=[[0], [1]]).shape == "two-level [0][1]"
     assert Plan(1, [1, 1], shard_groups=[[0, 1]]).shard_groups is None      # one group of every rank: flat
     assert "shard_groups" not in Plan(1, [1, 1]).to_dict()
+
+
+def test_shard_shares_survive_json_and_replanning_and_equal_ones_are_the_even_layout():
+    plan = Plan.from_local_batches(3, [6, 2], 2, shard_shares=[3, 1])
+    assert plan.shard_shares == (3.0, 1.0) and plan.share_fractions == (0.75, 0.25)
+    assert Plan.from_json(plan.to_json()) == plan and "shares 3:1" in str(plan) and "uneven shares" in plan.summary()
+    assert plan.lower_micro_batch(0, 2).shard_shares == plan.shard_shares
+    assert plan.with_shard_shares(None).shard_shares is None and "shard_shares" not in plan.with_shard_shares(None).to_dict()
+    assert Plan(1, [1, 1], shard_shares=[0.5, 0.5]).shard_shares is None               # equal: the even layout
+    assert Plan(1, [1, 1, 1], shard_groups=[[0], [1, 2]], shard_shares=[1, 2, 2]).shard_shares is None
+    assert Plan(1, [1, 1, 1], shard_groups=[[0], [1, 2]], shard_shares=[1, 0, 2]).share_fractions == (1.0, 0.0, 1.0)
+    assert Plan(1, [1, 1], shard_shares=[np.float64(2), 1]).shard_shares == (2.0, 1.0)
 
 
 def test_near_equal_micro_batches_meet_any_local_batch():

@@ -2,6 +2,10 @@
 
 All take flat, contiguous tensors whose length is a multiple of the world size (units
 are padded for that), so they map onto the even-sized collectives every backend has.
+Shards of unlike sizes (a plan's ``shard_shares``) are the exception: their
+reduce-scatter takes the list form (uneven lists work on gloo and NCCL alike), their
+all-gather gathers slices padded to the largest into a buffer of its own and copies each
+rank's part out when waited for (gloo cannot all-gather uneven lists).
 
 They are methods of a :class:`Comm`, bound to one process group (``None``: the default
 group, looked up at each call, so a group rebuilt after a failure is picked up). The
@@ -28,7 +32,7 @@ hands out its own as ``device.comm``. The engine never sees the difference.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,6 +46,42 @@ SUM = dist.ReduceOp.SUM
 
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _even(sizes: Sequence[int] | None) -> bool:
+    return sizes is None or len(set(sizes)) <= 1
+
+
+class _UnevenGather:
+    """An all-gather of shards of unlike sizes: each padded to the largest and gathered into a buffer of its
+    own; every rank's part is copied into ``output`` when the gather is waited for."""
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, sizes: list[int], group):
+        self.output, self.sizes, self.group = output, sizes, group
+        self.largest = max(sizes)
+        self.gathered = torch.empty(len(sizes) * self.largest, dtype=output.dtype, device=output.device)
+        self.mine = torch.zeros(self.largest, dtype=output.dtype, device=output.device)
+        self.mine[:input.numel()].copy_(input)
+        self._work = None
+
+    def issue(self, async_op: bool):
+        self._work = _all_gather(self.gathered, self.mine, group=self.group, async_op=True)
+        if async_op:
+            return self
+        self.wait()
+        return None
+
+    def wait(self, *args, **kwargs) -> bool:
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait(*args, **kwargs)
+            parts = [self.gathered[i * self.largest:i * self.largest + n] for i, n in enumerate(self.sizes)]
+            torch.cat(parts, out=self.output[:sum(self.sizes)])
+            self.gathered = self.mine = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
 
 
 class Comm:
@@ -82,17 +122,29 @@ class Comm:
         return self.run("all_reduce", _bytes(tensor),
                         lambda a: dist.all_reduce(tensor, op=op, group=g, async_op=a), async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-        """Sum ``input`` (full, padded) over ranks; this rank receives its ``output`` shard."""
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                       sizes: Sequence[int] | None = None):
+        """Sum ``input`` (full, padded) over ranks; this rank receives its ``output`` shard (``sizes``: every
+        rank's, in rank order, where they differ)."""
         g = self._group
+        if _even(sizes):
+            return self.run("reduce_scatter", _bytes(input),
+                            lambda a: _reduce_scatter(output, input, op=SUM, group=g, async_op=a), async_op)
+        parts = list(input.split(list(sizes)))
         return self.run("reduce_scatter", _bytes(input),
-                        lambda a: _reduce_scatter(output, input, op=SUM, group=g, async_op=a), async_op)
+                        lambda a: dist.reduce_scatter(output, parts, op=SUM, group=g, async_op=a), async_op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-        """Concatenate every rank's ``input`` shard into ``output`` (full, padded)."""
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                   sizes: Sequence[int] | None = None):
+        """Concatenate every rank's ``input`` shard into ``output`` (full, padded; ``sizes``: every rank's
+        shard, in rank order, where they differ)."""
         g = self._group
-        return self.run("all_gather", _bytes(output),
-                        lambda a: _all_gather(output, input, group=g, async_op=a), async_op)
+        if _even(sizes):
+            return self.run("all_gather", _bytes(output),
+                            lambda a: _all_gather(output, input, group=g, async_op=a), async_op)
+        largest = max(sizes)
+        return self.run("all_gather", len(sizes) * largest * output.element_size(),
+                        lambda a: _UnevenGather(output, input, list(sizes), g).issue(a), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """``tensor`` from the group's rank ``src`` to every rank."""

@@ -25,6 +25,7 @@ stage (:mod:`poplar.stages`) deciding only what is sharded; its parts live besid
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 from torch import nn
@@ -92,7 +93,7 @@ class Engine:
                 if t.is_floating_point():
                     t.data = t.data.to(self.compute_dtype)
         specs = build_units(model, config.unit_classes, config.unit_numel)
-        self.shard_layout = ShardLayout.build(self.comm, plan.shard_groups)
+        self.shard_layout = ShardLayout.build(self.comm, plan.shard_groups, plan.shard_shares)
         self.units = [FlatUnit(i, s.module, s.name, s.params, stage=self.stage, layout=self.shard_layout,
                                compute_dtype=self.compute_dtype, device=self.device)
                       for i, s in enumerate(specs)]
@@ -129,8 +130,9 @@ class Engine:
         # check_world_size passed, so every rank sends the same number of values.
         groups = self.plan.shard_groups or [range(self.world_size)]
         group_of = [next(j for j, g in enumerate(groups) if r in g) for r in range(self.world_size)]
+        shares = zlib.crc32(repr(self.plan.shard_shares).encode())   # the same number for the same shares
         values = [n_params, self.plan.zero_stage, *self.plan.micro_batch_sizes, *self.plan.accum_steps,
-                  *self.plan.local_batch_sizes, *group_of]
+                  *self.plan.local_batch_sizes, *group_of, shares]
         lo, hi = self.comm.agree(values, self.device)
         if lo[0] != hi[0]:
             raise ValueError(f"ranks hold different models: parameter counts range from {lo[0]} to {hi[0]}; "
@@ -207,9 +209,10 @@ class Engine:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a poplar.Plan, got {type(plan).__name__}")
         plan.check_world_size(self.world_size)
-        if plan.zero_stage != self.zero_stage or plan.shard_groups != self.plan.shard_groups:
-            raise ValueError(f"set_plan keeps the ZeRO stage ({self.zero_stage}) and the shape ({self.plan.shape}); "
-                             f"got {plan}: build a new engine for another")
+        if (plan.zero_stage, plan.shard_groups, plan.shard_shares) != (self.zero_stage, self.plan.shard_groups,
+                                                                       self.plan.shard_shares):
+            raise ValueError(f"set_plan keeps the ZeRO stage ({self.zero_stage}), the shape ({self.plan.shape}) and "
+                             f"the shares of the states; got {plan}: build a new engine for another")
         self.plan = plan
         self.accum_steps = plan.accum_steps[self.rank]
         self._batch_check = BatchCheck(plan, self.rank, self.world_size, self.device, self.comm,

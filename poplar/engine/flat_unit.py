@@ -1,9 +1,9 @@
 """One unit's parameters as flat buffers and shards: :class:`FlatUnit` and its explicit states.
 
 The unit's parameters are laid end to end in one flat buffer, padded to a multiple of
-the ranks sharing it; each owns an equal slice (its shard): rank ``r`` the ``r``-th when
-flat, a group's ``i``-th rank the ``i``-th of its group's copy when hybrid (see
-:mod:`poplar.engine.layout`). What is kept in full and what only as a shard is the ZeRO
+the ranks sharing it; each owns a slice (its shard): rank ``r`` the ``r``-th when flat,
+a group's ``i``-th rank the ``i``-th of its group's copy when hybrid, equal slices unless
+the plan gives the ranks shares (see :mod:`poplar.engine.layout`). What is kept in full and what only as a shard is the ZeRO
 stage's (see :mod:`poplar.stages`); this one class serves all four.
 
 The model's own ``nn.Parameter`` objects stay registered on their modules; their data
@@ -77,6 +77,7 @@ class FlatUnit:
         self.padded_numel = layout.padded(offset)
         self.shard_start, shard_stop = layout.shard_range(offset)
         self.shard_numel = shard_stop - self.shard_start
+        self.slice_sizes = layout.slice_sizes(offset)   # every rank's of this rank's group, for its collectives
         self._build_params(device)
 
         # Gradients: fp32 accumulators. grad_full is the full (padded) flat gradient; it
@@ -94,6 +95,14 @@ class FlatUnit:
         self._gather_work = None
         self._reduce_work, self._reduce_out = None, None
         self._across_work = None   # hybrid: the sum across groups in flight
+
+    @property
+    def gather_buffer_numel(self) -> int:
+        """Elements an all-gather of this unit holds besides its output while in flight: where shards differ in
+        size, every rank's padded to the largest, and this rank's padded copy (see
+        :mod:`poplar.engine.collectives`)."""
+        sizes = self.slice_sizes
+        return 0 if len(set(sizes)) <= 1 else (len(sizes) + 1) * max(sizes)
 
     @property
     def comm(self):
@@ -148,7 +157,8 @@ class FlatUnit:
         """SHARDED -> GATHERING (-> UNSHARDED unless ``async_op``): the all-gather that makes the unit whole."""
         if self.param_state is ParamState.SHARDED:
             self.full_param.untyped_storage().resize_(self.padded_numel * self.full_param.element_size())
-            self._gather_work = self.shard_comm.all_gather(self.full_param, self.param_shard, async_op=True)
+            self._gather_work = self.shard_comm.all_gather(self.full_param, self.param_shard, async_op=True,
+                                                           sizes=self.slice_sizes)
             self.param_state = ParamState.GATHERING
         if not async_op:
             self.wait_unshard()
@@ -204,7 +214,7 @@ class FlatUnit:
             return None
         # The input must not alias the output: in fp32 the master is a view into full_param.
         shard = self.master.data.to(self.compute_dtype, copy=True)
-        return self.shard_comm.all_gather(self.full_param, shard, async_op=True)
+        return self.shard_comm.all_gather(self.full_param, shard, async_op=True, sizes=self.slice_sizes)
 
     # -- gradients ----------------------------------------------------------------------
     def begin_micro_step(self) -> None:
@@ -272,7 +282,8 @@ class FlatUnit:
             self._reduce_work = self.comm.all_reduce(grad_full, async_op=True)
         else:
             self._reduce_out = torch.empty(self.shard_numel, device=grad_full.device)
-            self._reduce_work = self.shard_comm.reduce_scatter(self._reduce_out, grad_full, async_op=True)
+            self._reduce_work = self.shard_comm.reduce_scatter(self._reduce_out, grad_full, async_op=True,
+                                                               sizes=self.slice_sizes)
         self.grad_state = GradState.REDUCING
 
     def finish_reduce(self) -> None:
@@ -306,7 +317,7 @@ class FlatUnit:
         if self.shard_optim:
             return None
         out, self._reduce_out = self._reduce_out, None
-        return self.shard_comm.all_gather(self.grad_full, out, async_op=True)
+        return self.shard_comm.all_gather(self.grad_full, out, async_op=True, sizes=self.slice_sizes)
 
     def owned_grad(self) -> torch.Tensor:
         """The gradient this rank applies: the full one (stage 0) or its shard."""
@@ -337,7 +348,7 @@ class FlatUnit:
         if not self.shard_optim:
             return self.master.data.float()
         full = torch.empty(self.padded_numel, dtype=torch.float32, device=self.master.device)
-        self.shard_comm.all_gather(full, self.master.data.float().contiguous())
+        self.shard_comm.all_gather(full, self.master.data.float().contiguous(), sizes=self.slice_sizes)
         return full
 
     def load_full_master(self, full: torch.Tensor) -> None:

@@ -18,11 +18,19 @@ rank adds the groups' parts in group order, so every copy gets the same bits.
 (3, 1, 2)
 >>> layout.shard_range(10)      # 10 elements padded to 12, three slices of 4
 (4, 8)
+
+Uneven (``plan.shard_shares``), a group's slices follow its ranks' shares: the padded
+unit is cut at the shares' running sums, rounded down, so equal shares cut it exactly
+where the even layout does.
+
+>>> ShardLayout(2, None, 0, shares=[3, 1]).slice_sizes(10)    # cut at 7.5, rounded down
+(7, 3)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Sequence
 
 import torch
@@ -48,8 +56,10 @@ class _Exchange:
 class ShardLayout:
     """This rank's place in the shard groups, and the collectives over them (see the module)."""
 
-    def __init__(self, world_size: int, groups: Sequence[Sequence[int]] | None, rank: int):
+    def __init__(self, world_size: int, groups: Sequence[Sequence[int]] | None, rank: int,
+                 shares: Sequence[float] | None = None):
         self.world_size, self.rank = world_size, rank
+        self.shares = list(shares) if shares else None    # each rank's weight in its group (None: even)
         self.groups = [list(g) for g in groups] if groups else [list(range(world_size))]
         self.group_index = next(j for j, g in enumerate(self.groups) if rank in g)
         self.members = self.groups[self.group_index]
@@ -59,11 +69,13 @@ class ShardLayout:
         self.comm: Comm | None = None                # the world's (broadcasts, the loss, the norm)
         self.shard_comm: Comm | None = None          # this rank's group's
         self._exchanges: dict[int, _Exchange] = {}
+        self._sizes: dict[tuple[int, int], tuple[int, ...]] = {}
 
     @classmethod
-    def build(cls, comm: Comm, groups: Sequence[Sequence[int]] | None) -> "ShardLayout":
+    def build(cls, comm: Comm, groups: Sequence[Sequence[int]] | None,
+              shares: Sequence[float] | None = None) -> "ShardLayout":
         """The layout of ``comm``'s rank, with a process group per shard group (every rank must call it)."""
-        layout = cls(comm.world_size, groups, comm.rank)
+        layout = cls(comm.world_size, groups, comm.rank, shares)
         layout.comm = comm
         layout.make_groups()
         return layout
@@ -90,12 +102,59 @@ class ShardLayout:
         n = size or self.shard_size
         return -(-numel // n) * n
 
-    def shard_range(self, numel: int, group: int | None = None, index: int | None = None) -> tuple[int, int]:
-        """``[start, stop)`` of the padded buffer that a rank owns (this one by default)."""
-        g = self.groups[self.group_index if group is None else group]
+    @property
+    def uneven(self) -> bool:
+        return self.shares is not None
+
+    def slice_sizes(self, numel: int, group: int | None = None, even: bool = False) -> tuple[int, ...]:
+        """The sizes of a group's slices (this rank's group by default) of a unit of ``numel`` elements, padded
+        (``even``: as if every share were equal)."""
+        j = self.group_index if group is None else group
+        if even or self.shares is None:
+            g = self.groups[j]
+            return (self.padded(numel, len(g)) // len(g),) * len(g)
+        if (numel, j) not in self._sizes:
+            g = self.groups[j]
+            total = self.padded(numel, len(g))
+            if self.shares is None:
+                sizes = (total // len(g),) * len(g)
+            else:
+                weights = [Fraction(self.shares[r]) for r in g]
+                cuts = [total * sum(weights[:i]) // sum(weights) for i in range(len(g) + 1)]
+                sizes = tuple(int(b - a) for a, b in zip(cuts, cuts[1:]))
+            self._sizes[(numel, j)] = sizes
+        return self._sizes[(numel, j)]
+
+    def shard_range(self, numel: int, group: int | None = None, index: int | None = None,
+                    even: bool = False) -> tuple[int, int]:
+        """``[start, stop)`` of the padded buffer that a rank owns (this one by default; ``even``: in the even
+        cut)."""
+        sizes = self.slice_sizes(numel, group, even)
         i = self.shard_index if index is None else index
-        per = self.padded(numel, len(g)) // len(g)
-        return i * per, (i + 1) * per
+        start = sum(sizes[:i])
+        return start, start + sizes[i]
+
+    # -- from one cut of the slices to another ---------------------------------------------
+    def reslice(self, mine: torch.Tensor, numel: int, to_even: bool) -> torch.Tensor:
+        """This rank's slice ``mine`` of a unit of ``numel`` elements as the shares cut it, as its slice of the
+        even cut (``to_even``), or the other way round. Every rank of the shard group calls it at once: one
+        all-to-all, each rank sending each other the part of its slice that the other is to hold."""
+        sizes = self.slice_sizes(numel), self.slice_sizes(numel, even=True)
+        held, wanted = sizes if to_even else sizes[::-1]
+        h0 = [sum(held[:i]) for i in range(len(held))]
+        w0 = [sum(wanted[:i]) for i in range(len(wanted))]
+        me = self.shard_index
+
+        def overlap(i: int, j: int) -> int:   # of rank i's held range and rank j's wanted one
+            return max(0, min(h0[i] + held[i], w0[j] + wanted[j]) - max(h0[i], w0[j]))
+
+        out = torch.empty(wanted[me], dtype=mine.dtype, device=mine.device)
+        send = [overlap(me, j) for j in range(len(held))]          # all of mine, in the order ranks hold it
+        receive = [overlap(i, me) for i in range(len(held))]       # all of what I am to hold, in order
+        # priced as the unit's all-gather: every element moves at most once
+        self.shard_comm.run("all_gather", out.element_size() * sum(held), lambda a: dist.all_to_all_single(
+            out, mine.contiguous(), receive, send, group=self.shard_comm.group, async_op=a), False)
+        return out
 
     # -- the sum across groups ----------------------------------------------------------
     def _exchange(self, numel: int) -> _Exchange:

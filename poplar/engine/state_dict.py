@@ -35,9 +35,26 @@ def _global(unit, flat: torch.Tensor, mesh):
         return flat[:unit.numel]
     from torch.distributed.tensor import DTensor, Shard
 
-    valid = max(0, min(unit.shard_numel, unit.numel - unit.shard_start))
+    layout = unit.layout
+    if layout.uneven:   # written as the even cut would hold it (a collective in the shard group): any layout reads it
+        flat = layout.reslice(flat, unit.numel, to_even=True)
+    start = layout.shard_range(unit.numel, even=True)[0]
+    valid = max(0, min(flat.numel(), unit.numel - start))
     return DTensor.from_local(flat[:valid], mesh, [Shard(0)], run_check=False,
                               shape=torch.Size([unit.numel]), stride=(1,))
+
+
+def _own(unit, value) -> torch.Tensor:
+    """What ``dcp.load`` filled for ``unit`` (see :func:`_global`), as this rank holds it: resliced to the
+    shares' cut where the layout is uneven."""
+    src = _local(value)
+    if not unit.shard_optim or not unit.layout.uneven:
+        return src
+    layout = unit.layout
+    even = torch.zeros(layout.slice_sizes(unit.numel, even=True)[layout.shard_index], dtype=src.dtype,
+                       device=src.device)
+    even[:src.numel()].copy_(src)
+    return layout.reslice(even, unit.numel, to_even=False)
 
 
 def _is_flat_state(unit, value) -> bool:
@@ -168,17 +185,17 @@ class EngineState:
         gave them when saving (kept as they are when ``None``). Returns the step count saved.
         """
         for u in self.units:
-            src = _local(state[f"unit{u.index}.master"])
+            src = _own(u, state[f"unit{u.index}.master"])
             u.master.data[:src.numel()].copy_(src)
         opt = self.optimizer.state_dict()
         for idx, st in opt["state"].items():
             u = self.units[idx]
             for name in list(st):
-                src = _local(state[f"optim.{idx}.{name}"])
                 if _is_flat_state(u, st[name]):
+                    src = _own(u, state[f"optim.{idx}.{name}"])
                     st[name][:src.numel()].copy_(src)
                 else:
-                    st[name] = src
+                    st[name] = _local(state[f"optim.{idx}.{name}"])
         if hyperparameters is not None:
             if len(hyperparameters) != len(opt["param_groups"]):
                 raise ValueError(f"the checkpoint's optimizer has {len(hyperparameters)} parameter groups, this one "

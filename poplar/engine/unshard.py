@@ -30,8 +30,9 @@ class Unsharder:
 
     @property
     def gathered_numel(self) -> int:
-        """The most parameters gathered at once: the root, the unit computing and the one prefetched."""
-        largest = max(u.padded_numel for u in self.units)
+        """The most parameters gathered at once: the root, the unit computing and the one prefetched (and, where
+        shards differ in size, the buffers their gathers in flight go through)."""
+        largest = max(u.padded_numel + u.gather_buffer_numel for u in self.units)
         return self.units[0].padded_numel + (2 if self.prefetch else 1) * largest
 
     def register_hooks(self) -> list[RemovableHandle]:

@@ -26,6 +26,7 @@ import functools
 import pytest
 import torch
 
+from poplar.engine.layout import ShardLayout
 from poplar.launch import spawn
 from tests.engine.workers import collectives_and_states, count_collectives
 from tests.models import make_model
@@ -68,16 +69,21 @@ def padded_numels(ranks: int = WORLD) -> list[int]:
 
 
 def expected_step(stage: int, accum: int, itemsize: int, group: int | None = None,
-                  world: int = WORLD) -> list[tuple[str, int]]:
+                  world: int = WORLD, shares: list[float] | None = None) -> list[tuple[str, int]]:
     """One rank's step: every collective as (op, bytes of the full buffer), and ("micro_step", k) where k starts.
 
-    ``group``: hybrid, the size of the rank's shard group (its collectives are ``op/group``).
+    ``group``: hybrid, the size of the rank's shard group (its collectives are ``op/group``). ``shares``
+    (flat): the ranks' uneven shares, whose all-gathers move every rank's slice padded to the largest.
     """
     sizes = padded_numels(group or world)
+    gathered = list(sizes)
+    if shares:
+        cut = ShardLayout(world, None, 0, shares)
+        gathered = [world * max(cut.slice_sizes(n)) for n in unit_numels()]
     last = len(sizes) - 1
     tag = "/group" if group else ""
-    grad = lambda i: 4 * sizes[i]            # noqa: E731  fp32 gradient bucket
-    param = lambda i: itemsize * sizes[i]    # noqa: E731  parameters in the compute precision
+    grad = lambda i: 4 * sizes[i]               # noqa: E731  fp32 gradient bucket
+    param = lambda i: itemsize * gathered[i]    # noqa: E731  parameters in the compute precision
     reduce = "all_reduce" if stage == 0 and not group else "reduce_scatter" + tag
     gather = "all_gather" + tag
     out = [("all_reduce", 8 * world)]        # every rank's local batch size, checked against the plan
@@ -188,3 +194,24 @@ def test_abandoning_a_gather_hands_its_work_over_and_stays_gathering_until_reset
     for rank in launched():
         assert tuple(rank["states"]["abandoned"]) == ("gathering", 1)
         assert tuple(rank["states"]["reset"]) == ("sharded", "idle")
+
+
+UNEVEN = {  # name: plan; a rank holding three quarters of the states, and one holding none
+    f"uneven-stage{st}-{shares}": {"zero_stage": st, "micro_batch_sizes": [1, 2], "accum_steps": acc,
+                                   "shard_shares": shares}
+    for st, acc, shares in ((1, [3, 2], [3, 1]), (2, [2, 2], [3, 1]), (3, [2, 2], [3, 1]), (3, [1, 1], [0, 1]))}
+
+
+@functools.cache
+def uneven_counted():
+    runs = spawn(count_collectives, WORLD, [(p, {}) for p in UNEVEN.values()], MODEL, timeout_s=180)
+    return {name: [r[i] for r in runs] for i, name in enumerate(UNEVEN)}
+
+
+@pytest.mark.parametrize("name", UNEVEN)
+def test_uneven_shares_issue_the_same_collectives_the_gathers_padded_to_the_largest_slice(name):
+    plan = UNEVEN[name]
+    for rank, run in enumerate(uneven_counted()[name]):
+        expected = expected_step(plan["zero_stage"], plan["accum_steps"][rank], 4, shares=plan["shard_shares"])
+        for step in run["steps"]:
+            assert [tuple(c) for c in step] == expected, (name, rank)

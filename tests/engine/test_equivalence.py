@@ -4,7 +4,8 @@ Real processes over gloo; uneven micro-batches, unequal accumulation where the s
 allows it. Parameters must match the single-device run to 1e-5 after several AdamW
 steps, for every ZeRO stage, with and without exact global-norm clipping; flat, and
 hybrid over shard groups of unlike sizes (stage 0: the two-level all-reduce), where
-every group's copy must also be bit for bit the same.
+every group's copy must also be bit for bit the same; and with uneven shares of the
+states (a very small share, and none), flat and hybrid.
 """
 
 import functools
@@ -33,14 +34,25 @@ PLANS = {
     4: [(0, [1, 2, 3, 1], [3, 2, 1, 2], None, [[0, 1, 2], [3]]), (1, [2, 1, 3, 2], [1, 3, 1, 2], None, [[0, 1, 2], [3]]),
         (2, [2, 1, 3, 2], [2, 2, 2, 2], None, [[0, 1, 2], [3]]), (3, [3, 1, 2, 2], [2, 2, 2, 2], None, [[0, 1, 2], [3]]),
         (0, [4, 1, 2, 1], [2, 3, 1, 1], [7, 3, 2, 1], [[0, 3], [1, 2]]), (3, [1, 2, 3, 1], [1, 1, 1, 1], None, [[0, 1], [2, 3]]),
-        (1, [1, 2, 3, 1], [1, 1, 1, 1], None, [[0, 1], [2, 3]])],
+        (1, [1, 2, 3, 1], [1, 1, 1, 1], None, [[0, 1], [2, 3]]),
+        (3, [3, 1, 2, 2], [2, 2, 2, 2], None, [[0, 1, 2], [3]], [1, 2, 0, 1]),
+        (2, [1, 2, 3, 1], [1, 1, 1, 1], None, [[0, 1], [2, 3]], [3, 1, 1, 0.02])],
 }
+# (..., shard_shares): uneven shares of the states, a very small one and none at all among them
+SHARES = {
+    2: [(1, [2, 3], [3, 1], None, None, [3, 1]), (2, [5, 1], [2, 2], None, None, [1, 0.01]),
+        (3, [1, 3], [2, 2], None, None, [0, 1]), (3, [4, 2], [1, 1], None, None, [5, 2])],
+    3: [(1, [3, 1, 2], [2, 1, 3], [5, 1, 4], None, [1, 2, 0]), (2, [1, 2, 3], [2, 2, 2], None, None, [3, 1, 0.01]),
+        (3, [2, 3, 1], [2, 2, 2], [3, 5, 2], None, [1, 4, 2]), (1, [2, 2, 2], [1, 1, 1], None, None, [7, 1, 1])],
+}
+for _w, _extra in SHARES.items():
+    PLANS[_w] = PLANS[_w] + _extra
 CLIPS = [None, 0.05]   # 0.05 is below every step's gradient norm here, so clipping really acts
 
 
-def _plan(stage, mbs, acc, local=None, groups=None):
+def _plan(stage, mbs, acc, local=None, groups=None, shares=None):
     return {"zero_stage": stage, "micro_batch_sizes": mbs, "accum_steps": acc, "local_batch_sizes": local,
-            "shard_groups": groups}
+            "shard_groups": groups, "shard_shares": shares}
 
 
 @functools.cache
@@ -54,7 +66,8 @@ CASES = [(w, i, clip, p) for w in PLANS for i, (clip, p) in enumerate((c, p) for
 
 @pytest.mark.parametrize("world_size, index, clip, plan", CASES,
                          ids=[f"w{w}-stage{p[0]}-mbs{p[1]}-acc{p[2]}{'-local' + str(p[3]) if len(p) > 3 and p[3] else ''}"
-                              f"{'-groups' + str(p[4]) if len(p) > 4 else ''}-clip{c}"
+                              f"{'-groups' + str(p[4]) if len(p) > 4 and p[4] else ''}"
+                              f"{'-shares' + str(p[5]) if len(p) > 5 else ''}-clip{c}"
                               for w, _, c, p in CASES])
 def test_matches_single_device_training(world_size, index, clip, plan):
     ranks = results(world_size)

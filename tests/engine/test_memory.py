@@ -8,11 +8,13 @@ import functools
 
 import pytest
 
+from poplar.engine.layout import ShardLayout
 from poplar.launch import spawn
 from tests.engine.workers import run_cases
 
 WORLD = 3
 MODEL = {"layers": 8, "d": 32}
+SHARES = [4, 1, 0]   # uneven: one rank four times another's share, one holding none
 CASES = {  # name: (plan, config)
     "stage0": ({"zero_stage": 0, "micro_batch_sizes": [1, 2, 3], "accum_steps": [2, 1, 1]}, {}),
     "stage1": ({"zero_stage": 1, "micro_batch_sizes": [1, 2, 3], "accum_steps": [2, 1, 1]}, {}),
@@ -22,6 +24,10 @@ CASES = {  # name: (plan, config)
                     {"mixed_precision": "bf16"}),
     "stage3-bf16": ({"zero_stage": 3, "micro_batch_sizes": [1, 2, 3], "accum_steps": [1, 1, 1]},
                     {"mixed_precision": "bf16"}),
+    "stage2-shares": ({"zero_stage": 2, "micro_batch_sizes": [1, 2, 3], "accum_steps": [2, 2, 2],
+                       "shard_shares": SHARES}, {}),
+    "stage3-shares": ({"zero_stage": 3, "micro_batch_sizes": [1, 2, 3], "accum_steps": [2, 2, 2],
+                       "shard_shares": SHARES}, {}),
 }
 
 
@@ -74,3 +80,18 @@ def test_sharded_states_add_up_to_one_replica_across_ranks():
     runs = measured()
     for name in ("stage1", "stage2", "stage3"):
         assert sum(r["memory"]["optimizer"] for r in runs[name]) == runs["stage0"][0]["memory"]["optimizer"]
+
+
+def test_uneven_shares_hold_each_ranks_own_slices_and_one_replica_in_all():
+    runs = measured()
+    numels = runs["stage0"][0]["unit_numels"]
+    for name in ("stage2-shares", "stage3-shares"):
+        for rank, run in enumerate(runs[name]):
+            held = sum(ShardLayout(WORLD, None, rank, SHARES).slice_sizes(n)[rank] for n in numels)
+            m = run["memory"]
+            assert (m["optimizer"], m["gradients"]) == (8 * held, 4 * held), (name, rank)
+            if name == "stage3-shares":
+                assert m["parameters"] == 4 * held, rank
+        assert sum(r["memory"]["optimizer"] for r in runs[name]) == runs["stage0"][0]["memory"]["optimizer"]
+    zero, big, small = (runs["stage3-shares"][r]["memory"]["total"] for r in (2, 0, 1))
+    assert zero == 0 and big > 3 * small      # ZeRO-3: a rank with no share holds no state at rest

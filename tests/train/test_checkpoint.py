@@ -1,4 +1,4 @@
-"""Checkpoints: resharded onto another world size, plan and stage; damage detected; never NaN."""
+"""Checkpoints: resharded onto another world size, plan, stage and shares; damage detected; never NaN."""
 
 import json
 import shutil
@@ -49,6 +49,20 @@ def test_a_hybrid_checkpoint_resumes_flat_and_trains_as_the_flat_run(tmp_path, u
     shutil.copytree(tmp_path / "hybrid" / "step-00000003", tmp_path / "flat" / "step-00000003")
     resumed = spawn(train_span, 2, flat.to_dict(), str(tmp_path / "flat"), 3, 6, 0, timeout_s=180)[0]
     _close(resumed, final, tol=1e-5)
+
+
+def test_uneven_shares_resume_on_any_layout_and_back(tmp_path, uninterrupted):
+    """Even (the uninterrupted run's step 3) -> uneven shares on two ranks in ZeRO-3 -> three ranks in ZeRO-1, one
+    holding none -> even again: each span continues the uninterrupted run."""
+    final, root = uninterrupted
+    shutil.copytree(root / "step-00000003", tmp_path / "step-00000003")
+    chain = [(poplar.Plan.from_local_batches(3, [5, 7], [1, 1], shard_shares=[1, 3]), 3, 4),
+             (poplar.Plan.from_local_batches(1, [6, 4, 2], [2, 1, 1], shard_shares=[2, 0, 1]), 4, 5),
+             (THREE, 5, 6)]
+    for plan, first, last in chain:
+        resumed = spawn(train_span, plan.world_size, plan.to_dict(), str(tmp_path), first, last, 1, timeout_s=180)[0]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000005", "step-00000006"]
+    _close(resumed, final)
 
 
 def test_the_newest_two_are_kept_and_damage_falls_back_to_the_previous(tmp_path):
