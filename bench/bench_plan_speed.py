@@ -2,10 +2,13 @@
 
 With ``--network``, the profile also holds what the cost model's schedule needs: the
 collectives' times, flat and shaped to nodes of 8 ranks (so the planner weighs two-level
-and hybrid too), 33 units and each stage's step anatomy.
+and hybrid too), 33 units and each stage's step anatomy. With ``--shares``, the kinds'
+memory differs and each sharded stage records its memory points (a rank holding none of
+the states takes half as many samples again), so the planner searches uneven shares too.
 
     python bench/bench_plan_speed.py
     python bench/bench_plan_speed.py --network
+    python bench/bench_plan_speed.py --shares
 """
 
 from __future__ import annotations
@@ -22,19 +25,23 @@ UNITS = 33           # the root and 32 layers
 NODE = 8             # ranks per node
 
 
-def synthetic_profile(ranks: int = 1024, kinds: int = 6, network: bool = False) -> Profile:
+def synthetic_profile(ranks: int = 1024, kinds: int = 6, network: bool = False, shares: bool = False) -> Profile:
     """``kinds`` device kinds, from fast with much memory to slow with little, on ``ranks`` ranks (``network``:
-    with collectives, flat and on nodes of 8, units and step anatomies)."""
+    with collectives, flat and on nodes of 8, units and step anatomies; ``shares``: memory points)."""
     devices, order = {}, []
+    n_params, state = 10**8, 10 * 2**30
+    held = 12 * n_params // ranks   # fp32 ZeRO-1/2's sharded bytes at an even share
     for i in range(kinds):
         limit = 16 + 8 * i
         alpha, beta, update = 0.005 * (1 + i), 0.001 * (1 + i / 2), 0.01
         anatomy = [_anatomy(m) for m in (limit // 2, limit)] if network else None
-        stage = StageProfile(max_micro_batch=limit, state_bytes=0, per_step_s=update, anatomy=anatomy,
+        stage = StageProfile(max_micro_batch=limit, state_bytes=state, per_step_s=update, anatomy=anatomy,
                              points=[(m, update + alpha + beta * m + 2e-6 * m * m) for m in (1, 4, limit // 2, limit)])
-        devices[f"gpu{i}"] = DeviceProfile(kind=f"gpu{i}", memory_gb=1.0, stages={s: stage for s in range(4)})
+        memory = [(state - held, limit + limit // 2), (state, limit)] if shares else []
+        devices[f"gpu{i}"] = DeviceProfile(kind=f"gpu{i}", memory_gb=80.0 - 8 * i if shares else 1.0,
+                                           stages={s: stage.model_copy(update={"memory_points": memory if s else []})
+                                                   for s in range(4)})
         order += [f"gpu{i}"] * (ranks // kinds + (1 if i < ranks % kinds else 0))
-    n_params = 10**8
     model = ModelInfo(name="synthetic", n_params=n_params, seq_len=2048,
                       unit_numels=[n_params // UNITS] * UNITS if network else [])
     return Profile(model=model, ranks=order, devices=devices, comm=_comm(ranks, n_params) if network else None)
@@ -66,8 +73,9 @@ def _comm(ranks: int, numel: int) -> CommProfile:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--network", action="store_true", help="with collectives (flat and on nodes), units, anatomies")
+    p.add_argument("--shares", action="store_true", help="kinds of unlike memory, with memory points: shares searched")
     args = p.parse_args()
-    profile = synthetic_profile(network=args.network)
+    profile = synthetic_profile(network=args.network, shares=args.shares)
     print(f"{profile.world_size} ranks of {len(profile.devices)} kinds"
           + (f", nodes of {NODE}, {UNITS} units" if args.network else ""))
     for batch in (1024, 8192, 65536):
@@ -76,8 +84,9 @@ def main() -> None:
             start = time.perf_counter()
             result = make_plan(profile, batch)
             times.append(time.perf_counter() - start)
+        shares = ", uneven shares" if result.plan.shard_shares else ""
         print(f"global batch {batch:>6}: {statistics.median(times):.3f} s (median of 3); chosen "
-              f"{result.chosen.label}, {result.predicted.samples_per_s:,.0f} samples/s predicted")
+              f"{result.chosen.label}{shares}, {result.predicted.samples_per_s:,.0f} samples/s predicted")
 
 
 if __name__ == "__main__":

@@ -10,4 +10,4 @@ from poplar.engine import Engine, EngineConfig, NonFiniteError, initialize
 from poplar.plan import Plan
 
 __all__ = ["Engine", "EngineConfig", "NonFiniteError", "Plan", "initialize"]
-__version__ = "0.2.0"
+__version__ = "0.3.0"

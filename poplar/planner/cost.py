@@ -49,6 +49,7 @@ import numpy as np
 from poplar.plan import Plan
 from poplar.planner.schedule import StepSchedule
 from poplar.planner.shape import node_shape, shaped_stage
+from poplar.planner.shares import fractions, gather_scale, stage_at_share
 from poplar.profile.profile import Profile, StageProfile
 
 
@@ -133,6 +134,7 @@ class CostModel:
     stage: int
     ranks: list[int] = field(default_factory=list)
     shaped: bool = False
+    shares: list[float] | None = None   # flat, stages 1-3: each plan rank's weight of the states (None: even)
 
     def __post_init__(self):
         if not self.ranks:
@@ -145,8 +147,13 @@ class CostModel:
         self.shape = node_shape(self.profile, self.ranks) if self.shaped else None
         if self.shaped and self.shape is None:
             raise ValueError("a shaped plan needs several nodes, and a profile that timed the collectives on them")
-        self.kinds: dict[str, KindCost] = {k: KindCost(k, self._stage_profile(k)) for k in dict.fromkeys(kinds)}
+        if self.shares is not None and (self.shaped or self.stage == 0 or len(self.shares) != len(self.ranks)
+                                        or any(self.shares[i] != self.shares[kinds.index(k)]
+                                               for i, k in enumerate(kinds))):
+            raise ValueError("shares are planned flat, in stages 1-3, one weight a plan rank, alike within a kind")
+        self.fraction = fractions(self.shares) if self.shares else None
         self.rank_kinds = kinds
+        self.kinds: dict[str, KindCost] = {k: KindCost(k, self._stage_profile(k)) for k in dict.fromkeys(kinds)}
         self._rank_index = {k: np.array([i for i, x in enumerate(kinds) if x == k]) for k in self.kinds}
 
     @property
@@ -156,10 +163,14 @@ class CostModel:
 
     def _stage_profile(self, kind: str) -> StageProfile:
         sp = self.profile.stage(kind, self.stage)
+        dev, model = self.profile.devices[kind], self.profile.model
+        if self.fraction is not None:
+            return stage_at_share(sp, stage=self.stage, precision=model.dtype, n_params=model.n_params,
+                                  world=self.profile.world_size, capacity=dev.memory_gb * 2**30,
+                                  fraction=self.fraction[self.rank_kinds.index(kind)], full=dev.stages.get(0))
         if self.shape is None:
             return sp
         sizes = [len(g) for g in self.shape.groups if any(self.profile.ranks[self.ranks[i]] == kind for i in g)]
-        dev, model = self.profile.devices[kind], self.profile.model
         return shaped_stage(sp, stage=self.stage, n_params=model.n_params, world=self.profile.world_size,
                             group=min(sizes), capacity=dev.memory_gb * 2**30, precision=model.dtype,
                             full=dev.stages.get(0))
@@ -214,4 +225,5 @@ class CostModel:
 
     @cached_property
     def schedule(self) -> StepSchedule:
-        return StepSchedule(self.profile, self.stage, self.shape)
+        scale = gather_scale(self.fraction) if self.fraction is not None else 1.0
+        return StepSchedule(self.profile, self.stage, self.shape, scale)

@@ -15,19 +15,24 @@ without them), and said so.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from poplar.plan import Plan, shaped_name
 from poplar.planner.bound import ideal_samples_per_s
 from poplar.planner.cost import CostModel, Prediction
 from poplar.planner.search import Infeasible, allocate, measured_proportional, proportional, uniform
 from poplar.planner.shape import node_shape
+from poplar.planner.shares import POWERS, PROPORTIONAL, weights
 from poplar.profile.profile import Profile
 from poplar.stages import parse_stages
 
 ALLOCATIONS = {"poplar": allocate, "uniform": uniform, "proportional": proportional,
                "measured-peak": measured_proportional}
 BASELINES = ("uniform", "proportional", "measured-peak")
+EVEN_SHARES, MEMORY_SHARES = "even-shares", "memory-shares"   # Poplar's split with even / memory-proportional shares
 TIE = 0.01   # predicted gains below this are not worth a split other than a baseline's (see plan_stage)
 
 
@@ -82,7 +87,8 @@ class PlanResult:
 
     def allocations(self) -> dict[str, Allocation]:
         """The chosen plan as ``poplar``, beside the chosen stage's baselines (flat, as other systems run them)."""
-        return {"poplar": self.chosen.poplar, **{n: self.stages[self.stage].allocations[n] for n in BASELINES}}
+        return {"poplar": self.chosen.poplar, **{n: self.stages[self.stage].allocations[n] for n in BASELINES},
+                **{n: a for n, a in self.chosen.allocations.items() if n in (EVEN_SHARES, MEMORY_SHARES)}}
 
     @property
     def ideal_samples_per_s(self) -> float:
@@ -183,7 +189,61 @@ def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int]
     if out.poplar.plan is None:
         out.excluded = out.poplar.why_not
     out.ideal_samples_per_s = ideal_samples_per_s(cost, global_batch)
+    if not shaped and not out.excluded and _shares_known(profile, stage, ranks):
+        _plan_shares(out, profile, global_batch)
     return out
+
+
+def _shares_known(profile: Profile, stage: int, ranks: list[int]) -> bool:
+    """Whether uneven shares can be planned: a sharded stage, kinds of unlike memory, each with its memory points."""
+    kinds = {profile.ranks[r] for r in ranks}
+    return (stage >= 1 and len({profile.devices[k].memory_gb for k in kinds}) > 1
+            and all(len(profile.stage(k, stage).memory_points) >= 2 for k in kinds))
+
+
+def _plan_shares(out: StagePlan, profile: Profile, global_batch: int) -> None:
+    """Uneven shares of the states (:mod:`poplar.planner.shares`): Poplar's split for each power of memory that lets
+    some kind take a larger micro-batch than even shares do (any other only adds to the gathers), searched on the
+    compute alone (the collectives' schedule is the costly part of a prediction at scale); the fastest, predicted
+    with its collectives, is Poplar's where it gains more than :data:`TIE` over even shares. Even and
+    memory-proportional shares stay beside it."""
+    kinds = [profile.ranks[r] for r in out.ranks]
+    memory = {k: profile.devices[k].memory_gb for k in kinds}
+    even = tuple(profile.stage(k, out.stage).max_micro_batch for k in dict.fromkeys(kinds))
+    compute_only = profile.model_copy(update={"comm": None})
+    found: dict[float, tuple[float, Plan | str]] = {}
+    worth, seen = [], {even}
+    for power in POWERS:
+        shares = weights(memory, kinds, power)
+        cost = CostModel(compute_only, out.stage, out.ranks, shares=shares)
+        limits = tuple(kc.max_micro_batch for kc in cost.kinds.values())
+        if all(limits) and limits not in seen and max(np.subtract(limits, even)) > 0:
+            worth.append(power)
+        seen.add(limits)
+        if power in worth or power == PROPORTIONAL:
+            try:
+                plan = (out.poplar.plan if limits == even else allocate(cost, global_batch)).with_shard_shares(shares)
+                found[power] = (cost.predict(plan).step_s, plan)
+            except Infeasible as e:
+                found[power] = (math.inf, str(e))
+    out.allocations[EVEN_SHARES] = Allocation(EVEN_SHARES, out.poplar.plan, out.poplar.predicted)
+    out.allocations[MEMORY_SHARES] = _predicted(profile, out.stage, out.ranks, MEMORY_SHARES, found[PROPORTIONAL][1])
+    best = min((p for p in worth if found[p][0] < math.inf), key=lambda p: found[p][0], default=None)
+    if best is None:
+        return
+    chosen = (out.allocations[MEMORY_SHARES] if best == PROPORTIONAL else
+              _predicted(profile, out.stage, out.ranks, "poplar", found[best][1]))
+    if chosen.predicted.step_s * (1 + TIE) < out.poplar.predicted.step_s:
+        out.allocations["poplar"] = Allocation("poplar", chosen.plan, chosen.predicted)
+        cost = CostModel(profile, out.stage, out.ranks, shares=list(chosen.plan.shard_shares))
+        out.ideal_samples_per_s = max(out.ideal_samples_per_s, ideal_samples_per_s(cost, global_batch))
+
+
+def _predicted(profile: Profile, stage: int, ranks: list[int], name: str, plan: Plan | str) -> Allocation:
+    """``plan`` (with its shares) predicted with its collectives, or why there is none (``plan``: the reason)."""
+    if isinstance(plan, str):
+        return Allocation(name, None, None, why_not=plan)
+    return Allocation(name, plan, CostModel(profile, stage, ranks, shares=list(plan.shard_shares)).predict(plan))
 
 
 def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanResult:

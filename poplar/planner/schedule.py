@@ -223,7 +223,7 @@ class StepSchedule:
     back inside the group), as :mod:`poplar.engine.grad_reduce` does.
     """
 
-    def __init__(self, profile, stage: int, shape: Shape | None = None):
+    def __init__(self, profile, stage: int, shape: Shape | None = None, gather_scale: float = 1.0):
         model = profile.model
         self.numels = list(model.unit_numels) or [model.n_params]
         weights = model.unit_flops if len(model.unit_flops) == len(self.numels) and sum(model.unit_flops) > 0 \
@@ -233,7 +233,8 @@ class StepSchedule:
         comms = shape.inside if shape else [profile.comm]
         reduce_op = "all_reduce" if stage == 0 and not shape else "reduce_scatter"
         self.reduce_s = [[c.seconds(reduce_op, n) for n in self.numels] for c in comms]
-        self.gather_s = [[c.seconds("all_gather", n) for n in self.numels] for c in comms]
+        # uneven shares: each rank's slice padded to the largest (gather_scale x the even gather's bytes)
+        self.gather_s = [[c.seconds("all_gather", n * gather_scale) for n in self.numels] for c in comms]
         self.across_s = [shape.across.across_seconds(n) for n in self.numels] if shape else []
         self.sum_s = [shape.across.sum_seconds(n) for n in self.numels] if shape else []
         # the step's own all-reduces of a few numbers over the world (batch check, loss, norm): latency only

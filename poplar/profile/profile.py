@@ -13,6 +13,7 @@ collectives the stages use, at the model's size.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,10 @@ class StageProfile(BaseModel):
     anatomy: list[StepAnatomy] | None = Field(None, description="where a step's compute falls between its "
                                               "collectives, at a few micro-batches (poplar.planner.schedule); "
                                               "empty where the marks were not all seen, None where not measured")
+    memory_points: list[tuple[int, int]] = Field(default_factory=list, description="(model-state bytes held, the "
+                                                 "largest micro-batch beside them) measured, fewer states first: "
+                                                 "how the micro-batch grows as a rank holds less (stages 1-3: "
+                                                 "none of the sharded states, and its even share)")
 
     def time(self, micro_batch):
         """Seconds of a step with one micro-batch of this size (spline through the points); arrays allowed."""
@@ -87,6 +92,26 @@ class StageProfile(BaseModel):
                            root_middle=mix(lo.root_middle, hi.root_middle),
                            before_loss_s=mix(lo.before_loss_s, hi.before_loss_s),
                            before_norm_s=mix(lo.before_norm_s, hi.before_norm_s))
+
+    def max_micro_batch_at(self, state_bytes: float, capacity: float) -> int:
+        """The largest micro-batch beside ``state_bytes`` of model states on a device of ``capacity`` bytes.
+
+        Between the measured :attr:`memory_points`, on the line through them (a sample's
+        activations take a fixed number of bytes), rounded down; with fewer states than
+        measured, no more than the most measured. With more states than measured, along that
+        line, or where the points do not show the slope (one point, or the same micro-batch at
+        both), as if every sample took all the free memory measured (which no sample does:
+        the estimate is low, never high).
+        """
+        pts = sorted(self.memory_points) or [(self.state_bytes, self.max_micro_batch)]
+        (s0, m0), (s1, m1) = pts[0], pts[-1]
+        if m0 == m1:
+            if m1 == 0 or state_bytes <= s1:
+                return m1
+            per_sample = max(capacity - s1, 1.0) / m1
+        else:
+            per_sample = (s1 - s0) / (m0 - m1)
+        return int(max(0, min(m0, math.floor(m1 + (s1 - state_bytes) / per_sample + 1e-9))))
 
     def throughput(self, micro_batch: float) -> float:
         """Samples per second at this micro-batch size."""

@@ -134,7 +134,15 @@ def merge_stage(entries: list[StageProfile]) -> StageProfile:
                         state_bytes=max(m.state_bytes for m in entries),
                         points=_merge_points([m.points for m in entries]),
                         per_step_s=statistics.median(m.per_step_s for m in entries),
-                        note=entries[0].note, anatomy=entries[0].anatomy)
+                        note=entries[0].note, anatomy=entries[0].anatomy, memory_points=_merge_memory(entries))
+
+
+def _merge_memory(entries: list[StageProfile]) -> list[tuple[int, int]]:
+    """Identical devices' memory points: at each, the most states and the smallest micro-batch."""
+    lists = [e.memory_points for e in entries]
+    if any(len(p) != len(lists[0]) for p in lists):
+        return []
+    return [(max(p[i][0] for p in lists), min(p[i][1] for p in lists)) for i in range(len(lists[0]))]
 
 
 def _merge_points(point_lists: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:

@@ -31,6 +31,7 @@ from poplar.profile.probe import largest_micro_batch
 from poplar.profile.profile import CommProfile, StageProfile
 from poplar.profile.timing import RankRun, point_sizes, time_collectives, time_points, timed_step
 from poplar.stages import OPTIMIZER_BYTES_PER_MASTER_BYTE
+from poplar.stages import stage as zero_stage
 from poplar.workload import Workload, as_workload
 
 NOT_TIMED = "not timed: a device of this cluster does not fit micro-batch 1"
@@ -88,6 +89,11 @@ def profile_stage(run: RankRun, stage: int, options: ProfileOptions) -> StagePro
     if not run.everyone(limit > 0):   # the headroom left no room for a sample on some rank
         run.note(stage, "done")
         return StageProfile(max_micro_batch=min(limit, 1), state_bytes=state, note=NOT_TIMED)
+    memory = [(state, limit)]
+    if states.sharded:   # the micro-batch beside none of the sharded states: how it grows as a share shrinks
+        fewer = state - states.sharded
+        memory.insert(0, (fewer, largest_micro_batch(device, run.workload, fewer + headroom,
+                                                     limit=options.max_micro_batch, precision=options.precision)))
     sizes = run.agree_sizes(point_sizes(limit, options.n_points))
     points, per_step = time_points(run, stage, sizes)
     run.note(stage, "anatomy")
@@ -96,13 +102,14 @@ def profile_stage(run: RankRun, stage: int, options: ProfileOptions) -> StagePro
     anatomy = sorted((a for a in measured if a is not None), key=lambda a: a.micro_batch)
     run.note(stage, "done")
     return StageProfile(max_micro_batch=limit, state_bytes=state, points=points, per_step_s=per_step,
-                        anatomy=anatomy)
+                        anatomy=anatomy, memory_points=memory)
 
 
 class _States(NamedTuple):
     fits_one: bool      # micro-batch 1 fits this rank's device
     before: int         # model-state bytes before any step, the optimizer's to come included
     most: int | None    # at their most, after two steps; None: a rank's device does not fit micro-batch 1
+    sharded: int = 0    # bytes of them this rank holds only as its share (none in stage 0)
 
 
 def _model_states(run: RankRun, stage: int, precision: str) -> _States:
@@ -120,8 +127,14 @@ def _model_states(run: RankRun, stage: int, precision: str) -> _States:
         for _ in range(2):    # optimizer states, then accumulated gradients, exist now
             timed_step(run.device, engine, batch, run.workload.loss)
         most = engine.model_state_bytes()
+    sharded = shard_bytes(engine, stage, precision)
     engine.close()
-    return _States(fits, before, most)
+    return _States(fits, before, most, sharded)
+
+
+def shard_bytes(engine, stage: int, precision: str) -> int:
+    """Bytes of the model states ``engine``'s rank holds only as its share of each unit."""
+    return zero_stage(stage).sharded_bytes_per_param(precision) * sum(u.shard_numel for u in engine.units)
 
 
 def _optimizer_states_to_come(engine) -> int:

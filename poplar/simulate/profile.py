@@ -33,7 +33,7 @@ from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import forward_backward, grow_then_bisect
 from poplar.profile.profile import Profile, StageProfile
 from poplar.profile.profiler import merge_stage
-from poplar.profile.rank import _optimizer_states_to_come
+from poplar.profile.rank import _optimizer_states_to_come, shard_bytes
 from poplar.profile.timing import RankRun, point_sizes, timed_step
 from poplar.simulate.comm import simulated_comm
 from poplar.simulate.fake import fake_tensors
@@ -87,11 +87,19 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
     capacity = {k: spec.memory_bytes(d) for k, d in kinds.items()}
     fits = {k: before + saved.exact(1) <= capacity[k] for k in kinds}
     out = {k: StageProfile(max_micro_batch=0, state_bytes=before, note=DOES_NOT_FIT) for k in kinds if not fits[k]}
-    limits = {k: _largest(saved, most + int(run.device.probe_headroom * capacity[k]), capacity[k],
-                          options.max_micro_batch) for k in kinds if fits[k]}
+    headroom = {k: int(run.device.probe_headroom * capacity[k]) for k in kinds}
+    limits = {k: _largest(saved, most + headroom[k], capacity[k], options.max_micro_batch) for k in kinds if fits[k]}
+    sharded = shard_bytes(recording.engine, stage, options.precision)
     for k, n in limits.items():
-        out[k] = (_timed(steps, GpuModel.of(kinds[k]), n, most, options.n_points) if n else
-                  StageProfile(max_micro_batch=0, state_bytes=most, note=DOES_NOT_FIT))
+        if not n:
+            out[k] = StageProfile(max_micro_batch=0, state_bytes=most, note=DOES_NOT_FIT)
+            continue
+        memory = [(most, n)]
+        if sharded:   # as the profiler measures: beside none of the sharded states too
+            fewer = most - sharded
+            memory.insert(0, (fewer, _largest(saved, fewer + headroom[k], capacity[k], options.max_micro_batch)))
+        timed = _timed(steps, GpuModel.of(kinds[k]), n, most, options.n_points)
+        out[k] = timed.model_copy(update={"memory_points": memory})
     return out
 
 

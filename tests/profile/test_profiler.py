@@ -136,6 +136,20 @@ def test_a_device_that_cannot_hold_a_stage_s_states_is_profiled_as_not_fitting_t
     result = make_plan(prof, 8)
     assert result.stage == 1
     assert "stage 0 left out: small (rank 1) cannot hold the model and one sample in stage 0" in result.reason
+    # how the micro-batch grows as a rank holds less: beside none of ZeRO-1's sharded states, and its even share;
+    # the simulator finds the same (to one sample)
+    from poplar.profile.options import ProfileOptions
+    from poplar.simulate import simulate_profile
+
+    simulated = simulate_profile("tiny", cluster, ProfileOptions(stages=(1,), n_points=2))
+    for kind in ("big", "small"):
+        sp = prof.stage(kind, 1)
+        (fewer, more_samples), (state, samples) = sp.memory_points
+        assert (state, samples) == (sp.state_bytes, sp.max_micro_batch) and fewer < state and more_samples >= samples
+        assert (state - fewer) % 12 == 0        # fp32 ZeRO-1: AdamW's two moments and the gradient, a parameter held
+        sim = simulated.stage(kind, 1).memory_points
+        assert [s for s, _ in sim] == [s for s, _ in sp.memory_points], kind
+        assert all(abs(a - b) <= 1 for (_, a), (_, b) in zip(sim, sp.memory_points)), kind
 
 
 def test_sizes_timed_span_one_to_the_limit():

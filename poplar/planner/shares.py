@@ -1,0 +1,73 @@
+"""Uneven shares of the model states: what a kind can do at its share, and the shares the planner tries.
+
+In stages 1-3 a rank may hold any fraction ``f`` of its group's copy of the sharded
+states (:attr:`poplar.plan.Plan.shard_shares`). Against the even share ``1/n`` it holds
+``(f - 1/n)`` of the model's parameters times the stage's bytes per parameter held
+(:meth:`poplar.stages.ZeroStage.sharded_bytes_per_param`: defined once) more, and its
+largest micro-batch is what the profile's memory points say beside those states
+(:meth:`~poplar.profile.profile.StageProfile.max_micro_batch_at`): a small card that gives
+up its share takes larger micro-batches, the big card that takes it smaller ones. Its
+update grows with its share (on the line from the stage's update at an even share to
+ZeRO-0's, the whole model's, where the profile has one). Every all-gather of unlike
+shards moves every rank's slice padded to the largest (:mod:`poplar.engine.collectives`):
+``n`` times the largest fraction of the even gather (:func:`gather_scale`).
+
+The planner tries each kind's weight proportional to a power of its memory
+(:data:`POWERS`: 0 is the even split, 1 memory-proportional shares, the baseline; more
+skews further), with every rank of a kind alike.
+
+>>> weights({"big": 80.0, "small": 40.0}, ["big", "small", "small"], 1)
+[2.0, 1.0, 1.0]
+>>> gather_scale([0.5, 0.25, 0.25])
+1.5
+"""
+
+from __future__ import annotations
+
+import math
+
+from poplar.profile.profile import StageProfile
+from poplar.stages import stage as zero_stage
+
+POWERS = (0.5, 1.0, 1.5, 2.0, 3.0)   # memory ** power: the shares' weights tried besides the even split
+PROPORTIONAL = 1.0                   # the baseline: shares in proportion to each device's memory
+
+
+def weights(memory: dict[str, float], rank_kinds: list[str], power: float) -> list[float]:
+    """Each rank's weight: its memory to ``power``, relative to the smallest kind's (0: even)."""
+    least = min(memory[k] for k in rank_kinds)
+    return [round((memory[k] / least) ** power, 6) for k in rank_kinds]
+
+
+def fractions(shares: list[float]) -> list[float]:
+    total = sum(shares)
+    return [s / total for s in shares]
+
+
+def gather_scale(fraction: list[float]) -> float:
+    """How many times the even all-gather's bytes an all-gather of these fractions moves."""
+    return len(fraction) * max(fraction)
+
+
+def stage_at_share(sp: StageProfile, *, stage: int, precision: str, n_params: int, world: int, fraction: float,
+                   capacity: float, full: StageProfile | None = None) -> StageProfile:
+    """``sp`` (measured at an even share over ``world`` ranks) for a rank holding ``fraction`` of the states."""
+    even = 1 / world
+    state = sp.state_bytes + zero_stage(stage).sharded_bytes_per_param(precision) * n_params * (fraction - even)
+    per_step = sp.per_step_s
+    if full is not None and world > 1:
+        per_step = max(0.0, sp.per_step_s + (full.per_step_s - sp.per_step_s) * (fraction - even) / (1 - even))
+    largest = sp.max_micro_batch_at(state, capacity) if sp.max_micro_batch else 0
+    if largest == 0 or not sp.points:
+        return sp.model_copy(update={"state_bytes": int(state), "max_micro_batch": 0, "points": [],
+                                     "per_step_s": per_step})
+    shift = per_step - sp.per_step_s
+    points = [(m, t + shift) for m, t in sp.points if m <= largest]
+    if not points:   # every measured point is too large now: the compute scales down from the first
+        m0, t0 = sp.points[0]
+        points = [(largest, (t0 - sp.per_step_s) * largest / m0 + per_step)]
+    elif largest > points[-1][0]:   # more than measured: on the line through the last two points, not the spline's
+        (ma, ta), (mb, tb) = (points[-2] if len(points) > 1 else (0, shift + sp.per_step_s)), points[-1]
+        points.append((largest, tb + (tb - ta) / (mb - ma) * (largest - mb)))
+    return sp.model_copy(update={"state_bytes": int(math.ceil(state)), "max_micro_batch": largest,
+                                 "points": points, "per_step_s": per_step})
