@@ -75,7 +75,8 @@ def _shard_shares(shares, world: int, zero_stage: int, groups) -> tuple[float, .
         return None
     if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence) or len(shares) != world:
         raise ValueError(f"shard_shares must be a list of {world} numbers >= 0, one per rank; got {shares!r}")
-    for rank, v in enumerate(shares):
+    simple = set(map(type, shares)) <= {int, float} and min(shares) >= 0 and math.isfinite(max(shares))
+    for rank, v in enumerate(() if simple else shares):    # the common case above, checked at C speed
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
             raise ValueError(f"shard_shares[{rank}] = {v!r}: a share is a finite number >= 0 (the part of each "
                              "unit's states the rank holds, relative to its group's; 0: none)")
@@ -181,7 +182,8 @@ class Plan:
             if len(local) != len(mbs):
                 raise ValueError(f"local_batch_sizes has {len(local)} entries but micro_batch_sizes has "
                                  f"{len(mbs)}: give exactly one of each per rank")
-            for rank, (b, m, a) in enumerate(zip(local, mbs, acc)):
+            consistent = [-(-b // a) for b, a in zip(local, acc)] == list(mbs) and all(map(int.__ge__, local, acc))
+            for rank, (b, m, a) in enumerate(() if consistent else zip(local, mbs, acc)):   # to name the rank
                 if b < a or -(-b // a) != m:
                     fix = (f"give at least {a} samples or fewer accumulation steps" if b < a else
                            f"set micro_batch_sizes[{rank}] = {-(-b // a)}, the largest of {a} near-equal "

@@ -147,11 +147,12 @@ class CostModel:
         self.shape = node_shape(self.profile, self.ranks) if self.shaped else None
         if self.shaped and self.shape is None:
             raise ValueError("a shaped plan needs several nodes, and a profile that timed the collectives on them")
+        first = {k: i for i, k in reversed(list(enumerate(kinds)))}   # each kind's first plan rank
         if self.shares is not None and (self.shaped or self.stage == 0 or len(self.shares) != len(self.ranks)
-                                        or any(self.shares[i] != self.shares[kinds.index(k)]
-                                               for i, k in enumerate(kinds))):
+                                        or len({(k, s) for k, s in zip(kinds, self.shares)}) != len(first)):
             raise ValueError("shares are planned flat, in stages 1-3, one weight a plan rank, alike within a kind")
         self.fraction = fractions(self.shares) if self.shares else None
+        self._first = first
         self.rank_kinds = kinds
         self.kinds: dict[str, KindCost] = {k: KindCost(k, self._stage_profile(k)) for k in dict.fromkeys(kinds)}
         self._rank_index = {k: np.array([i for i, x in enumerate(kinds) if x == k]) for k in self.kinds}
@@ -167,7 +168,7 @@ class CostModel:
         if self.fraction is not None:
             return stage_at_share(sp, stage=self.stage, precision=model.dtype, n_params=model.n_params,
                                   world=self.profile.world_size, capacity=dev.memory_gb * 2**30,
-                                  fraction=self.fraction[self.rank_kinds.index(kind)], full=dev.stages.get(0))
+                                  fraction=self.fraction[self._first[kind]], full=dev.stages.get(0))
         if self.shape is None:
             return sp
         sizes = [len(g) for g in self.shape.groups if any(self.profile.ranks[self.ranks[i]] == kind for i in g)]

@@ -25,7 +25,7 @@ from poplar.planner.bound import ideal_samples_per_s
 from poplar.planner.cost import CostModel, Prediction
 from poplar.planner.search import Infeasible, allocate, measured_proportional, proportional, uniform
 from poplar.planner.shape import node_shape
-from poplar.planner.shares import POWERS, PROPORTIONAL, weights
+from poplar.planner.shares import POWERS, PROPORTIONAL, stage_at_share, weights
 from poplar.profile.profile import Profile
 from poplar.stages import parse_stages
 
@@ -195,10 +195,13 @@ def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int]
 
 
 def _shares_known(profile: Profile, stage: int, ranks: list[int]) -> bool:
-    """Whether uneven shares can be planned: a sharded stage, kinds of unlike memory, each with its memory points."""
+    """Whether uneven shares can matter: a sharded stage, kinds of unlike memory, each with its memory points, and
+    some kind whose micro-batch grows as it holds less (else memory binds no one: the even split stands)."""
     kinds = {profile.ranks[r] for r in ranks}
-    return (stage >= 1 and len({profile.devices[k].memory_gb for k in kinds}) > 1
-            and all(len(profile.stage(k, stage).memory_points) >= 2 for k in kinds))
+    if stage == 0 or len({profile.devices[k].memory_gb for k in kinds}) < 2:
+        return False
+    points = [sorted(profile.stage(k, stage).memory_points) for k in kinds]
+    return all(len(p) >= 2 for p in points) and any(p[0][1] > p[-1][1] for p in points)
 
 
 def _plan_shares(out: StagePlan, profile: Profile, global_batch: int) -> None:
@@ -215,12 +218,12 @@ def _plan_shares(out: StagePlan, profile: Profile, global_batch: int) -> None:
     worth, seen = [], {even}
     for power in POWERS:
         shares = weights(memory, kinds, power)
-        cost = CostModel(compute_only, out.stage, out.ranks, shares=shares)
-        limits = tuple(kc.max_micro_batch for kc in cost.kinds.values())
+        limits = _limits_at(profile, out.stage, kinds, shares)
         if all(limits) and limits not in seen and max(np.subtract(limits, even)) > 0:
             worth.append(power)
         seen.add(limits)
         if power in worth or power == PROPORTIONAL:
+            cost = CostModel(compute_only, out.stage, out.ranks, shares=shares)
             try:
                 plan = (out.poplar.plan if limits == even else allocate(cost, global_batch)).with_shard_shares(shares)
                 found[power] = (cost.predict(plan).step_s, plan)
@@ -237,6 +240,16 @@ def _plan_shares(out: StagePlan, profile: Profile, global_batch: int) -> None:
         out.allocations["poplar"] = Allocation("poplar", chosen.plan, chosen.predicted)
         cost = CostModel(profile, out.stage, out.ranks, shares=list(chosen.plan.shard_shares))
         out.ideal_samples_per_s = max(out.ideal_samples_per_s, ideal_samples_per_s(cost, global_batch))
+
+
+def _limits_at(profile: Profile, stage: int, kinds: list[str], shares: list[float]) -> tuple[int, ...]:
+    """Each kind's largest micro-batch (in the order kinds first appear) at its share of the states."""
+    total, model = sum(shares), profile.model
+    first = {k: s for k, s in zip(kinds, shares)}
+    return tuple(stage_at_share(profile.stage(k, stage), stage=stage, precision=model.dtype, n_params=model.n_params,
+                                world=profile.world_size, fraction=w / total,
+                                capacity=profile.devices[k].memory_gb * 2**30).max_micro_batch
+                 for k, w in first.items())
 
 
 def _predicted(profile: Profile, stage: int, ranks: list[int], name: str, plan: Plan | str) -> Allocation:

@@ -90,7 +90,7 @@ def profile_stage(run: RankRun, stage: int, options: ProfileOptions) -> StagePro
         run.note(stage, "done")
         return StageProfile(max_micro_batch=min(limit, 1), state_bytes=state, note=NOT_TIMED)
     memory = [(state, limit)]
-    if states.sharded:   # the micro-batch beside none of the sharded states: how it grows as a share shrinks
+    if states.sharded and limit < options.max_micro_batch:   # beside none of the sharded states: how it grows
         fewer = state - states.sharded
         memory.insert(0, (fewer, largest_micro_batch(device, run.workload, fewer + headroom,
                                                      limit=options.max_micro_batch, precision=options.precision)))

@@ -95,7 +95,7 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
             out[k] = StageProfile(max_micro_batch=0, state_bytes=most, note=DOES_NOT_FIT)
             continue
         memory = [(most, n)]
-        if sharded:   # as the profiler measures: beside none of the sharded states too
+        if sharded and n < options.max_micro_batch:   # as the profiler measures: beside none of the sharded states
             fewer = most - sharded
             memory.insert(0, (fewer, _largest(saved, fewer + headroom[k], capacity[k], options.max_micro_batch)))
         timed = _timed(steps, GpuModel.of(kinds[k]), n, most, options.n_points)
