@@ -73,8 +73,13 @@ def collectives_on_nodes(rank, world_size, cluster: dict, numel: int):
                 "declared_across": device.network.seconds("reduce_across", 4 * numel, None, len(groups))}
 
 
-def anatomy_at(rank, world_size, cluster: dict, stage: int, sizes: list[int]):
-    """The step anatomy the profiler measures on rank ``rank`` at ``sizes`` (every rank's micro-batch)."""
+def anatomy_at(rank, world_size, cluster: dict, stage: int, sizes: list[int], dilation: float | None = None):
+    """The step anatomy the profiler measures on rank ``rank`` at ``sizes`` (every rank's micro-batch); ``dilation``:
+    a fixed pace (by default chosen from the host, as profiling does)."""
+    import os
+
+    if dilation is not None:
+        os.environ["POPLAR_DILATION"] = str(dilation)
     from poplar.engine.config import EngineConfig
     from poplar.profile.anatomy import measure_anatomy
     from poplar.profile.timing import RankRun
