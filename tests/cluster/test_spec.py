@@ -191,3 +191,10 @@ def test_kinds_spread_over_nodes_of_their_own_with_their_own_link_inside():
     assert links[0] == spec.network.intra_node      # a's NVLink does not join a T4: the slowest
     assert links[3] == links[9] == spec.network.intra_node
     assert parse_cluster(spec.model_dump()) == spec   # written back as given
+
+
+@pytest.mark.parametrize("path", sorted((__import__("pathlib").Path(__file__).resolve().parents[2] / "examples"
+                                         / "clusters").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_cluster_file_loads_and_places_its_kinds_on_nodes(path):
+    spec = load_cluster(str(path))
+    assert spec.world_size >= 2 and len(spec.node_groups()) >= 2 and parse_cluster(spec.model_dump()) == spec
