@@ -23,6 +23,7 @@ import pickle
 import select
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import traceback
 import warnings
@@ -159,6 +160,16 @@ class WorkerDied(RuntimeError):
 _ROOT = str(Path(__file__).resolve().parent.parent)   # where a worker imports poplar from: where this one did
 
 
+def _worker_env() -> dict[str, str]:
+    """This environment, with poplar's directory first on the path unless it is where packages are installed (a
+    worker's interpreter finds it there anyway, and that directory must not come before the standard library)."""
+    installed = {str(Path(p).resolve()) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])}
+    if _ROOT in installed:
+        return dict(os.environ)
+    path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
 class _Worker:
     """A worker process with its ``jobs`` (``{job: kinds}``), begun at once."""
 
@@ -168,10 +179,9 @@ class _Worker:
             pickle.dump((jobs, args), f)     # a file, not the pipe: a large cluster must not block this process
             self._job_file = f.name
         self._stderr = tempfile.TemporaryFile()
-        path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
         self.process = subprocess.Popen([sys.executable, "-c", "from poplar.alone import serve; serve()",
                                          self._job_file], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self._stderr, env={**os.environ, "PYTHONPATH": path})
+                                        stderr=self._stderr, env=_worker_env())
         self.fd = self.process.stdout.fileno()
 
     def skip(self, job: int) -> None:
