@@ -77,7 +77,9 @@ class FlatUnit:
         self.padded_numel = layout.padded(offset)
         self.shard_start, shard_stop = layout.shard_range(offset)
         self.shard_numel = shard_stop - self.shard_start
-        self.slice_sizes = layout.slice_sizes(offset)   # every rank's of this rank's group, for its collectives
+        sizes = layout.slice_sizes(offset)
+        # every rank's slice in this rank's group where they differ (its collectives' uneven forms), else None
+        self.slice_sizes = sizes if len(set(sizes)) > 1 else None
         self._build_params(device)
 
         # Gradients: fp32 accumulators. grad_full is the full (padded) flat gradient; it
@@ -102,7 +104,7 @@ class FlatUnit:
         size, every rank's padded to the largest, and this rank's padded copy (see
         :mod:`poplar.engine.collectives`)."""
         sizes = self.slice_sizes
-        return 0 if len(set(sizes)) <= 1 else (len(sizes) + 1) * max(sizes)
+        return 0 if sizes is None else (len(sizes) + 1) * max(sizes)
 
     @property
     def comm(self):

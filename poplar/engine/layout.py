@@ -116,13 +116,9 @@ class ShardLayout:
         if (numel, j) not in self._sizes:
             g = self.groups[j]
             total = self.padded(numel, len(g))
-            if self.shares is None:
-                sizes = (total // len(g),) * len(g)
-            else:
-                weights = [Fraction(self.shares[r]) for r in g]
-                cuts = [total * sum(weights[:i]) // sum(weights) for i in range(len(g) + 1)]
-                sizes = tuple(int(b - a) for a, b in zip(cuts, cuts[1:]))
-            self._sizes[(numel, j)] = sizes
+            weights = [Fraction(self.shares[r]) for r in g]
+            cuts = [total * sum(weights[:i]) // sum(weights) for i in range(len(g) + 1)]
+            self._sizes[(numel, j)] = tuple(int(b - a) for a, b in zip(cuts, cuts[1:]))
         return self._sizes[(numel, j)]
 
     def shard_range(self, numel: int, group: int | None = None, index: int | None = None,
