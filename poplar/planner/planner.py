@@ -16,7 +16,7 @@ without them), and said so.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from poplar.planner.bound import ideal_samples_per_s
 from poplar.planner.cost import CostModel, Prediction
 from poplar.planner.search import Infeasible, allocate, measured_proportional, proportional, uniform
 from poplar.planner.shape import node_shape
-from poplar.planner.shares import POWERS, PROPORTIONAL, stage_at_share, weights
+from poplar.planner.shares import POWERS, PROPORTIONAL, room_shares, stage_at_share, weights
 from poplar.profile.profile import Profile
 from poplar.stages import parse_stages
 
@@ -157,6 +157,9 @@ def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int]
     out = StagePlan(stage=stage, ranks=ranks, shaped=shaped)
     out.excluded = _not_profiled_to_plan(profile, stage, ranks, out.label)
     if out.excluded:
+        if not shaped and _fits_with_less(profile, stage, ranks):   # only some uneven shares may hold it
+            out.allocations = {n: Allocation(n, None, None, why_not=out.excluded) for n in ALLOCATIONS}
+            _plan_shares(out, profile, global_batch)
         return out
     cost = CostModel(profile, stage, ranks, shaped)
     # a shape may not fit where the flat profile did: hybrid states, sharded over fewer ranks, are larger
@@ -204,42 +207,54 @@ def _shares_known(profile: Profile, stage: int, ranks: list[int]) -> bool:
     return all(len(p) >= 2 for p in points) and any(p[0][1] > p[-1][1] for p in points)
 
 
+def _fits_with_less(profile: Profile, stage: int, ranks: list[int]) -> bool:
+    """Whether every kind that holds no sample at an even share was timed where it holds less (the simulator's
+    :data:`~poplar.simulate.profile.FITS_WITH_LESS`), the rest timed as usual: uneven shares may fit them all."""
+    profiles = [profile.stage(profile.ranks[r], stage) for r in ranks]
+    return _shares_known(profile, stage, ranks) and all(sp.points for sp in profiles) and all(
+        sp.max_micro_batch or max(m for _, m in sp.memory_points) > 0 for sp in profiles)
+
+
 def _plan_shares(out: StagePlan, profile: Profile, global_batch: int) -> None:
-    """Uneven shares of the states (:mod:`poplar.planner.shares`): Poplar's split for each power of memory that lets
-    some kind take a larger micro-batch than even shares do (any other only adds to the gathers), searched on the
-    compute alone (the collectives' schedule is the costly part of a prediction at scale); the fastest, predicted
-    with its collectives, is Poplar's where it gains more than :data:`TIE` over even shares. Even and
-    memory-proportional shares stay beside it."""
+    """Uneven shares of the states (:mod:`poplar.planner.shares`): Poplar's split for each set of shares tried that
+    lets some kind take a larger micro-batch than even shares do (any other only adds to the gathers), searched on
+    the compute alone (the collectives' schedule is the costly part of a prediction at scale); the fastest,
+    predicted with its collectives, is Poplar's where it gains more than :data:`TIE` over even shares (or where no
+    even share holds every kind). Even and memory-proportional shares stay beside it."""
     kinds = [profile.ranks[r] for r in out.ranks]
     memory = {k: profile.devices[k].memory_gb for k in kinds}
     even = tuple(profile.stage(k, out.stage).max_micro_batch for k in dict.fromkeys(kinds))
+    tried = {f"memory^{p:g}": weights(memory, kinds, p) for p in POWERS}
+    tried |= {f"room for {m}": w for m, w in room_shares(profile, out.stage, kinds).items()}
+    baseline = f"memory^{PROPORTIONAL:g}"
     compute_only = profile.model_copy(update={"comm": None})
-    found: dict[float, tuple[float, Plan | str]] = {}
-    worth, seen = [], {even}
-    for power in POWERS:
-        shares = weights(memory, kinds, power)
+    found: dict[str, tuple[float, Plan | str]] = {}
+    seen = {even}
+    for name, shares in tried.items():
         limits = _limits_at(profile, out.stage, kinds, shares)
-        if all(limits) and limits not in seen and max(np.subtract(limits, even)) > 0:
-            worth.append(power)
+        worth = all(limits) and limits not in seen and max(np.subtract(limits, even)) > 0
         seen.add(limits)
-        if power in worth or power == PROPORTIONAL:
+        if not all(limits):
+            found[name] = (math.inf, f"a kind holds no sample beside its share of {name} shares")
+        elif worth or name == baseline:
             cost = CostModel(compute_only, out.stage, out.ranks, shares=shares)
             try:
                 plan = (out.poplar.plan if limits == even else allocate(cost, global_batch)).with_shard_shares(shares)
-                found[power] = (cost.predict(plan).step_s, plan)
+                found[name] = (cost.predict(plan).step_s if worth else math.inf, plan)
             except Infeasible as e:
-                found[power] = (math.inf, str(e))
-    out.allocations[EVEN_SHARES] = Allocation(EVEN_SHARES, out.poplar.plan, out.poplar.predicted)
-    out.allocations[MEMORY_SHARES] = _predicted(profile, out.stage, out.ranks, MEMORY_SHARES, found[PROPORTIONAL][1])
-    best = min((p for p in worth if found[p][0] < math.inf), key=lambda p: found[p][0], default=None)
-    if best is None:
+                found[name] = (math.inf, str(e))
+    out.allocations[EVEN_SHARES] = replace(out.poplar, name=EVEN_SHARES)
+    out.allocations[MEMORY_SHARES] = _predicted(profile, out.stage, out.ranks, MEMORY_SHARES, found[baseline][1])
+    best = min(found, key=lambda n: found[n][0], default=None)
+    if best is None or found[best][0] == math.inf:
         return
-    chosen = (out.allocations[MEMORY_SHARES] if best == PROPORTIONAL else
+    chosen = (out.allocations[MEMORY_SHARES] if best == baseline else
               _predicted(profile, out.stage, out.ranks, "poplar", found[best][1]))
-    if chosen.predicted.step_s * (1 + TIE) < out.poplar.predicted.step_s:
+    if out.poplar.plan is None or chosen.predicted.step_s * (1 + TIE) < out.poplar.predicted.step_s:
         out.allocations["poplar"] = Allocation("poplar", chosen.plan, chosen.predicted)
         cost = CostModel(profile, out.stage, out.ranks, shares=list(chosen.plan.shard_shares))
         out.ideal_samples_per_s = max(out.ideal_samples_per_s, ideal_samples_per_s(cost, global_batch))
+        out.excluded = ""   # where no even share held every kind, uneven ones do
 
 
 def _limits_at(profile: Profile, stage: int, kinds: list[str], shares: list[float]) -> tuple[int, ...]:
@@ -275,19 +290,19 @@ def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanR
     every = list(range(world))
     results = {s: plan_stage(profile, s, global_batch, every) for s in stages}
     excluded_ranks: list[int] = []
+    # devices that hold the model in no stage at an even share: planned without too, where nothing else runs or
+    # where they run only with uneven shares (leaving them out may still be faster)
+    never = [r for r in every if all(sp.max_micro_batch == 0 for s, sp in profile.devices[profile.ranks[r]].stages.items()
+                                     if s in stages)]
+    if never and len(never) < world and global_batch >= world - len(never):
+        rest = [r for r in every if r not in never]
+        without = {s: plan_stage(profile, s, global_batch, rest) for s in stages}
+        if _best_speed(without) > (with_them := _best_speed(results)):
+            results, excluded_ranks = without, never
     if all(r.excluded for r in results.values()):
-        # can some devices never hold the model? then plan without them
-        never = [r for r in every
-                 if all(sp.max_micro_batch == 0 for s, sp in profile.devices[profile.ranks[r]].stages.items()
-                        if s in stages)]
-        if never and len(never) < world and global_batch >= world - len(never):
-            excluded_ranks = never
-            rest = [r for r in every if r not in never]
-            results = {s: plan_stage(profile, s, global_batch, rest) for s in stages}
-        if all(r.excluded for r in results.values()):
-            why = "; ".join(f"stage {s}: {r.excluded}" for s, r in results.items())
-            raise PlanningError(f"no stage can run this job: {why}. {_smallest_need(profile, stages)}Use a smaller "
-                                "model or sequence, devices with more memory, or profile the higher ZeRO stages")
+        why = "; ".join(f"stage {s}: {r.excluded}" for s, r in results.items())
+        raise PlanningError(f"no stage can run this job: {why}. {_smallest_need(profile, stages)}Use a smaller "
+                            "model or sequence, devices with more memory, or profile the higher ZeRO stages")
     ranks = next(r.ranks for r in results.values() if not r.excluded)
     shaped = ({s: plan_stage(profile, s, global_batch, ranks, shaped=True) for s in stages}
               if node_shape(profile, ranks) is not None else {})
@@ -306,10 +321,18 @@ def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanR
     reason += _coarse_hybrid_note(profile, shaped)
     if excluded_ranks:
         kinds = sorted({profile.ranks[r] for r in excluded_ranks})
-        reason += (f". Rank {_rank_list(excluded_ranks)} ({', '.join(kinds)}) cannot hold the model in any stage "
-                   f"profiled: this plan is for the other {world - len(excluded_ranks)} ranks; launch without them")
+        verb = "holds" if len(excluded_ranks) == 1 else "hold"
+        how = (f"{verb} the model only with uneven shares, {with_them:.3g} samples/s predicted with them"
+               if with_them else "cannot hold the model in any stage profiled")
+        reason += (f". Rank {_rank_list(excluded_ranks)} ({', '.join(kinds)}) {how}: this plan is for the other "
+                   f"{world - len(excluded_ranks)} ranks; launch without them")
     return PlanResult(plan=best.poplar.plan, stage=best.stage, predicted=pred, stages=results, ranks=best.ranks,
                       reason=reason, excluded_ranks=excluded_ranks, profile=profile, shaped=shaped)
+
+
+def _best_speed(results: dict[int, StagePlan]) -> float:
+    """The most samples a second any stage's Poplar plan is predicted (0: none runs)."""
+    return max((r.poplar.predicted.samples_per_s for r in results.values() if not r.excluded), default=0.0)
 
 
 def _smallest_need(profile: Profile, stages: list[int]) -> str:

@@ -14,7 +14,10 @@ shards moves every rank's slice padded to the largest (:mod:`poplar.engine.colle
 
 The planner tries each kind's weight proportional to a power of its memory
 (:data:`POWERS`: 0 is the even split, 1 memory-proportional shares, the baseline; more
-skews further), with every rank of a kind alike.
+skews further), and proportional to the states each kind has room for beside ``m``
+samples (:func:`room_shares`, ``m`` = 1, 2, 4, ...: every kind then holds ``m``, where the
+cluster has that room at all: this finds the shares that fit a model no power does), with
+every rank of a kind alike.
 
 >>> weights({"big": 80.0, "small": 40.0}, ["big", "small", "small"], 1)
 [2.0, 1.0, 1.0]
@@ -26,11 +29,12 @@ from __future__ import annotations
 
 import math
 
-from poplar.profile.profile import StageProfile
+from poplar.profile.profile import Profile, StageProfile
 from poplar.stages import stage as zero_stage
 
 POWERS = (0.5, 1.0, 1.5, 2.0, 3.0)   # memory ** power: the shares' weights tried besides the even split
 PROPORTIONAL = 1.0                   # the baseline: shares in proportion to each device's memory
+ROOM_TRIES = 8                       # room shares for 1, 2, 4 ... 128 samples at most
 
 
 def weights(memory: dict[str, float], rank_kinds: list[str], power: float) -> list[float]:
@@ -57,7 +61,7 @@ def stage_at_share(sp: StageProfile, *, stage: int, precision: str, n_params: in
     per_step = sp.per_step_s
     if full is not None and world > 1:
         per_step = max(0.0, sp.per_step_s + (full.per_step_s - sp.per_step_s) * (fraction - even) / (1 - even))
-    largest = sp.max_micro_batch_at(state, capacity) if sp.max_micro_batch else 0
+    largest = sp.max_micro_batch_at(state, capacity) if sp.points else 0
     if largest == 0 or not sp.points:
         return sp.model_copy(update={"state_bytes": int(state), "max_micro_batch": 0, "points": [],
                                      "per_step_s": per_step})
@@ -71,3 +75,35 @@ def stage_at_share(sp: StageProfile, *, stage: int, precision: str, n_params: in
         points.append((largest, tb + (tb - ta) / (mb - ma) * (largest - mb)))
     return sp.model_copy(update={"state_bytes": int(math.ceil(state)), "max_micro_batch": largest,
                                  "points": points, "per_step_s": per_step})
+
+
+def room_shares(profile: Profile, stage: int, kinds: list[str]) -> dict[int, list[float]]:
+    """``{m: each rank's weight}``: in proportion to the sharded states its kind holds at most beside ``m`` samples
+    (as :func:`stage_at_share` reads the memory points), for each ``m`` = 1, 2, 4, ... the cluster has room for."""
+    model = profile.model
+    whole = zero_stage(stage).sharded_bytes_per_param(model.dtype) * model.n_params
+    out = {}
+    for m in (2 ** i for i in range(ROOM_TRIES)):
+        room = {k: _room(profile.stage(k, stage), whole, profile.world_size, profile.devices[k].memory_gb * 2**30, m)
+                for k in dict.fromkeys(kinds)}
+        if min(room.values()) <= 0 or sum(room[k] for k in kinds) < whole:
+            break
+        least = min(room.values())
+        out[m] = [math.floor(room[k] / least * 1e6) / 1e6 for k in kinds]
+    return out
+
+
+def _room(sp: StageProfile, whole: float, world: int, capacity: float, micro_batch: int) -> float:
+    """The most bytes of the sharded states beside which ``micro_batch`` samples fit (0: not even with none)."""
+    if not sp.points:
+        return 0.0
+    base = sp.state_bytes - whole / world        # the states held at a share of 0
+    if sp.max_micro_batch_at(base, capacity) < micro_batch:
+        return 0.0
+    lo, hi = base, base + whole                  # fits at lo; past hi no share matters
+    if sp.max_micro_batch_at(hi, capacity) >= micro_batch:
+        return whole
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sp.max_micro_batch_at(mid, capacity) >= micro_batch else (lo, mid)
+    return (lo - base) * (1 - 1e-6)

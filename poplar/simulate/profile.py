@@ -85,27 +85,34 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
     steps, recording = _counted(run, stage)
     before, most = recording.before, recording.most
     capacity = {k: spec.memory_bytes(d) for k, d in kinds.items()}
-    fits = {k: before + saved.exact(1) <= capacity[k] for k in kinds}
-    out = {k: StageProfile(max_micro_batch=0, state_bytes=before, note=DOES_NOT_FIT) for k in kinds if not fits[k]}
     headroom = {k: int(run.device.probe_headroom * capacity[k]) for k in kinds}
-    limits = {k: _largest(saved, most + headroom[k], capacity[k], options.max_micro_batch) for k in kinds if fits[k]}
     sharded = shard_bytes(recording.engine, stage, options.precision)
-    for k, n in limits.items():
-        if not n:
-            out[k] = StageProfile(max_micro_batch=0, state_bytes=most, note=DOES_NOT_FIT)
-            continue
+    out = {}
+    for k in kinds:
+        fits = before + saved.exact(1) <= capacity[k]
+        n = _largest(saved, most + headroom[k], capacity[k], options.max_micro_batch) if fits else 0
         memory = [(most, n)]
         if sharded and n < options.max_micro_batch:   # as the profiler measures: beside none of the sharded states
             fewer = most - sharded
             memory.insert(0, (fewer, _largest(saved, fewer + headroom[k], capacity[k], options.max_micro_batch)))
-        timed = _timed(steps, GpuModel.of(kinds[k]), n, most, options.n_points)
-        out[k] = timed.model_copy(update={"memory_points": memory})
+        if n:
+            out[k] = _timed(steps, GpuModel.of(kinds[k]), n, most, options.n_points)
+        elif memory[0][1]:   # holds a sample only with a smaller share of the states: timed up to that
+            # and the most states beside which one sample fits, in place of the even share's (none fits there)
+            memory[1] = (capacity[k] - headroom[k] - saved.exact(1), 1)
+            timed = _timed(steps, GpuModel.of(kinds[k]), memory[0][1], most, options.n_points)
+            out[k] = timed.model_copy(update={"max_micro_batch": 0, "note": FITS_WITH_LESS})
+        else:
+            out[k] = StageProfile(max_micro_batch=0, state_bytes=most if fits else before, note=DOES_NOT_FIT)
+            continue
+        out[k] = out[k].model_copy(update={"memory_points": memory})
     return out
 
 
 # Unlike the profiler's ranks, which time a step together, a kind is simulated alone: it is timed even where
 # another kind does not fit (the planner then plans around the one that does not).
 DOES_NOT_FIT = "does not fit micro-batch 1 beside this stage's model states"
+FITS_WITH_LESS = "fits a sample only beside a smaller share of the sharded states than an even one"
 
 
 class _Kept(OrderedDict):

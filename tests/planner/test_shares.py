@@ -5,7 +5,7 @@ import pytest
 
 from poplar.planner import make_plan
 from poplar.planner.planner import EVEN_SHARES, MEMORY_SHARES
-from poplar.planner.shares import gather_scale, stage_at_share, weights
+from poplar.planner.shares import gather_scale, room_shares, stage_at_share, weights
 from poplar.profile.profile import StageProfile
 from poplar.stages import stage as zero_stage
 from tests.planner.profiles import make_profile
@@ -68,3 +68,54 @@ def test_shares_are_planned_where_they_let_the_small_card_take_larger_micro_batc
 def test_no_shares_without_memory_points_or_where_every_card_holds_as_much(profile):
     result = make_plan(profile, 48, [2])
     assert result.plan.shard_shares is None and EVEN_SHARES not in result.allocations()
+
+
+def _fits_only_with_less(n_small: int, big_free: int = 9):
+    """Stage 2 where a small card holds a sample only beside at most 5% of the sharded states (so no power of
+    memory fits it: memory^3 gives it 1/9), two with none; the big one 8 at an even share, ``big_free`` with none."""
+    prof = make_profile({"big": (1, 0.01, 0.0005, 8), "small": (n_small, 0.01, 0.0005, 8)}, stages=(2,))
+    prof.model.n_params = N_PARAMS
+    world = 1 + n_small
+    base = STATE - COPY // world     # the states held at a share of 0
+    points = {"big": [(base, big_free), (STATE, 8)], "small": [(base, 2), (base + COPY // 20, 1)]}
+    for (name, device), gb in zip(prof.devices.items(), (2.0, 1.0)):
+        device.memory_gb = gb
+        device.stages[2] = device.stages[2].model_copy(update={
+            "state_bytes": STATE, "max_micro_batch": 8 if name == "big" else 0, "memory_points": points[name]})
+    return prof
+
+
+def test_room_shares_fit_every_kind_where_no_even_share_or_power_of_memory_does():
+    prof = _fits_only_with_less(3)
+    kinds = prof.ranks
+    assert [_limits(prof, weights({"big": 2.0, "small": 1.0}, kinds, p))[1] for p in (1, 2, 3)] == [0, 0, 0]
+    room = room_shares(prof, 2, kinds)
+    assert list(room) == [1, 2]    # two with (almost) none of the states, not four with any
+    assert _limits(prof, room[1]) == (5, 1) and room[1][0] > 20 * room[1][1] * 0.9
+    assert _limits(prof, room[2]) == (5, 2)      # the big card holds all of them
+
+
+def _limits(prof, shares):
+    from poplar.planner.planner import _limits_at
+    return _limits_at(prof, 2, prof.ranks, shares)
+
+
+def test_a_stage_that_fits_only_with_uneven_shares_is_planned_with_them_where_they_are_faster():
+    # 54 samples: the big card alone (8 a micro-step) takes 7 micro-steps; with three small cards beside it, at
+    # room for two each, 11 a micro-step, 5 shorter micro-steps
+    result = make_plan(_fits_only_with_less(3), 54, [2])
+    assert result.excluded_ranks == [] and result.plan.world_size == 4
+    assert result.plan.shard_shares is not None and min(result.plan.micro_batch_sizes) >= 1
+    assert result.plan.share_fractions[1] < 0.05
+    allocations = result.allocations()
+    assert allocations[EVEN_SHARES].plan is None and "cannot hold" in allocations[EVEN_SHARES].why_not
+    assert allocations["uniform"].plan is None and allocations[MEMORY_SHARES].plan is None
+    assert result.chosen.ideal_samples_per_s >= result.predicted.samples_per_s
+
+
+def test_cards_that_fit_only_with_uneven_shares_are_left_out_where_that_is_faster():
+    # one small card: 4 + 1 a micro-step at room for one, 4 + 2 at room for two (the states it gives up leave the
+    # big card 4); the big card alone, 8 at an even share: 6 micro-steps against 8 or more
+    result = make_plan(_fits_only_with_less(1, big_free=12), 48, [2])
+    assert result.excluded_ranks == [1] and result.plan.world_size == 1 and result.plan.shard_shares is None
+    assert "holds the model only with uneven shares" in result.reason

@@ -104,3 +104,30 @@ def test_the_process_keeps_only_the_last_few_counted_steps():
         kept.get_or(key, lambda k=key: made.append(k) or k.upper())
     assert made == ["a", "b", "c", "b"]          # "a" was reused; "b", the least recently used, made again
     assert list(kept) == ["c", "b"]
+
+
+def test_a_kind_that_fits_only_beside_a_smaller_share_is_timed_and_planned_with_uneven_shares():
+    """At this scale the small card holds no sample beside an even share of ZeRO-1's states, one beside none of
+    them: it is timed all the same, with the most states it holds a sample beside, and planned with shares."""
+    from poplar.cluster.spec import parse_cluster
+    from poplar.planner import make_plan
+    from poplar.planner.planner import plan_stage
+    from poplar.planner.shares import stage_at_share
+    from poplar.profile.options import ProfileOptions
+    from poplar.simulate.profile import FITS_WITH_LESS
+
+    cluster = {"devices": [BIG, {"kind": "small", "gpu": "A100-40GB"}], "memory_scale": 0.000045}
+    prof = simulate_profile("tiny", cluster, ProfileOptions(stages=(1,), n_points=2))
+    small = prof.stage("small", 1)
+    assert small.max_micro_batch == 0 and small.points and small.note == FITS_WITH_LESS
+    (none, m0), (most, m1) = small.memory_points
+    assert m0 >= 1 and m1 == 1 and none < most < small.state_bytes
+    capacity = parse_cluster(cluster).memory_bytes(parse_cluster(cluster).device(1))
+    whole = small.state_bytes - none       # the sharded states at an even share of two
+    at = lambda f: stage_at_share(small, stage=1, precision="fp32", n_params=prof.model.n_params, world=2,  # noqa
+                                  fraction=f, capacity=capacity).max_micro_batch
+    assert at(0.0) == m0 and at((most - none) / (2 * whole) * 0.99) == 1 and at(0.5) == 0
+    both = plan_stage(prof, 1, 64, [0, 1])       # on both cards: the small one's share is one it holds a sample at
+    assert not both.excluded and both.poplar.plan.share_fractions[1] * 2 * whole <= most - none
+    result = make_plan(prof, 64, [1])            # which is slower here than the big card alone
+    assert result.excluded_ranks == [1] and "holds the model only with uneven shares" in result.reason
