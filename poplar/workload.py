@@ -18,6 +18,7 @@ import os
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from poplar.models import checkpointing
 from poplar.models import MODEL_PRESETS, build_model
 from poplar.models import causal_lm_loss as tiny_loss
 from poplar.models.hf import HF_PRESETS, build_hf_model, causal_lm_loss, family, masked_lm_loss_fn
@@ -33,6 +34,8 @@ class Workload(BaseModel):
     model: str = Field("tiny", description="model preset: " + ", ".join([*MODEL_PRESETS, *HF_PRESETS]))
     seq_len: int | None = Field(None, gt=0, description="tokens per sample (default: the preset's)")
     vocab_size: int | None = Field(None, gt=2, description="vocabulary (default: the preset's, or the tokenizer's)")
+    activation_checkpointing: bool = Field(False, description="each block keeps only its input in the forward and "
+                                           "computes again in the backward (poplar.models.checkpointing)")
 
     def model_post_init(self, _context) -> None:
         if self.model not in MODEL_PRESETS and self.model not in HF_PRESETS:
@@ -61,9 +64,12 @@ class Workload(BaseModel):
         """The model, initialised from ``seed``; on fake tensors or the meta device, of any size."""
         _check_buildable(self)
         if self.model in MODEL_PRESETS:
-            return build_model(self.model, seed=seed)
-        overrides = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0} if self.family == "bert" else {}
-        return build_hf_model(self.model, self.vocab_size, seed=seed, **overrides)
+            model = build_model(self.model, seed=seed)
+        else:
+            overrides = ({"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0} if self.family == "bert"
+                         else {})
+            model = build_hf_model(self.model, self.vocab_size, seed=seed, **overrides)
+        return checkpointing.enable(model) if self.activation_checkpointing else model
 
     @property
     def loss(self):

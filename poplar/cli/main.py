@@ -109,6 +109,8 @@ def profile(
     model: str = typer.Option("tiny", help="model preset: tiny, small, base (built-in), or llama-tiny, "
                                            "llama-small, llama-125m, llama-350m, bert-tiny, bert-small, bert-base"),
     seq_len: int | None = typer.Option(None, help="tokens per sample (Hugging Face presets; default 128)"),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="each block keeps "
+                                                  "only its input and computes again in the backward"),
     cluster: str | None = typer.Option(None, help="cluster YAML file, or a preset (e.g. both-differ, two-node-10gbe; "
                                                   "a wrong name lists them all); none (or left out): the real CUDA "
                                                   "devices the ranks run on, discovered"),
@@ -141,7 +143,7 @@ def profile(
         options = ProfileOptions(stages=stages, n_points=points, repeats=repeats, use_cache=not no_cache,
                                  max_micro_batch=max_micro_batch, precision=mixed_precision)
         try:
-            workload = Workload(model=model, seq_len=seq_len)
+            workload = Workload(model=model, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
         except ValidationError as e:
             raise ValueError(f"--model/--seq-len: {e.errors()[0]['msg']}") from None
         spec = cluster_to_profile(cluster)   # the real GPUs discovered: this joins their process group
@@ -309,6 +311,8 @@ def bench(
     model: str = typer.Option("llama-tiny", help="model preset"),
     seq_len: int | None = typer.Option(64, help="tokens per sample (Hugging Face presets)"),
     vocab_size: int | None = typer.Option(1024, help="vocabulary (Hugging Face presets; as `poplar train`)"),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="each block keeps "
+                                                  "only its input and computes again in the backward"),
     global_batch: int = typer.Option(256, min=1, help="samples per optimizer step (large beside every device's "
                                                         "micro-batch, as in training at scale)"),
     steps: int = typer.Option(12, min=3, help="measured steps per allocation"),
@@ -325,7 +329,8 @@ def bench(
     try:   # everything that can be refused is, before anything is profiled
         builtin = model in ("tiny", "small", "base")
         workload = Workload(model=model, seq_len=None if builtin else seq_len,
-                            vocab_size=None if builtin else vocab_size)
+                            vocab_size=None if builtin else vocab_size,
+                            activation_checkpointing=activation_checkpointing)
         names = check_clusters(cluster, global_batch)
         _check_writable(json_out, "--json")
     except BAD_INPUT_ERRORS as e:

@@ -38,6 +38,8 @@ def simulate(
     points: int = typer.Option(6, min=2, help="micro-batch sizes simulated per stage"),
     max_micro_batch: int = typer.Option(256, min=1, help="largest micro-batch the memory search tries"),
     mixed_precision: str = typer.Option("none", help="none (fp32) or bf16 (the engine's bf16 mixed precision)"),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="each block keeps "
+                                                  "only its input and computes again in the backward"),
     alone: bool = typer.Option(True, help="also plan each kind's homogeneous cluster (the paper's baselines)"),
     workers: int | None = typer.Option(None, min=0, help="processes that simulate the kinds alone beside this one "
                                        "(default: the cores to spare; 0: all here)"),
@@ -62,7 +64,7 @@ def simulate(
         options = ProfileOptions(stages=stage_list, n_points=points, max_micro_batch=max_micro_batch,
                                  precision=mixed_precision)
         try:
-            workload = Workload(model=model, seq_len=seq_len)
+            workload = Workload(model=model, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
         except ValidationError as e:
             raise ValueError(f"--model/--seq-len: {e.errors()[0]['msg']}") from None
         spec = load_cluster(cluster)

@@ -39,11 +39,14 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from poplar.cluster.spec import ClusterSpec
 from poplar.devices.base import Device, Held
 from poplar.emulate.model import GpuModel, WorkCounter
 from poplar.emulate.network import NetworkModel
+from poplar.models.checkpointing import recomputation_seen_by
 
 # the side all-reduce must bypass any wrapper a peer installs over torch.distributed (it would recurse)
 _side_all_reduce = dist.all_reduce
@@ -213,7 +216,9 @@ class EmulatedDevice(Device):
                 weakref.finalize(st, release, key, nbytes)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # a checkpointed block's re-run saves through checkpointing's own hooks, not these: what it makes counts
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                recomputation_seen_by(lambda: _Made(pack)):
             yield
 
     @contextlib.contextmanager
@@ -245,3 +250,18 @@ class EmulatedDevice(Device):
                 f"emulated {self.kind.kind} (rank {self.rank}) out of memory: tried to allocate "
                 f"{more / gib:.4f} GiB with {used / gib:.4f} GiB in use of its {self.capacity / gib:.4f} GiB "
                 "capacity; use a smaller micro-batch or a higher ZeRO stage")
+
+
+class _Made(TorchDispatchMode):
+    """Hands every tensor an operator returns to ``seen`` (which counts a storage once, until it dies)."""
+
+    def __init__(self, seen: Callable[[torch.Tensor], Any]):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.seen(t)
+        return out

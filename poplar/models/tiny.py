@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from poplar.models.checkpointing import checkpointed
+
 
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int):
@@ -51,6 +53,7 @@ class TinyCausalLM(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.embed.weight
+        self.checkpointing = False    # poplar.models.checkpointing
         for name, p in self.named_parameters():   # GPT-2 style: small embeddings keep first logits sane
             if name.endswith("weight") and p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
@@ -58,7 +61,7 @@ class TinyCausalLM(nn.Module):
     def forward(self, tokens):
         x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
-            x = block(x)
+            x = checkpointed(block, x) if self.checkpointing and self.training else block(x)
         return self.head(self.norm(x))
 
 

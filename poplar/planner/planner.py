@@ -210,6 +210,8 @@ def _shares_known(profile: Profile, stage: int, ranks: list[int]) -> bool:
 def _fits_with_less(profile: Profile, stage: int, ranks: list[int]) -> bool:
     """Whether every kind that holds no sample at an even share was timed where it holds less (the simulator's
     :data:`~poplar.simulate.profile.FITS_WITH_LESS`), the rest timed as usual: uneven shares may fit them all."""
+    if any(stage not in profile.devices[profile.ranks[r]].stages for r in ranks):
+        return False
     profiles = [profile.stage(profile.ranks[r], stage) for r in ranks]
     return _shares_known(profile, stage, ranks) and all(sp.points for sp in profiles) and all(
         sp.max_micro_batch or max(m for _, m in sp.memory_points) > 0 for sp in profiles)

@@ -33,6 +33,8 @@ class TrainConfig(BaseModel):
 
     model: str = Field("llama-tiny", description="model preset (poplar.workload)")
     seq_len: int = Field(64, gt=1, description="tokens per sample")
+    activation_checkpointing: bool = Field(False, description="each block keeps only its input and computes again "
+                                           "in the backward (less memory a sample, more compute)")
     vocab_size: int = Field(1024, ge=260, description="tokenizer vocabulary trained on the data")
     data: str = Field("embedded", description="'embedded', 'wikitext', or a .txt file / directory")
     global_batch: int = Field(32, gt=0, description="samples per optimizer step, over all ranks")

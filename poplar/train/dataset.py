@@ -19,4 +19,5 @@ def prepare_data(cfg: TrainConfig):
 def workload_of(cfg: TrainConfig) -> Workload:
     """The model and shapes the run trains (the vocabulary is the tokenizer's)."""
     tok, _ = prepare_data(cfg)
-    return Workload(model=cfg.model, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size())
+    return Workload(model=cfg.model, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size(),
+                    activation_checkpointing=cfg.activation_checkpointing)

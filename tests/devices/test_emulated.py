@@ -107,3 +107,36 @@ def test_memory_is_the_scaled_capacity_and_running_out_raises_out_of_memory():
     assert lo["fits"][1] is True and hi["fits"][4] is True
     assert "out of memory" in lo["fits"][64] and "t4" in lo["fits"][64]
     assert sum(v is True for v in hi["fits"].values()) > sum(v is True for v in lo["fits"].values())
+
+
+def _peak(wl, micro_batch: int) -> int:
+    """The most bytes an emulated device counts in a forward and backward of ``micro_batch`` samples of ``wl``."""
+    from poplar.cluster.spec import parse_cluster
+    from poplar.devices import rank_device
+    from poplar.profile.probe import forward_backward
+
+    spec = parse_cluster({"memory_scale": 1.0, "devices": [{"kind": "a100", "gpu": "A100-80GB"}]})
+    with rank_device(spec, 0, wl) as device:
+        model = wl.build()
+        device.peak_bytes = 0
+        device.check_fits(lambda: (0, {p.untyped_storage()._cdata for p in model.parameters()}),
+                          lambda: forward_backward(device, model, wl, micro_batch))
+        return device.peak_bytes
+
+
+def test_a_checkpointed_blocks_recomputation_counts_against_memory(monkeypatch):
+    """Checkpointing keeps a block's saved tensors from the device's hooks; what the re-run makes is counted
+    (without it the count would hold the blocks' inputs alone), and the whole is less than without checkpointing."""
+    import contextlib
+
+    import poplar.devices.emulated as emulated
+    from poplar.workload import Workload
+
+    wl = Workload(model="llama-small", seq_len=64, vocab_size=300)
+    plain = _peak(wl, 4)
+    checkpointed = _peak(wl.model_copy(update={"activation_checkpointing": True}), 4)
+    monkeypatch.setattr(emulated, "recomputation_seen_by", lambda _: contextlib.nullcontext())
+    unseen = _peak(wl.model_copy(update={"activation_checkpointing": True}), 4)
+    assert unseen < checkpointed < plain
+    # a block's whole activations (the plain run's, over its 4 blocks, at most) are what the re-run adds
+    assert checkpointed - unseen <= plain / 4
