@@ -83,7 +83,7 @@ def deepspeed_setup(result: PlanResult, workload: Workload):
     why = deepspeed.unavailable()
     if why:
         return None, why
-    uniform = result.stages[result.stage].allocations["uniform"]
+    uniform = result.allocations()["uniform"]
     if uniform.plan is None:
         return None, f"no uniform plan to run it with: {uniform.why_not}"
     return deepspeed.DeepSpeedSetup.from_plan(uniform.plan, workload), None

@@ -30,7 +30,7 @@ HF_PRESETS: dict[str, tuple[str, dict]] = {
                                  num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048)),
     "llama-350m": ("llama", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
                                  num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048)),
-    # real sizes (Llama-2's 7B, 13B and 70B; a 1B in Llama-3's shape), for `poplar simulate`: too large to run here
+    # real sizes (Llama-2's 7B, 13B and 70B; a 1B in Llama-3's shape; a 20B), for `poplar simulate`: too large to run here
     "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                                num_key_value_heads=8, max_position_embeddings=8192, vocab_size=128256)),
     "llama-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -38,6 +38,10 @@ HF_PRESETS: dict[str, tuple[str, dict]] = {
                                vocab_size=32000)),
     "llama-13b": ("llama", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
                                 num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096,
+                                vocab_size=32000)),
+    # GPT-NeoX-20B's size in Llama-2's shape: between 13B and 70B, where memory decides who can train it
+    "llama-20b": ("llama", dict(hidden_size=6144, intermediate_size=16384, num_hidden_layers=44,
+                                num_attention_heads=48, num_key_value_heads=48, max_position_embeddings=4096,
                                 vocab_size=32000)),
     "llama-70b": ("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                                 num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096,

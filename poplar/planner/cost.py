@@ -49,7 +49,7 @@ import numpy as np
 from poplar.plan import Plan
 from poplar.planner.schedule import StepSchedule
 from poplar.planner.shape import node_shape, shaped_stage
-from poplar.planner.shares import fractions, gather_scale, stage_at_share
+from poplar.planner.shares import fractions, gather_buffer_bytes, gather_scale, stage_at_share
 from poplar.profile.profile import Profile, StageProfile
 
 
@@ -168,7 +168,8 @@ class CostModel:
         if self.fraction is not None:
             return stage_at_share(sp, stage=self.stage, precision=model.dtype, n_params=model.n_params,
                                   world=self.profile.world_size, capacity=dev.memory_gb * 2**30,
-                                  fraction=self.fraction[self._first[kind]], full=dev.stages.get(0))
+                                  fraction=self.fraction[self._first[kind]], full=dev.stages.get(0),
+                                  buffers=gather_buffer_bytes(self.fraction, self.stage, model.unit_numels, model.dtype))
         if self.shape is None:
             return sp
         sizes = [len(g) for g in self.shape.groups if any(self.profile.ranks[self.ranks[i]] == kind for i in g)]

@@ -25,7 +25,8 @@ from poplar.planner.bound import ideal_samples_per_s
 from poplar.planner.cost import CostModel, Prediction
 from poplar.planner.search import Infeasible, allocate, measured_proportional, proportional, uniform
 from poplar.planner.shape import node_shape
-from poplar.planner.shares import POWERS, PROPORTIONAL, room_shares, stage_at_share, weights
+from poplar.planner.shares import (POWERS, PROPORTIONAL, fractions, gather_buffer_bytes, room_shares, stage_at_share,
+                                    weights)
 from poplar.profile.profile import Profile
 from poplar.stages import parse_stages
 
@@ -86,9 +87,25 @@ class PlanResult:
         return self.shaped[self.stage] if self.plan.shard_groups else self.stages[self.stage]
 
     def allocations(self) -> dict[str, Allocation]:
-        """The chosen plan as ``poplar``, beside the chosen stage's baselines (flat, as other systems run them)."""
-        return {"poplar": self.chosen.poplar, **{n: self.stages[self.stage].allocations[n] for n in BASELINES},
-                **{n: a for n, a in self.chosen.allocations.items() if n in (EVEN_SHARES, MEMORY_SHARES)}}
+        """The chosen plan as ``poplar``, beside the chosen stage's baselines (flat, as other systems run them) and,
+        where it has shares, its split with even and memory-proportional ones. Where the chosen stage runs only with
+        uneven shares, each baseline (and even shares: Poplar's plan without them) is its best stage's."""
+        shares = {n: a for n, a in self.chosen.allocations.items() if n in (EVEN_SHARES, MEMORY_SHARES)}
+        if EVEN_SHARES in shares and shares[EVEN_SHARES].plan is None:
+            evens = [sp.allocations.get(EVEN_SHARES) or sp.allocations.get("poplar") for sp in self.stages.values()]
+            evens = [a for a in evens if a is not None and a.plan is not None and not a.plan.shard_shares]
+            if evens:
+                shares[EVEN_SHARES] = replace(max(evens, key=lambda a: a.predicted.samples_per_s), name=EVEN_SHARES)
+        return {"poplar": self.chosen.poplar, **{n: self._best(n) for n in BASELINES}, **shares}
+
+    def _best(self, name: str) -> Allocation:
+        """Allocation ``name`` at the chosen stage, or where it has none there, at the flat stage it runs fastest."""
+        here = self.stages[self.stage].allocations.get(name)
+        if here is not None and here.plan is not None:
+            return here
+        found = [a for sp in self.stages.values() if (a := sp.allocations.get(name)) is not None and a.plan is not None]
+        return max(found, key=lambda a: a.predicted.samples_per_s,
+                   default=here or Allocation(name, None, None, why_not="no stage has a plan for it"))
 
     @property
     def ideal_samples_per_s(self) -> float:
@@ -198,13 +215,14 @@ def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int]
 
 
 def _shares_known(profile: Profile, stage: int, ranks: list[int]) -> bool:
-    """Whether uneven shares can matter: a sharded stage, kinds of unlike memory, each with its memory points, and
-    some kind whose micro-batch grows as it holds less (else memory binds no one: the even split stands)."""
+    """Whether uneven shares can matter: a sharded stage, kinds of unlike memory, each with its memory points (one
+    where its limit is the largest micro-batch searched: it has room to spare), and some kind whose micro-batch grows
+    as it holds less (else memory binds no one: the even split stands)."""
     kinds = {profile.ranks[r] for r in ranks}
     if stage == 0 or len({profile.devices[k].memory_gb for k in kinds}) < 2:
         return False
     points = [sorted(profile.stage(k, stage).memory_points) for k in kinds]
-    return all(len(p) >= 2 for p in points) and any(p[0][1] > p[-1][1] for p in points)
+    return all(points) and any(len(p) >= 2 and p[0][1] > p[-1][1] for p in points)
 
 
 def _fits_with_less(profile: Profile, stage: int, ranks: list[int]) -> bool:
@@ -252,6 +270,9 @@ def _plan_shares(out: StagePlan, profile: Profile, global_batch: int) -> None:
         return
     chosen = (out.allocations[MEMORY_SHARES] if best == baseline else
               _predicted(profile, out.stage, out.ranks, "poplar", found[best][1]))
+    proportional = out.allocations[MEMORY_SHARES]   # with the collectives, the baseline's may come out faster
+    if found[baseline][0] < math.inf and proportional.predicted.step_s < chosen.predicted.step_s:
+        chosen = proportional
     if out.poplar.plan is None or chosen.predicted.step_s * (1 + TIE) < out.poplar.predicted.step_s:
         out.allocations["poplar"] = Allocation("poplar", chosen.plan, chosen.predicted)
         cost = CostModel(profile, out.stage, out.ranks, shares=list(chosen.plan.shard_shares))
@@ -263,8 +284,9 @@ def _limits_at(profile: Profile, stage: int, kinds: list[str], shares: list[floa
     """Each kind's largest micro-batch (in the order kinds first appear) at its share of the states."""
     total, model = sum(shares), profile.model
     first = {k: s for k, s in zip(kinds, shares)}
+    buffers = gather_buffer_bytes(fractions(shares), stage, model.unit_numels, model.dtype)
     return tuple(stage_at_share(profile.stage(k, stage), stage=stage, precision=model.dtype, n_params=model.n_params,
-                                world=profile.world_size, fraction=w / total,
+                                world=profile.world_size, fraction=w / total, buffers=buffers,
                                 capacity=profile.devices[k].memory_gb * 2**30).max_micro_batch
                  for k, w in first.items())
 

@@ -53,11 +53,23 @@ def gather_scale(fraction: list[float]) -> float:
     return len(fraction) * max(fraction)
 
 
+def gather_buffer_bytes(fraction: list[float], stage: int, unit_numels: list[int], precision: str) -> float:
+    """ZeRO-3 with unlike slices: what the all-gathers in flight (the unit computing and the one prefetched) hold
+    besides their outputs, every slice padded to the largest and this rank's copy
+    (:attr:`poplar.engine.flat_unit.FlatUnit.gather_buffer_numel`); 0 for even slices and in the other stages."""
+    if stage != 3 or len(set(fraction)) <= 1 or not unit_numels:
+        return 0.0
+    width = 2 if precision == "bf16" else 4
+    return 2 * (len(fraction) + 1) * max(fraction) * max(unit_numels) * width
+
+
 def stage_at_share(sp: StageProfile, *, stage: int, precision: str, n_params: int, world: int, fraction: float,
-                   capacity: float, full: StageProfile | None = None) -> StageProfile:
-    """``sp`` (measured at an even share over ``world`` ranks) for a rank holding ``fraction`` of the states."""
+                   capacity: float, full: StageProfile | None = None, buffers: float = 0.0) -> StageProfile:
+    """``sp`` (measured at an even share over ``world`` ranks) for a rank holding ``fraction`` of the states, and
+    ``buffers`` bytes more (:func:`gather_buffer_bytes`)."""
     even = 1 / world
     state = sp.state_bytes + zero_stage(stage).sharded_bytes_per_param(precision) * n_params * (fraction - even)
+    state += buffers
     per_step = sp.per_step_s
     if full is not None and world > 1:
         per_step = max(0.0, sp.per_step_s + (full.per_step_s - sp.per_step_s) * (fraction - even) / (1 - even))
@@ -84,20 +96,25 @@ def room_shares(profile: Profile, stage: int, kinds: list[str]) -> dict[int, lis
     whole = zero_stage(stage).sharded_bytes_per_param(model.dtype) * model.n_params
     out = {}
     for m in (2 ** i for i in range(ROOM_TRIES)):
-        room = {k: _room(profile.stage(k, stage), whole, profile.world_size, profile.devices[k].memory_gb * 2**30, m)
-                for k in dict.fromkeys(kinds)}
-        if min(room.values()) <= 0 or sum(room[k] for k in kinds) < whole:
-            break
-        least = min(room.values())
-        out[m] = [math.floor(room[k] / least * 1e6) / 1e6 for k in kinds]
+        weights, buffers = None, 0.0
+        for _ in range(2):   # the rooms beside the gathers' buffers that the shares they give would need
+            room = {k: _room(profile.stage(k, stage), whole, profile.world_size, profile.devices[k].memory_gb * 2**30,
+                             m, buffers) for k in dict.fromkeys(kinds)}
+            if min(room.values()) <= 0 or sum(room[k] for k in kinds) < whole:
+                return out
+            most = max(room.values())    # the largest room 1 (a room of next to nothing: a share of 0)
+            weights = [math.floor(room[k] / most * 1e6) / 1e6 for k in kinds]
+            buffers = gather_buffer_bytes(fractions(weights), stage, model.unit_numels, model.dtype)
+        out[m] = weights
     return out
 
 
-def _room(sp: StageProfile, whole: float, world: int, capacity: float, micro_batch: int) -> float:
-    """The most bytes of the sharded states beside which ``micro_batch`` samples fit (0: not even with none)."""
+def _room(sp: StageProfile, whole: float, world: int, capacity: float, micro_batch: int, buffers: float) -> float:
+    """The most bytes of the sharded states beside which ``micro_batch`` samples and ``buffers`` fit (0: not even
+    with none)."""
     if not sp.points:
         return 0.0
-    base = sp.state_bytes - whole / world        # the states held at a share of 0
+    base = sp.state_bytes - whole / world + buffers     # the states held at a share of 0
     if sp.max_micro_batch_at(base, capacity) < micro_batch:
         return 0.0
     lo, hi = base, base + whole                  # fits at lo; past hi no share matters

@@ -95,8 +95,9 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
         if sharded and n < options.max_micro_batch:   # as the profiler measures: beside none of the sharded states
             fewer = most - sharded
             memory.insert(0, (fewer, _largest(saved, fewer + headroom[k], capacity[k], options.max_micro_batch)))
-        if n:
-            out[k] = _timed(steps, GpuModel.of(kinds[k]), n, most, options.n_points)
+        if n:   # timed as far as a smaller share lets it go (the planner may give it one), its limit kept
+            timed = _timed(steps, GpuModel.of(kinds[k]), max(n, memory[0][1]), most, options.n_points)
+            out[k] = timed.model_copy(update={"max_micro_batch": n})
         elif memory[0][1]:   # holds a sample only with a smaller share of the states: timed up to that
             # and the most states beside which one sample fits, in place of the even share's (none fits there)
             memory[1] = (capacity[k] - headroom[k] - saved.exact(1), 1)

@@ -119,3 +119,20 @@ def test_cards_that_fit_only_with_uneven_shares_are_left_out_where_that_is_faste
     result = make_plan(_fits_only_with_less(1, big_free=12), 48, [2])
     assert result.excluded_ranks == [1] and result.plan.world_size == 1 and result.plan.shard_shares is None
     assert "holds the model only with uneven shares" in result.reason
+
+
+def test_on_the_memory_skewed_preset_the_states_are_shared_unevenly():
+    """The preset's small card is capped by its share of the states (simulated, as the profiler measures): the
+    planner gives it less of them, and a larger micro-batch, for a step predicted well ahead of even shares."""
+    from poplar.cluster.spec import load_cluster
+    from poplar.profile.options import ProfileOptions
+    from poplar.simulate import simulate_profile
+    from poplar.workload import Workload
+
+    wl = Workload(model="llama-small", seq_len=16, vocab_size=1024, activation_checkpointing=True)
+    prof = simulate_profile(wl, load_cluster("memory-skewed"), ProfileOptions(stages=(2, 3), max_micro_batch=64))
+    result = make_plan(prof, 64, [2, 3])
+    chosen, even = result.allocations()["poplar"], result.allocations()[EVEN_SHARES]
+    assert chosen.plan.share_fractions[1] < 0.5 and even.plan.shard_shares is None
+    assert chosen.plan.micro_batch_sizes[1] > even.plan.micro_batch_sizes[1]
+    assert chosen.predicted.samples_per_s > 1.05 * even.predicted.samples_per_s
