@@ -136,3 +136,18 @@ def test_on_the_memory_skewed_preset_the_states_are_shared_unevenly():
     assert chosen.plan.share_fractions[1] < 0.5 and even.plan.shard_shares is None
     assert chosen.plan.micro_batch_sizes[1] > even.plan.micro_batch_sizes[1]
     assert chosen.predicted.samples_per_s > 1.05 * even.predicted.samples_per_s
+
+
+def test_zero3_counts_the_buffers_of_gathers_of_unlike_slices():
+    from poplar.planner.shares import gather_buffer_bytes
+
+    # (n + 1) slices of the largest unit's largest share, for the unit computing and the one prefetched
+    assert gather_buffer_bytes([0.75, 0.25], 3, [100, 400], "fp32") == 2 * 3 * 0.75 * 400 * 4
+    assert gather_buffer_bytes([0.75, 0.25], 3, [100, 400], "bf16") == 2 * 3 * 0.75 * 400 * 2
+    assert gather_buffer_bytes([0.5, 0.5], 3, [100, 400], "fp32") == 0 == gather_buffer_bytes([0.75, 0.25], 2, [400],
+                                                                                              "fp32")
+    sp = StageProfile(max_micro_batch=4, state_bytes=STATE, points=[(1, 1.0), (4, 2.0)],
+                      memory_points=[(STATE - 1000, 8), (STATE, 4)])
+    at = [stage_at_share(sp, stage=3, precision="fp32", n_params=N_PARAMS, world=2, fraction=0.5, capacity=10 * STATE,
+                         buffers=b).max_micro_batch for b in (0, 250, 1000)]
+    assert at == [4, 3, 0]     # 250 bytes a sample
