@@ -11,6 +11,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import typer
 
+from poplar.cli.output import CHECKPOINTING_HELP
 from poplar.cli.output import console as _console
 from poplar.cli.output import say
 
@@ -109,8 +110,7 @@ def profile(
     model: str = typer.Option("tiny", help="model preset: tiny, small, base (built-in), or llama-tiny, "
                                            "llama-small, llama-125m, llama-350m, bert-tiny, bert-small, bert-base"),
     seq_len: int | None = typer.Option(None, help="tokens per sample (Hugging Face presets; default 128)"),
-    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="each block keeps "
-                                                  "only its input and computes again in the backward"),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     cluster: str | None = typer.Option(None, help="cluster YAML file, or a preset (e.g. both-differ, two-node-10gbe; "
                                                   "a wrong name lists them all); none (or left out): the real CUDA "
                                                   "devices the ranks run on, discovered"),
@@ -311,8 +311,7 @@ def bench(
     model: str = typer.Option("llama-tiny", help="model preset"),
     seq_len: int | None = typer.Option(64, help="tokens per sample (Hugging Face presets)"),
     vocab_size: int | None = typer.Option(1024, help="vocabulary (Hugging Face presets; as `poplar train`)"),
-    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="each block keeps "
-                                                  "only its input and computes again in the backward"),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     global_batch: int = typer.Option(256, min=1, help="samples per optimizer step (large beside every device's "
                                                         "micro-batch, as in training at scale)"),
     steps: int = typer.Option(12, min=3, help="measured steps per allocation"),

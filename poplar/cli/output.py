@@ -14,6 +14,8 @@ import time
 
 from rich.console import Console
 
+CHECKPOINTING_HELP = "each block keeps only its input and computes again in the backward (less memory, more compute)"
+
 LOG_WIDTH = 250      # a log's lines are read whole: no table is cut to the 80 columns rich assumes
 HEARTBEAT_S = 30.0   # in a log, the longest silence while something runs
 

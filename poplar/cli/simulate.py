@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from poplar.cli.output import CHECKPOINTING_HELP
+
 _SUFFIX = {"k": 2**10, "m": 2**20, "g": 2**30}
 
 
@@ -38,8 +40,7 @@ def simulate(
     points: int = typer.Option(6, min=2, help="micro-batch sizes simulated per stage"),
     max_micro_batch: int = typer.Option(256, min=1, help="largest micro-batch the memory search tries"),
     mixed_precision: str = typer.Option("none", help="none (fp32) or bf16 (the engine's bf16 mixed precision)"),
-    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="each block keeps "
-                                                  "only its input and computes again in the backward"),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     alone: bool = typer.Option(True, help="also plan each kind's homogeneous cluster (the paper's baselines)"),
     workers: int | None = typer.Option(None, min=0, help="processes that simulate the kinds alone beside this one "
                                        "(default: the cores to spare; 0: all here)"),
