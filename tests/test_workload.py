@@ -19,6 +19,10 @@ def test_a_model_too_large_for_this_host_is_refused_before_it_is_built():
     assert Workload(model="llama-tiny", vocab_size=300).build() is not None
 
 
+def _train_both(rank, world_size):
+    return [_train(rank, world_size, checkpointing) for checkpointing in (False, True)]
+
+
 def _train(rank, world_size, checkpointing: bool):
     """Three AdamW steps of llama-tiny on two ranks in ZeRO-3 with uneven shares; its parameters after."""
     import functools
@@ -66,10 +70,9 @@ def test_a_checkpointed_model_trains_on_the_engine_as_the_plain_one():
     """ZeRO-3 with uneven shares: the blocks' re-runs inside the backward find their units gathered."""
     from poplar.launch import spawn
 
-    plain, checkpointed = (spawn(_train, 2, ck, timeout_s=300) for ck in (False, True))
     import torch
 
-    for (losses, state, runs), (ck_losses, ck_state, ck_runs) in zip(plain, checkpointed):
+    for (losses, state, runs), (ck_losses, ck_state, ck_runs) in spawn(_train_both, 2, timeout_s=300):
         assert (runs, ck_runs) == (6, 12)    # 3 steps of 2 micro-steps
         assert ck_losses == pytest.approx(losses, abs=1e-6) and ck_state.keys() == state.keys()
         for name, value in state.items():

@@ -1,8 +1,9 @@
 """Activation checkpointing: a model's blocks keep only their inputs in the forward and run again in the backward.
 
-torch's non-reentrant checkpoint (what Hugging Face's ``gradient_checkpointing_enable`` and
-FSDP's checkpoint wrapper run), around each block's whole call, its hooks included: in
-ZeRO-3 the re-run finds the unit gathered (:mod:`poplar.engine.unshard`). A block's
+torch's non-reentrant checkpoint (what Hugging Face's ``activation_checkpointing_enable`` and
+FSDP's checkpoint wrapper run) around each block: a Hugging Face layer's ``forward`` (its
+hooks stay outside), the tiny model's blocks' whole call (their hooks run again). In
+ZeRO-3 the re-run finds the unit gathered either way (:mod:`poplar.engine.unshard`). A block's
 forward then saves its input alone; in the backward it computes again and what it saves
 lives until the block's gradients are out. Checkpointing keeps those tensors away from any
 other saved-tensor hooks (the emulated device counts memory with them): what a re-run

@@ -30,7 +30,7 @@ HF_PRESETS: dict[str, tuple[str, dict]] = {
                                  num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048)),
     "llama-350m": ("llama", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
                                  num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048)),
-    # real sizes (Llama-2's 7B, 13B and 70B; a 1B in Llama-3's shape; a 20B), for `poplar simulate`: too large to run here
+    # real sizes (Llama-2's 7B, 13B, 70B; a 1B in Llama-3's shape; a 20B), for `poplar simulate`: too large to run here
     "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                                num_key_value_heads=8, max_position_embeddings=8192, vocab_size=128256)),
     "llama-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,

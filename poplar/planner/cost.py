@@ -169,7 +169,8 @@ class CostModel:
             return stage_at_share(sp, stage=self.stage, precision=model.dtype, n_params=model.n_params,
                                   world=self.profile.world_size, capacity=dev.memory_gb * 2**30,
                                   fraction=self.fraction[self._first[kind]], full=dev.stages.get(0),
-                                  buffers=gather_buffer_bytes(self.fraction, self.stage, model.unit_numels, model.dtype))
+                                  buffers=gather_buffer_bytes(self.fraction, self.stage, model.unit_numels,
+                                                              model.dtype))
         if self.shape is None:
             return sp
         sizes = [len(g) for g in self.shape.groups if any(self.profile.ranks[self.ranks[i]] == kind for i in g)]

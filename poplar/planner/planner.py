@@ -316,8 +316,8 @@ def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanR
     excluded_ranks: list[int] = []
     # devices that hold the model in no stage at an even share: planned without too, where nothing else runs or
     # where they run only with uneven shares (leaving them out may still be faster)
-    never = [r for r in every if all(sp.max_micro_batch == 0 for s, sp in profile.devices[profile.ranks[r]].stages.items()
-                                     if s in stages)]
+    never = [r for r in every if all(sp.max_micro_batch == 0 for s, sp in
+                                     profile.devices[profile.ranks[r]].stages.items() if s in stages)]
     if never and len(never) < world and global_batch >= world - len(never):
         rest = [r for r in every if r not in never]
         without = {s: plan_stage(profile, s, global_batch, rest) for s in stages}

@@ -96,16 +96,16 @@ def room_shares(profile: Profile, stage: int, kinds: list[str]) -> dict[int, lis
     whole = zero_stage(stage).sharded_bytes_per_param(model.dtype) * model.n_params
     out = {}
     for m in (2 ** i for i in range(ROOM_TRIES)):
-        weights, buffers = None, 0.0
+        shares, buffers = None, 0.0
         for _ in range(2):   # the rooms beside the gathers' buffers that the shares they give would need
             room = {k: _room(profile.stage(k, stage), whole, profile.world_size, profile.devices[k].memory_gb * 2**30,
                              m, buffers) for k in dict.fromkeys(kinds)}
             if min(room.values()) <= 0 or sum(room[k] for k in kinds) < whole:
                 return out
             most = max(room.values())    # the largest room 1 (a room of next to nothing: a share of 0)
-            weights = [math.floor(room[k] / most * 1e6) / 1e6 for k in kinds]
-            buffers = gather_buffer_bytes(fractions(weights), stage, model.unit_numels, model.dtype)
-        out[m] = weights
+            shares = [math.floor(room[k] / most * 1e6) / 1e6 for k in kinds]
+            buffers = gather_buffer_bytes(fractions(shares), stage, model.unit_numels, model.dtype)
+        out[m] = shares
     return out
 
 
