@@ -152,6 +152,9 @@ class CostModel:
                                         or len({(k, s) for k, s in zip(kinds, self.shares)}) != len(first)):
             raise ValueError("shares are planned flat, in stages 1-3, one weight a plan rank, alike within a kind")
         self.fraction = fractions(self.shares) if self.shares else None
+        model = self.profile.model   # every rank holds the uneven gathers' buffers alike (ZeRO-3)
+        self._buffers = (gather_buffer_bytes(self.fraction, self.stage, model.unit_numels, model.dtype)
+                         if self.fraction else 0.0)
         self._first = first
         self.rank_kinds = kinds
         self.kinds: dict[str, KindCost] = {k: KindCost(k, self._stage_profile(k)) for k in dict.fromkeys(kinds)}
@@ -169,8 +172,7 @@ class CostModel:
             return stage_at_share(sp, stage=self.stage, precision=model.dtype, n_params=model.n_params,
                                   world=self.profile.world_size, capacity=dev.memory_gb * 2**30,
                                   fraction=self.fraction[self._first[kind]], full=dev.stages.get(0),
-                                  buffers=gather_buffer_bytes(self.fraction, self.stage, model.unit_numels,
-                                                              model.dtype))
+                                  buffers=self._buffers)
         if self.shape is None:
             return sp
         sizes = [len(g) for g in self.shape.groups if any(self.profile.ranks[self.ranks[i]] == kind for i in g)]
