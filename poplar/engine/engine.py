@@ -116,6 +116,7 @@ class Engine:
         self._memory = ModelStateMemory(self.units, self.optimizer, self.compute_dtype, self._reducer, self._unsharder)
         self.global_steps = 0
         self.skipped_steps = 0
+        self._micro_done, self._loss_sum = 0, torch.zeros(())
         self.last_grad_norm: float | None = None
 
     @property
@@ -159,23 +160,48 @@ class Engine:
         micro_batch)`` returns the mean loss over the micro-batch. Returns the mean loss
         over the whole global batch, the same on every rank.
         """
-        self._reset_step_state()
         self._batch_check.start(local_batch)
-        global_batch = self.plan.global_batch_size
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        micro_batches = split_batch(local_batch, self.plan.micro_batches(self.rank), self.device)
-        last = len(micro_batches) - 1
-        for i, micro_batch in enumerate(micro_batches):
-            self._begin_micro_step(sync=self.stage.reduces_every_micro_step or i == last, last=i == last)
-            loss = loss_fn(self.model, micro_batch)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-                raise ValueError("loss_fn must return the mean loss of the micro-batch as a scalar tensor "
-                                 f"that requires grad; got {type(loss).__name__}"
-                                 f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
-            weight = batch_size(micro_batch) / global_batch
-            (loss.reshape(()) * weight).backward()
-            self._end_micro_step()
-            loss_sum += loss.detach().float().reshape(()) * weight
+        self.begin_step()
+        for micro_batch in split_batch(local_batch, self.plan.micro_batches(self.rank), self.device):
+            self.begin_micro_step()
+            self.backward(loss_fn(self.model, micro_batch), batch_size(micro_batch))
+        return self.end_step()
+
+    # train_batch's parts, for loops that drive the micro-steps (DeepSpeed's): begin_step, then per
+    # micro-batch begin_micro_step before its forward and backward after it, then end_step.
+    def begin_step(self) -> None:
+        """Start an optimizer step: clean gradient state, no micro-step taken."""
+        self._reset_step_state()
+        self._micro_done = 0
+        self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+
+    def begin_micro_step(self) -> None:
+        """Before the forward of this rank's next micro-batch of the step."""
+        if self._micro_done >= self.accum_steps:
+            raise RuntimeError(f"rank {self.rank} has run its {self.accum_steps} micro-batches of the step: end "
+                               "the step before the next forward")
+        last = self._micro_done == self.accum_steps - 1
+        self._begin_micro_step(sync=self.stage.reduces_every_micro_step or last, last=last)
+
+    def backward(self, loss: torch.Tensor, n_samples: int) -> None:
+        """The backward of a micro-batch of ``n_samples`` whose mean loss is ``loss``, weighted by its share of
+        the global batch."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError("loss_fn must return the mean loss of the micro-batch as a scalar tensor "
+                             f"that requires grad; got {type(loss).__name__}"
+                             f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+        weight = n_samples / self.plan.global_batch_size
+        (loss.reshape(()) * weight).backward()
+        self._end_micro_step()
+        self._loss_sum += loss.detach().float().reshape(()) * weight
+        self._micro_done += 1
+
+    def end_step(self) -> float:
+        """Reduce what is left and apply the update; the mean loss over the global batch, the same on every rank."""
+        if self._micro_done != self.accum_steps:
+            raise RuntimeError(f"rank {self.rank} ran {self._micro_done} of its {self.accum_steps} micro-batches: "
+                               "run them all before the step")
+        loss_sum = self._loss_sum
         local_finite = bool(torch.isfinite(loss_sum))
         loss_work = self.comm.all_reduce(loss_sum, async_op=True)
         try:

@@ -4,6 +4,7 @@ Layout under a run's directory::
 
     checkpoints/step-00000040/                 one DCP checkpoint (every rank wrote its own shard)
     checkpoints/step-00000040/poplar.json      what the run was: step, workload, global batch, plan, ...
+    checkpoints/step-00000040/extras.pt        an integration's own state (its loop, scheduler), if any
     checkpoints/step-00000040/manifest.json    every file's size and SHA-256
     checkpoints/latest                         the name of the newest complete checkpoint
 
@@ -36,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-MANIFEST, META = "manifest.json", "poplar.json"
+MANIFEST, META, EXTRAS = "manifest.json", "poplar.json", "extras.pt"
 
 
 class CheckpointError(ValueError):
@@ -83,8 +84,11 @@ def _finite(engine) -> bool:
 
 
 def save_checkpoint(engine, root: str | Path, step: int, meta: dict, keep: int = 2,
-                    on_shard_written: Callable[[int], None] | None = None) -> Path:
+                    on_shard_written: Callable[[int], None] | None = None, extras=None) -> Path:
     """Every rank calls this; returns the checkpoint's directory. Refuses to write non-finite parameters.
+
+    ``extras``: rank 0's picklable state of the loop around the engine (an integration's
+    loop counters, a scheduler), written inside the checkpoint (:func:`read_extras`).
 
     ``on_shard_written(step)``: called once this rank's shard is written, before the
     checkpoint is complete (a test's crash goes there).
@@ -109,6 +113,8 @@ def save_checkpoint(engine, root: str | Path, step: int, meta: dict, keep: int =
         full_meta = {**meta, "step": step, "layout": engine.layout(),
                      "optimizer": engine.optimizer_hyperparameters()}
         (tmp / META).write_text(json.dumps(full_meta, indent=2))
+        if extras is not None:
+            torch.save(extras, tmp / EXTRAS)
         files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
                  for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=2))   # last: its presence means whole
@@ -211,6 +217,12 @@ def read_meta(path: str | Path) -> dict:
         return json.loads((Path(path) / META).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: {META} unreadable ({e})") from None
+
+
+def read_extras(path: str | Path):
+    """The ``extras`` saved with the checkpoint at ``path`` (None: none were)."""
+    f = Path(path) / EXTRAS
+    return torch.load(f, weights_only=False) if f.is_file() else None
 
 
 def _same_run(path: Path, meta: dict, expect: dict) -> None:

@@ -1,0 +1,12 @@
+"""Poplar inside the loops people already train with.
+
+- :mod:`poplar.integrations.lightning`: ``PoplarStrategy`` (``Trainer(strategy="poplar")``);
+- :mod:`poplar.integrations.hf`: ``PoplarTrainer``, a ``transformers.Trainer``;
+- :mod:`poplar.integrations.deepspeed`: ``initialize`` from a DeepSpeed ZeRO config, with
+  DeepSpeed's ``forward``/``backward``/``step`` engine calls.
+
+What they share is here: :mod:`~poplar.integrations.runtime` (one rank's process group,
+device, plan and engine) and :mod:`~poplar.integrations.data` (each rank's slice of every
+global batch, from any map-style dataset). Each integration only translates its
+framework's calls into these.
+"""

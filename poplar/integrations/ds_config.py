@@ -1,0 +1,169 @@
+"""A DeepSpeed ZeRO config read for Poplar: :func:`read_ds_config` -> :class:`DsSettings`.
+
+Fields that mean the same here are used: ``train_batch_size`` (or
+``train_micro_batch_size_per_gpu`` x ``gradient_accumulation_steps`` x world size, as
+DeepSpeed derives it), ``zero_optimization.stage``, ``gradient_clipping``,
+``bf16.enabled``, ``optimizer`` (Adam, AdamW, SGD and their ``params``). Poplar plans
+every rank's micro-batches and accumulation itself, so the per-GPU micro-batch and
+accumulation count only give the global batch. Fields that tune DeepSpeed's own
+machinery (buckets, overlap, logging) have no meaning here: they are named in one line
+and ignored. Fields whose meaning Poplar cannot honour (fp16 loss scaling, offload,
+DeepSpeed's schedulers) are refused in one line that says what to change. A ``poplar``
+section may name the plan, the cluster and the workload.
+
+>>> s = read_ds_config({"train_batch_size": 12, "zero_optimization": {"stage": 2, "overlap_comm": True}}, 3)
+>>> s.global_batch, s.stage, s.ignored
+(12, 2, ['zero_optimization.overlap_comm'])
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_USED = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+         "zero_optimization", "bf16", "fp16", "amp", "optimizer", "scheduler", "poplar"}
+_POPLAR_KEYS = {"plan", "cluster", "workload", "stages", "seed"}
+_OPTIMIZERS = {"adam", "adamw", "sgd"}
+
+
+@dataclass
+class DsSettings:
+    """What a DeepSpeed config tells Poplar."""
+
+    global_batch: int
+    stage: int | None                  # None: the config names none (every stage may be planned)
+    clip_grad_norm: float | None
+    precision: str                     # "bf16" or "fp32"
+    optimizer: dict | None             # {"type": ..., "params": {...}} or None
+    poplar: dict = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
+
+    def ignored_line(self) -> str | None:
+        """The one line naming what is ignored (None: nothing is)."""
+        if not self.ignored:
+            return None
+        return (f"poplar: ignoring DeepSpeed config fields with no meaning here: {', '.join(self.ignored)} "
+                "(Poplar plans each rank's micro-batches, buckets and overlap itself); remove them to silence this")
+
+
+def load_ds_config(config: str | Path | dict) -> dict:
+    """The config as a dict, from itself or a JSON file."""
+    if isinstance(config, dict):
+        return config
+    path = Path(config)
+    if not path.is_file():
+        raise ValueError(f"config {path}: no such file; give a DeepSpeed JSON config or a dict")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"config {path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config {path}: a DeepSpeed config is a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_ds_config(config: str | Path | dict, world_size: int) -> DsSettings:
+    """Read ``config`` for a group of ``world_size`` ranks; refuse, in one line, what cannot be honoured."""
+    data = load_ds_config(config)
+    ignored = [k for k in data if k not in _USED]
+    zero = _section(data, "zero_optimization")
+    stage = _stage(zero)
+    ignored += [f"zero_optimization.{k}" for k in zero if k != "stage" and not _offload(k, zero[k])]
+    poplar = _section(data, "poplar")
+    unknown = sorted(set(poplar) - _POPLAR_KEYS)
+    if unknown:
+        raise ValueError(f"config: poplar.{unknown[0]} is not a Poplar field; the poplar section takes "
+                         f"{', '.join(sorted(_POPLAR_KEYS))}")
+    if "scheduler" in data:
+        raise ValueError("config: Poplar does not build DeepSpeed's schedulers: remove `scheduler` and pass a torch "
+                         "scheduler built on your optimizer (lr_scheduler=...)")
+    return DsSettings(global_batch=_global_batch(data, world_size), stage=stage, clip_grad_norm=_clip(data),
+                      precision=_precision(data), optimizer=_optimizer(data), poplar=poplar, ignored=ignored)
+
+
+def _section(data: dict, name: str) -> dict:
+    value = data.get(name) or {}
+    if not isinstance(value, dict):
+        raise ValueError(f"config: `{name}` must be an object, got {value!r}")
+    return value
+
+
+def _stage(zero: dict) -> int | None:
+    if "stage" not in zero:
+        return None
+    stage = zero["stage"]
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"config: zero_optimization.stage = {stage!r}; Poplar runs ZeRO stages 0, 1, 2 and 3")
+    return stage
+
+
+def _offload(key: str, value: Any) -> bool:
+    """Refuse an offload to the CPU or NVMe (True: the key is an offload, and it is off)."""
+    if key not in ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params"):
+        return False
+    device = value.get("device", "none") if isinstance(value, dict) else ("cpu" if value else "none")
+    if device not in (None, "none"):
+        raise ValueError(f"config: zero_optimization.{key} sends states to {device}; Poplar keeps them on the GPUs "
+                         "and plans around their memory: remove the offload")
+    return True
+
+
+def _global_batch(data: dict, world_size: int) -> int:
+    batch, micro = data.get("train_batch_size"), data.get("train_micro_batch_size_per_gpu")
+    accum = data.get("gradient_accumulation_steps")
+    for name, v in (("train_batch_size", batch), ("train_micro_batch_size_per_gpu", micro),
+                    ("gradient_accumulation_steps", accum)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"config: {name} = {v!r} must be a positive integer")
+    derived = micro * (accum or 1) * world_size if micro is not None else None
+    if batch is not None and derived is not None and accum is not None and batch != derived:
+        raise ValueError(f"config: train_batch_size {batch} != train_micro_batch_size_per_gpu {micro} x "
+                         f"gradient_accumulation_steps {accum} x {world_size} ranks; give train_batch_size alone "
+                         "(Poplar splits it per rank)")
+    if batch is None and derived is None:
+        raise ValueError("config: give train_batch_size (the global batch Poplar splits across the ranks)")
+    return batch if batch is not None else derived
+
+
+def _clip(data: dict) -> float | None:
+    clip = data.get("gradient_clipping", 0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        raise ValueError(f"config: gradient_clipping = {clip!r} must be a number >= 0 (0: off)")
+    return float(clip) or None
+
+
+def _precision(data: dict) -> str:
+    for name in ("fp16", "amp"):
+        if _section(data, name).get("enabled", False):
+            raise ValueError(f"config: {name}.enabled: Poplar computes in bf16 (fp32 master weights, no loss "
+                             "scaling) or fp32: set bf16.enabled instead")
+    return "bf16" if _section(data, "bf16").get("enabled", False) else "fp32"
+
+
+def _optimizer(data: dict) -> dict | None:
+    opt = _section(data, "optimizer")
+    if not opt:
+        return None
+    kind = str(opt.get("type", "")).lower()
+    if kind not in _OPTIMIZERS:
+        raise ValueError(f"config: optimizer.type {opt.get('type')!r}: Poplar builds Adam, AdamW and SGD from a "
+                         "config; pass another optimizer as optimizer=")
+    return {"type": kind, "params": dict(opt.get("params") or {})}
+
+
+def build_optimizer(spec: dict):
+    """A factory of the torch optimizer a config's ``optimizer`` section names (DeepSpeed's Adam decouples weight
+    decay unless ``adam_w_mode`` is false)."""
+    params = dict(spec["params"])
+    if spec["type"] == "sgd":
+        return lambda ps: torch.optim.SGD(ps, **params)
+    decoupled = spec["type"] == "adamw" or params.pop("adam_w_mode", True)
+    params.pop("torch_adam", None)
+    params.pop("adam_w_mode", None)
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    return lambda ps: cls(ps, **params)

@@ -1,0 +1,214 @@
+"""One rank of a framework's training loop trained by Poplar: :class:`Runtime`.
+
+Every integration does the same four things, here once:
+
+1. join the process group (torchrun's environment; a plain ``python`` run is one rank);
+2. decide the plan (:func:`resolve_plan`): one given (a :class:`~poplar.Plan`, its dict or a
+   ``plan.json``), or profiled and planned on a cluster (a cluster file or preset, and the
+   :class:`~poplar.workload.Workload` that names the model, as ``poplar train`` does);
+3. take the rank's device (:func:`rank_device_of`): the emulated GPU of a cluster file, the
+   GPU it runs on, or this host's CPU, which times (and, emulated, paces) every step;
+4. build the engine with the user's optimizer (:func:`optimizer_factory`) and run steps in
+   the device's step (:meth:`Runtime.train_batch`); save and load the same resharding
+   checkpoints as ``poplar train`` (:meth:`Runtime.save`, :meth:`Runtime.load`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from poplar.engine import initialize
+from poplar.engine.config import EngineConfig
+from poplar.plan import Plan
+
+
+def load_plan(plan: Plan | dict | str | Path) -> Plan:
+    """A :class:`Plan` from itself, its dict or a ``plan.json`` file; refused in one line otherwise."""
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        path = Path(plan)
+        if not path.is_file():
+            raise ValueError(f"plan {path}: no such file; give a plan.json written by `poplar plan` or "
+                             "`poplar train`, or a poplar.Plan")
+        try:
+            plan = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"plan {path}: not valid JSON ({e}); write it again with `poplar plan`") from None
+    if not isinstance(plan, dict):
+        raise TypeError(f"plan must be a poplar.Plan, its dict or a plan.json path, got {type(plan).__name__}")
+    try:
+        return Plan.from_dict(plan)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"plan: {e}") from None
+
+
+def resolve_plan(world_size: int, plan=None, *, cluster=None, workload=None, global_batch: int | None = None,
+                 stages=(0, 1, 2, 3), config: EngineConfig | None = None, model: torch.nn.Module | None = None) -> Plan:
+    """The plan this group trains with: ``plan``, or profiled and planned on ``cluster`` for ``workload``.
+
+    Every rank calls it (profiling is collective). Checked against the launched
+    ``world_size``, ``global_batch`` (when given) and ``model`` (the workload profiled
+    must be its size) before anything is profiled.
+    """
+    if plan is not None:
+        plan = load_plan(plan)
+        plan.check_world_size(world_size)
+        if global_batch is not None and plan.global_batch_size != global_batch:
+            raise ValueError(f"the plan splits a global batch of {plan.global_batch_size} samples, the "
+                             f"configuration asks for {global_batch}: make them agree (or leave the plan out to "
+                             f"plan {global_batch})")
+        return plan
+    if cluster is None or workload is None or global_batch is None:
+        raise ValueError("Poplar needs a plan: give plan= (a poplar.Plan or a plan.json from `poplar plan`), or "
+                         "cluster= (a cluster file or preset) with workload= (the model preset to profile) and "
+                         "a global batch")
+    if model is not None:
+        _check_workload_is(model, workload)
+    return _profile_and_plan(world_size, cluster, workload, global_batch, tuple(stages), config or EngineConfig())
+
+
+def _check_workload_is(model: torch.nn.Module, workload) -> None:
+    """The workload profiled must be the model trained: refuse another size before minutes of profiling."""
+    from poplar.workload import as_workload
+
+    wl = as_workload(workload)
+    n = sum(p.numel() for p in model.parameters())
+    if n != wl.n_params():
+        raise ValueError(f"workload {wl.model} has {wl.n_params():,} parameters, the model trained has {n:,}: "
+                         "profile the workload this model is (its preset, seq_len and vocab_size), or give a plan")
+
+
+def _profile_and_plan(world_size: int, cluster, workload, global_batch: int, stages, config) -> Plan:
+    from poplar.cluster.spec import load_cluster
+    from poplar.plan import check_global_batch
+    from poplar.planner import make_plan
+    from poplar.profile.options import ProfileOptions
+    from poplar.profile.profiler import profile_cluster
+    from poplar.workload import as_workload
+
+    spec = load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster
+    spec.check_world_size(world_size)
+    check_global_batch(global_batch, world_size)
+    options = ProfileOptions(stages=stages, max_micro_batch=min(256, global_batch), precision=config.mixed_precision)
+    profile, _ = profile_cluster(as_workload(workload), spec.model_dump(), options, config=config, distributed=True)
+    return make_plan(profile, global_batch, list(stages)).plan
+
+
+def rank_device_of(cluster, rank: int):
+    """``rank``'s device: the emulated (or real) device of ``cluster``; without one, its GPU or this CPU."""
+    from poplar.devices import Device, rank_device
+
+    if cluster is not None:
+        from poplar.cluster.spec import load_cluster
+
+        return rank_device(load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster, rank)
+    if torch.distributed.get_backend() == "nccl":
+        from poplar.devices.cuda import CudaDevice
+
+        return CudaDevice()
+    return Device()
+
+
+def optimizer_factory(optimizer):
+    """What the engine builds its optimizer with, from a factory (as is) or an optimizer built on the model.
+
+    An optimizer instance is kept (so a learning-rate scheduler built on it still drives
+    it) and given the engine's flat parameters instead of the model's: it must be fresh
+    (no state) and have one set of hyperparameters, as the engine flattens a unit's
+    parameters together.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if callable(optimizer):
+            return optimizer
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a factory of one, got {type(optimizer).__name__}")
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    differ = sorted({k for s in settings[1:] for k in s if s.get(k) != settings[0].get(k)})
+    if differ:
+        raise ValueError(f"the optimizer's {len(settings)} parameter groups differ in {', '.join(differ)}: Poplar "
+                         "flattens each unit's parameters together, so give one set of hyperparameters (one group)")
+    if optimizer.state:
+        raise ValueError("the optimizer has taken steps (its state is not empty): give Poplar a fresh optimizer")
+
+    def rebind(params: list) -> torch.optim.Optimizer:
+        optimizer.param_groups = []
+        optimizer.state = defaultdict(dict)
+        optimizer.add_param_group({**settings[0], "params": list(params)})
+        return optimizer
+    return rebind
+
+
+class Runtime:
+    """This rank's process group, device and engine; steps timed (and paced) by the device.
+
+    Enter nothing by hand: the device starts here (on every rank at once) and stops in :meth:`close`.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer, plan: Plan, config: EngineConfig | dict | None = None,
+                 cluster=None):
+        from poplar.engine.dist import init_distributed
+
+        ctx = init_distributed()
+        self.rank, self.world_size = ctx.rank, ctx.world_size
+        plan.check_world_size(self.world_size)
+        if cluster is not None:
+            from poplar.cluster.spec import load_cluster
+
+            cluster = load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster
+            cluster.check_world_size(self.world_size)
+        self.device = rank_device_of(cluster, self.rank)
+        self.device.__enter__()
+        self.engine = initialize(model, optimizer_factory(optimizer), plan, config, comm=self.device.comm)
+        self.steps_s: list[float] = []     # each step's time on the device's clock
+        self.step_walls: list[tuple[float, float]] = []   # when each began and ended on this host (perf_counter)
+
+    @property
+    def plan(self) -> Plan:
+        return self.engine.plan
+
+    def train_batch(self, local_batch, loss_fn) -> float:
+        """One optimizer step on this rank's slice (``loss_fn(model, micro_batch)``); the global mean loss."""
+        with self.step():
+            return self.engine.train_batch(local_batch, loss_fn)
+
+    @contextlib.contextmanager
+    def step(self):
+        """The context one optimizer step runs in (for loops that drive the micro-steps themselves)."""
+        start = time.perf_counter()
+        with self.device.step(self.engine.held_state) as device:
+            yield device
+        self.steps_s.append(self.device.step_s)
+        self.step_walls.append((start, time.perf_counter()))
+
+    def save(self, path: str | Path, meta: dict[str, Any], extras=None, keep: int = 1) -> Path:
+        """Every rank: a sharded, atomic checkpoint under directory ``path`` (any world size reads it).
+
+        ``meta``: JSON values a resume checks; ``extras``: rank 0's picklable loop state;
+        ``keep``: how many checkpoints under ``path`` are kept (0: all).
+        """
+        from poplar.train.checkpoint import save_checkpoint
+
+        return save_checkpoint(self.engine, path, self.engine.global_steps, meta, keep=keep, extras=extras)
+
+    def load(self, path: str | Path, expect: dict[str, Any]) -> dict:
+        """Every rank: restore from the newest checkpoint under ``path`` (written by :meth:`save`, on any world
+        size); its meta, with its ``extras`` and its ``path``."""
+        from poplar.train.checkpoint import CheckpointError, find_resumable, load_checkpoint, read_extras
+
+        found = find_resumable(path, report=lambda *_: None)
+        if found is None:
+            raise CheckpointError(f"{path}: no complete Poplar checkpoint there; give the directory a Poplar "
+                                  "integration saved to")
+        meta = load_checkpoint(self.engine, found, expect)
+        return {**meta, "extras": read_extras(found), "path": str(found)}
+
+    def close(self) -> None:
+        self.engine.close()
+        self.device.__exit__(None, None, None)

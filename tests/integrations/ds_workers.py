@@ -1,0 +1,67 @@
+"""What each spawned rank runs in the DeepSpeed-style tests: DeepSpeed's loop, on poplar.initialize."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import poplar
+from tests.models import make_batches, make_model
+
+
+def dataset(n_steps: int, global_batch: int) -> TensorDataset:
+    batches = make_batches(n_steps, global_batch)
+    return TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+
+
+def run(engine, batches, stop_at: int | None = None) -> None:
+    """DeepSpeed's loop, as its users write it (returning after optimizer step ``stop_at``)."""
+    for tokens, targets in batches:
+        logits = engine(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        engine.backward(loss)
+        before = engine.global_steps
+        engine.step()
+        if engine.global_steps != before and engine.global_steps == stop_at:
+            return
+
+
+def train(rank, world_size, cases, cluster, n_steps, save_at=None, load=None, out=None):
+    """Each (plan, config) case in turn; with ``save_at``/``load``, a checkpoint written or resumed under ``out``."""
+    results = []
+    for plan, config in cases:
+        plan = poplar.Plan.from_dict(plan)
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        engine, _, loader, _ = poplar.initialize(model=model, optimizer=opt, config=config, plan=plan,
+                                                 training_data=dataset(n_steps, plan.global_batch_size),
+                                                 cluster=cluster)
+        client = engine.load_checkpoint(load)[1] if load is not None else None
+        batches = iter(loader)      # one pass over the data, however it is cut by a checkpoint
+        if save_at is not None:
+            run(engine, batches, stop_at=save_at)
+            engine.save_checkpoint(out, client_state={"saved_at": save_at})
+        run(engine, batches)
+        state = engine.runtime.engine.full_state_dict()
+        results.append({"state": state if rank == 0 else None, "steps": engine.global_steps,
+                        "loss": engine.last_loss, "client": client})
+        engine.close()
+    return results
+
+
+def planned_here(rank, world_size, cache: str, config: dict):
+    """No plan given: the config's poplar section names the cluster and the workload, and the ranks plan."""
+    import os
+
+    from poplar.workload import Workload
+
+    os.environ["POPLAR_CACHE_DIR"] = cache
+    wl = Workload(model="tiny")
+    model = wl.build(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, _, loader, _ = poplar.initialize(model, opt, config=config, training_data=TensorDataset(*wl.random_batch(32)))
+    run(engine, iter(loader))
+    out = {"plan": engine.runtime.plan.to_dict(), "steps": engine.global_steps}
+    engine.close()
+    return out

@@ -1,0 +1,153 @@
+"""`poplar.initialize(model=..., config=ds_config)`: DeepSpeed's loop on Poplar's engine, exact on uneven plans."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import poplar
+from poplar.integrations.data import PlanBatchSampler
+from poplar.integrations.ds_config import read_ds_config
+from poplar.integrations.runtime import load_plan, optimizer_factory, resolve_plan
+from poplar.launch import spawn
+from tests.integrations import ds_workers
+from tests.models import reference_train
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = str(ROOT / "examples" / "cluster-3.yaml")      # an A100-80GB beside two T4-16GB
+N_STEPS = 4
+PLANS = {   # 3 ranks, each stage uneven (stages 2-3: the same number of micro-batches on every rank)
+    0: poplar.Plan(0, [3, 1, 2], [1, 3, 2]),
+    1: poplar.Plan(1, [2, 1, 1], [2, 3, 1]),
+    2: poplar.Plan(2, [4, 1, 2], [1, 1, 1]),
+    3: poplar.Plan(3, [3, 2, 2], [2, 2, 2]).with_shard_shares([3, 1, 0]),
+}
+
+
+@pytest.fixture(autouse=True)
+def fast_pace(monkeypatch):
+    monkeypatch.setenv("POPLAR_DILATION", "3")     # the emulated devices' pace: the numbers do not depend on it
+
+
+def config(stage: int, batch: int, **more) -> dict:
+    return {"train_batch_size": batch, "zero_optimization": {"stage": stage}, **more}
+
+
+def reference(global_batch: int, clip=None):
+    """Single-device training on the global batches the loader gives (its epoch order)."""
+    data = ds_workers.dataset(N_STEPS, global_batch)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
+    batches = [data[order[s * global_batch:(s + 1) * global_batch]] for s in range(N_STEPS)]
+    return reference_train(batches, clip=clip)[0]
+
+
+def assert_same(state, ref, atol):
+    for key, value in ref.items():
+        torch.testing.assert_close(state[key], value, atol=atol, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_deepspeed_loop_on_three_uneven_emulated_ranks_matches_single_device_in_every_stage():
+    cases = [(p.to_dict(), config(s, p.global_batch_size, **({"gradient_clipping": 0.05} if s == 1 else {})))
+             for s, p in PLANS.items()]
+    ranks = spawn(ds_workers.train, 3, cases, CLUSTER, N_STEPS, timeout_s=240)
+    for (stage, plan), got in zip(PLANS.items(), ranks[0]):
+        assert got["steps"] == N_STEPS, stage
+        assert_same(got["state"], reference(plan.global_batch_size, clip=0.05 if stage == 1 else None), 1e-5)
+
+
+def test_resume_on_two_ranks_from_three_continues_exactly(tmp_path):
+    three, two = poplar.Plan(1, [3, 1, 3], [1, 3, 1]), poplar.Plan(2, [5, 4], [1, 1])   # 9 samples each
+    whole = spawn(ds_workers.train, 3, [(three.to_dict(), config(1, 9))], CLUSTER, N_STEPS, save_at=2,
+                  out=str(tmp_path / "ckpt"), timeout_s=120)[0][0]
+    resumed = spawn(ds_workers.train, 2, [(two.to_dict(), config(2, 9))], "both-differ", N_STEPS,
+                    load=str(tmp_path / "ckpt"), timeout_s=120)[0][0]
+    assert resumed["client"] == {"saved_at": 2} and resumed["steps"] == N_STEPS
+    assert_same(resumed["state"], whole["state"], 1e-6)
+
+
+def test_without_a_plan_the_ranks_profile_the_named_workload_on_the_cluster_and_plan_their_split(tmp_path):
+    config = {"train_batch_size": 16, "zero_optimization": {"stage": 1},
+              "poplar": {"cluster": "both-differ", "workload": "tiny"}}
+    ranks = spawn(ds_workers.planned_here, 2, str(tmp_path / "cache"), config, timeout_s=240)
+    plan = poplar.Plan.from_dict(ranks[0]["plan"])
+    assert ranks[0]["plan"] == ranks[1]["plan"] and ranks[0]["steps"] == 2
+    assert plan.zero_stage == 1 and plan.global_batch_size == 16   # (its split follows the profile's times,
+    #                                                                  which a busy host at this fixed pace can skew)
+
+
+def test_a_workload_that_is_not_the_model_is_refused_before_profiling():
+    from poplar.workload import Workload
+
+    with pytest.raises(ValueError, match="workload small has .* the model trained has"):
+        resolve_plan(2, None, cluster="both-differ", workload="small", global_batch=16,
+                     model=Workload(model="tiny").build())
+
+
+# -- bad input: one line each, before any process group ----------------------------------------
+@pytest.mark.parametrize("fields, words", [
+    ({"fp16": {"enabled": True}}, "set bf16.enabled"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "remove the offload"),
+    ({"scheduler": {"type": "WarmupLR"}}, "pass a torch scheduler"),
+    ({"zero_optimization": {"stage": 4}}, "stages 0, 1, 2 and 3"),
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, "train_batch_size 12 != "),
+    ({"optimizer": {"type": "Lamb"}}, "Adam, AdamW and SGD"),
+    ({"poplar": {"plam": "x"}}, "poplar.plam is not a Poplar field"),
+])
+def test_a_config_poplar_cannot_honour_is_refused_in_one_line(fields, words):
+    with pytest.raises(ValueError, match=words) as e:
+        read_ds_config({"train_batch_size": 12, **fields}, world_size=3)
+    assert "\n" not in str(e.value)
+
+
+def test_fields_with_no_meaning_here_are_named_in_one_line_and_the_rest_is_read(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                                "steps_per_print": 10, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+                                "zero_optimization": {"stage": 2, "overlap_comm": True,
+                                                      "offload_optimizer": {"device": "none"}}}))
+    s = read_ds_config(path, world_size=3)
+    assert (s.global_batch, s.stage, s.clip_grad_norm, s.precision) == (12, 2, 1.0, "bf16")
+    line = s.ignored_line()
+    assert "steps_per_print, zero_optimization.overlap_comm" in line and "\n" not in line
+
+
+def test_a_plan_for_another_world_or_batch_or_stage_is_refused_in_one_line():
+    two = poplar.Plan(1, [3, 1], [1, 3])
+    with pytest.raises(ValueError, match="the plan is for 2 ranks .* 3 were launched"):
+        resolve_plan(3, two)
+    with pytest.raises(ValueError, match="splits a global batch of 6 samples, the configuration asks for 8"):
+        resolve_plan(2, two, global_batch=8)
+    with pytest.raises(ValueError, match="ZeRO stage 2 .* every rank must run the same number of accumulation steps"):
+        load_plan({"zero_stage": 2, "micro_batch_sizes": [2, 1], "accum_steps": [1, 2]})
+    with pytest.raises(ValueError, match="needs a plan"):
+        resolve_plan(2, None, global_batch=8)
+    from poplar.integrations.deepspeed import _plan
+
+    settings = read_ds_config({"train_batch_size": 6, "zero_optimization": {"stage": 3}}, world_size=2)
+    with pytest.raises(ValueError, match="the plan is for ZeRO stage 1, the config's zero_optimization.stage is 3"):
+        _plan(2, settings, poplar.EngineConfig(), two, None, None)
+
+
+def test_an_optimizer_is_rebound_to_the_engine_parameters_only_with_one_set_of_settings():
+    w, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([{"params": [w], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}])
+    with pytest.raises(ValueError, match="parameter groups differ in weight_decay"):
+        optimizer_factory(opt)
+    same = torch.optim.SGD([{"params": [w]}, {"params": [b]}], lr=0.5)
+    flat = torch.nn.Parameter(torch.zeros(4))
+    rebound = optimizer_factory(same)([flat])
+    assert rebound is same and same.param_groups[0]["params"] == [flat] and same.param_groups[0]["lr"] == 0.5
+
+
+def test_every_rank_takes_its_slice_of_the_same_global_batches_whatever_the_plan():
+    three, two = poplar.Plan(1, [3, 1, 3], [1, 3, 1]), poplar.Plan(2, [5, 4], [1, 1])
+    for plan in (three, two):
+        steps = zip(*[list(PlanBatchSampler(27, plan, r, seed=4)) for r in range(plan.world_size)])
+        joined = [sum(parts, []) for parts in steps]
+        assert len(joined) == 3
+        if plan is three:
+            first = joined
+    assert joined == first and sorted(sum(first, [])) == list(range(27))
