@@ -70,7 +70,33 @@ def deepspeed_rank(rank, world_size, wl_dict, plan_dict, cluster, steps) -> dict
     return out
 
 
-SYSTEMS = {"deepspeed": deepspeed_rank}
+def lightning_rank(rank, world_size, wl_dict, plan_dict, cluster, steps) -> dict:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from poplar.integrations.lightning import PoplarStrategy
+
+    wl, plan = Workload(**wl_dict), poplar.Plan.from_dict(plan_dict)
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = wl.build(seed=0)
+
+        def training_step(self, batch, batch_idx):
+            return wl.loss(self.model, batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.01)
+
+    strategy = PoplarStrategy(plan=plan, cluster=cluster)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, gradient_clip_val=1.0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Module(), DataLoader(_dataset(wl, steps * plan.global_batch_size)))
+    return _figures(strategy.runtime)
+
+
+SYSTEMS = {"deepspeed": deepspeed_rank, "lightning": lightning_rank}
 
 
 def poplar_train(wl: Workload, plan_path: Path, cluster: str, steps: int, out: Path) -> dict:

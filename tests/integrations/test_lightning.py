@@ -1,0 +1,187 @@
+"""PyTorch Lightning on Poplar: ``PoplarStrategy`` trains exactly as one device would, resumes on another world size,
+and refuses bad input in one line before anything starts.
+
+Real processes (``poplar.launch.spawn``) on emulated clusters: every ZeRO stage with an uneven
+plan in one process group of 3 ranks (``examples/cluster-3.yaml``), ZeRO-3 validating at each
+epoch's end, ZeRO-2 clipping and saving checkpoints (after an epoch's last step, at the epoch's
+end, mid-epoch), which 2 of the ranks, as a new group on another cluster (``both-differ``) with
+another plan, then finish. A LambdaLR scheduler steps every run, so the optimizer handed to the
+engine must be the very one Lightning's scheduler drives. The bad-input tests start no process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import poplar
+from poplar.launch import spawn
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from poplar.integrations.lightning import PoplarStrategy  # noqa: E402
+from tests.integrations.lightning_workers import (  # noqa: E402
+    CLUSTER, EPOCH_END, GLOBAL_BATCH, LAST_STEP, MID_EPOCH, N_STEPS, OPTIMIZER, QUIET, LitTiny, dataset,
+    global_batches, lightning_runs, schedule, val_set)
+from tests.models import lm_loss, make_model  # noqa: E402
+
+CLIP = 0.05
+# (plan, gradient_clip_val, checkpoints, validation at each epoch's end): a global batch of 10 on 3 ranks
+CASES = [
+    ({"zero_stage": 0, "micro_batch_sizes": [3, 1, 2], "accum_steps": [1, 3, 2]}, None, False, False),
+    ({"zero_stage": 1, "micro_batch_sizes": [2, 3, 1], "accum_steps": [2, 1, 3]}, None, False, False),
+    ({"zero_stage": 2, "micro_batch_sizes": [2, 1, 2], "accum_steps": [2, 2, 2]}, CLIP, True, False),
+    ({"zero_stage": 3, "micro_batch_sizes": [3, 1, 2], "accum_steps": [2, 2, 2], "local_batch_sizes": [5, 2, 3]},
+     None, False, True),
+]
+RESUMED = 2   # the case whose checkpoints are resumed
+TWO_RANKS = {"zero_stage": 3, "micro_batch_sizes": [4, 2], "accum_steps": [2, 2], "local_batch_sizes": [7, 3]}
+
+
+@pytest.fixture(autouse=True)
+def pace(monkeypatch):
+    monkeypatch.setenv("POPLAR_DILATION", "3")     # the emulated devices' pace: fast
+    monkeypatch.delenv("POPLAR_PLAN", raising=False)
+    monkeypatch.delenv("POPLAR_CLUSTER", raising=False)
+
+
+@functools.cache
+def ranks(ckpt_dir: str):
+    """What every rank returned: the runs on 3 ranks, then (ranks 0 and 1) the resumed runs on 2."""
+    return spawn(lightning_runs, 3, CASES, ckpt_dir, TWO_RANKS, CLIP, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("lightning"))
+
+
+def reference(clip):
+    """One device, the whole global batches, the same optimizer and scheduler; the validation loss after each step."""
+    model = make_model()
+    opt = OPTIMIZER(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    losses, val = [], {}
+    for step, batch in enumerate(global_batches(), 1):
+        loss = lm_loss(model, batch)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        losses.append(loss.item())
+        with torch.no_grad():
+            val[step] = lm_loss(model, val_set().tensors).item()
+    return {f"net.{k}": v for k, v in model.state_dict().items()}, losses, val
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"stage{c[0]['zero_stage']}" for c in CASES])
+def test_every_stage_matches_single_device_training(index, ckpt):
+    runs = [r["runs"][index] for r in ranks(ckpt)]
+    ref_state, ref_losses, ref_val = reference(CASES[index][1])
+    for key, ref in ref_state.items():
+        torch.testing.assert_close(runs[0]["state"][key], ref, atol=1e-5, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
+    for r in runs:   # Lightning logs the global batch's mean loss, the same on every rank
+        assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
+        assert r["steps"] == r["timed_steps"] == N_STEPS
+    if CASES[index][3]:   # ZeRO-3 evaluation on the engine's weights (every rank the whole set)
+        assert [step for step, _ in runs[0]["val"]] == [2, 4]
+        for r in runs:
+            assert [loss for _, loss in r["val"]] == pytest.approx([ref_val[2], ref_val[4]], abs=1e-5)
+    for r in runs:   # the plan's slices, and no sampler of Lightning's
+        assert r["samplers"] == ["EpochBatchSampler"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, start", [(LAST_STEP, 2), (EPOCH_END, 2), (MID_EPOCH, 3)],
+                         ids=["last-step", "epoch-end", "mid-epoch"])
+def test_resume_on_two_ranks_of_another_cluster(name, start, ckpt):
+    got = ranks(ckpt)
+    whole = got[0]["runs"][RESUMED]
+    assert os.path.isfile(os.path.join(ckpt, name, "lightning.pt"))   # a checkpoint is a directory
+    assert got[2]["resumed"] is None
+    moved = got[0]["resumed"][name]
+    assert moved["steps"] == N_STEPS and moved["losses"] == pytest.approx(whole["losses"][start:], abs=1e-6)
+    for key, value in whole["state"].items():
+        torch.testing.assert_close(moved["state"][key], value, atol=1e-6, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.slow
+def test_an_optimizer_with_unlike_groups_is_refused_on_every_rank(ckpt):
+    for r in ranks(ckpt)[:2]:   # before the engine was built, in one line
+        refused = r["resumed"]["refused"]
+        assert "parameter groups differ in weight_decay" in refused and "\n" not in refused
+
+
+# ---------------------------------------------------------------------- bad input, before any process starts
+def one_line(excinfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_a_plan_for_another_world_size_is_refused(monkeypatch):
+    with pytest.raises(ValueError) as e:
+        PoplarStrategy(plan=poplar.Plan(0, [1, 1]), cluster=CLUSTER)
+    assert "the plan is for 2 ranks but the cluster has 3 devices" in one_line(e)
+    monkeypatch.setenv("WORLD_SIZE", "3")     # launched by torchrun on 3 ranks
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError) as e:
+        pl.Trainer(strategy=PoplarStrategy(plan=poplar.Plan(0, [1, 1])), **QUIET)
+    assert "the plan is for 2 ranks" in one_line(e) and "3 were launched" in one_line(e)
+
+
+def test_a_stage_2_plan_with_unequal_accumulation_is_refused():
+    with pytest.raises(ValueError) as e:
+        PoplarStrategy(plan={"zero_stage": 2, "micro_batch_sizes": [2, 1], "accum_steps": [1, 2]})
+    assert "same number of accumulation steps" in one_line(e)
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"accumulate_grad_batches": 2}, "accumulate_grad_batches=2: the Poplar plan decides"),
+    ({"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, "clips the global gradient norm only"),
+    ({"precision": "64-true"}, "trains in '32-true' or 'bf16-mixed'"),
+])
+def test_trainer_options_poplar_does_itself_are_refused_before_the_group(options, says):
+    trainer = pl.Trainer(strategy=PoplarStrategy(plan=poplar.Plan(0, [GLOBAL_BATCH])), max_steps=1,
+                         **{**QUIET, **options})
+    with pytest.raises(ValueError) as e:
+        trainer.fit(LitTiny(), torch.utils.data.DataLoader(dataset()))
+    assert says in one_line(e)
+    assert not dist.is_initialized()
+
+
+def test_no_plan_is_refused():
+    with pytest.raises(ValueError) as e:
+        PoplarStrategy()
+    assert "PoplarStrategy needs a plan" in one_line(e) and "POPLAR_PLAN" in str(e.value)
+    with pytest.raises(ValueError, match="PoplarStrategy needs a plan"):
+        pl.Trainer(strategy="poplar", **QUIET)
+
+
+def test_the_registry_name_reads_the_plan_from_the_environment(tmp_path, monkeypatch):
+    plan = poplar.Plan(1, [3], [2])
+    plan.save(tmp_path / "plan.json")
+    monkeypatch.setenv("POPLAR_PLAN", str(tmp_path / "plan.json"))
+    trainer = pl.Trainer(strategy="poplar", **QUIET)
+    assert isinstance(trainer.strategy, PoplarStrategy) and trainer.strategy.plan == plan
+    assert trainer.strategy.world_size == 1 and trainer.strategy.launcher is None
+    monkeypatch.setenv("POPLAR_CLUSTER", CLUSTER)    # a cluster of 3: a plain run launches 3 processes
+    three = poplar.Plan(1, [3, 1, 2], [2, 1, 1])
+    three.save(tmp_path / "plan.json")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    trainer = pl.Trainer(strategy="poplar", **QUIET)
+    assert trainer.strategy.world_size == 3 and trainer.strategy.launcher is not None
+    monkeypatch.delenv("POPLAR_PLAN")     # planned on the cluster when the ranks start
+    for name, value in (("POPLAR_CLUSTER", "both-differ"), ("POPLAR_WORKLOAD", "tiny"), ("POPLAR_GLOBAL_BATCH", "8")):
+        monkeypatch.setenv(name, value)
+    trainer = pl.Trainer(strategy="poplar", **QUIET)
+    assert trainer.strategy.plan is None and trainer.strategy.world_size == 2
