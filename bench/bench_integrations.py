@@ -96,7 +96,30 @@ def lightning_rank(rank, world_size, wl_dict, plan_dict, cluster, steps) -> dict
     return _figures(strategy.runtime)
 
 
-SYSTEMS = {"deepspeed": deepspeed_rank, "lightning": lightning_rank}
+def hf_rank(rank, world_size, wl_dict, plan_dict, cluster, steps) -> dict:
+    from transformers import TrainingArguments
+
+    from poplar.integrations.hf import PoplarTrainer
+
+    wl, plan = Workload(**wl_dict), poplar.Plan.from_dict(plan_dict)
+    if plan.global_batch_size % world_size:
+        raise ValueError(f"the Trainer's arguments write a global batch as a multiple of the {world_size} ranks; "
+                         f"plan {plan.global_batch_size} samples is not one")
+    tokens, _ = wl.random_batch(steps * plan.global_batch_size, seed=1)
+    data = [{"input_ids": row, "labels": row} for row in tokens]     # the model shifts the labels itself
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=plan.global_batch_size // world_size,
+                             max_steps=steps, learning_rate=LR, weight_decay=0.01, max_grad_norm=1.0,
+                             optim="adamw_torch",     # torch's AdamW as the others step (its default: the fused one)
+                             lr_scheduler_type="constant", save_strategy="no", logging_steps=steps, report_to="none",
+                             disable_tqdm=True, use_cpu=True, dataloader_pin_memory=False)
+    trainer = PoplarTrainer(model=wl.build(seed=0), args=args, train_dataset=data, plan=plan, cluster=cluster)
+    trainer.train()
+    out = _figures(trainer.runtime)
+    trainer.end()
+    return out
+
+
+SYSTEMS = {"deepspeed": deepspeed_rank, "lightning": lightning_rank, "hf": hf_rank}
 
 
 def poplar_train(wl: Workload, plan_path: Path, cluster: str, steps: int, out: Path) -> dict:

@@ -34,6 +34,11 @@ FORBIDDEN = {
 for _part_name in ("poplar.cluster", "poplar.engine", "poplar.emulate", "poplar.devices", "poplar.profile",
                    "poplar.planner"):
     FORBIDDEN[_part_name] = FORBIDDEN[_part_name] | {"poplar.simulate"}
+# the integrations drive the engine from other loops: downstream of everything they use, used by nothing
+FORBIDDEN["poplar.integrations"] = {"poplar.bench", "poplar.demo", "poplar.measure", "poplar.peers", "poplar.cli"}
+for _part_name in ("poplar.cluster", "poplar.engine", "poplar.emulate", "poplar.devices", "poplar.profile",
+                   "poplar.planner", "poplar.train", "poplar.simulate"):
+    FORBIDDEN[_part_name] = FORBIDDEN[_part_name] | {"poplar.integrations"}
 # the values every part reads: they import nothing of poplar but these
 LEAVES = {"poplar.stages": set(), "poplar.precision": set(), "poplar.plan": {"poplar.stages"}}
 
