@@ -87,14 +87,16 @@ def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float, threads:
         pass
 
 
-# Ranks are forked from a server that imported torch and poplar once (a fresh interpreter would spend
-# seconds importing them for every rank); the server never touches a GPU or starts threads.
+# Ranks are forked from a server that imported torch, poplar's trainer and the Hugging Face models once (a
+# fresh interpreter would spend seconds importing them for every rank); the server never touches a GPU or
+# starts a Python thread (numpy's BLAS pool, which transformers brings, shuts itself down around a fork).
 START_METHOD = "forkserver"
 
 
 def _context():
     ctx = mp.get_context(START_METHOD)
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "poplar", "poplar.launch"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "poplar", "poplar.launch", "poplar.train.trainer",
+                                "transformers.models.llama.modeling_llama", "transformers.models.bert.modeling_bert"])
     return ctx
 
 
