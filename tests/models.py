@@ -70,17 +70,26 @@ def make_batches(n_steps: int, global_batch: int, seq: int = 6, vocab: int = 37,
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
 
 
-def reference_train(batches, clip: float | None = None, optimizer=OPTIMIZER, model_kw=None):
-    """Plain single-process training on whole global batches: what the engine must reproduce."""
+def reference_train(batches, clip: float | None = None, optimizer=OPTIMIZER, model_kw=None, schedule=None,
+                    after_step=None):
+    """Plain single-process training on whole global batches: what the engine must reproduce.
+
+    ``schedule``: a LambdaLR factor of the step, stepped after each update; ``after_step(step, model)``: called
+    after each (steps from 1)."""
     model = make_model(**(model_kw or {}))
     opt = optimizer(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if schedule is not None else None
     losses = []
-    for batch in batches:
+    for step, batch in enumerate(batches, 1):
         loss = lm_loss(model, batch)
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
         losses.append(loss.item())
+        if after_step is not None:
+            after_step(step, model)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses

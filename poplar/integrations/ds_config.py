@@ -18,7 +18,6 @@ section may name the plan, the cluster and the workload.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,13 +54,10 @@ def load_ds_config(config: str | Path | dict) -> dict:
     """The config as a dict, from itself or a JSON file."""
     if isinstance(config, dict):
         return config
+    from poplar.train.planning import read_json
+
     path = Path(config)
-    if not path.is_file():
-        raise ValueError(f"config {path}: no such file; give a DeepSpeed JSON config or a dict")
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"config {path}: not valid JSON ({e})") from None
+    data = read_json(path, f"config {path}", "give a DeepSpeed JSON config or a dict", "correct the file")
     if not isinstance(data, dict):
         raise ValueError(f"config {path}: a DeepSpeed config is a JSON object, got {type(data).__name__}")
     return data

@@ -16,7 +16,6 @@ Every integration does the same four things, here once:
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,14 +33,10 @@ def load_plan(plan: Plan | dict | str | Path) -> Plan:
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, (str, Path)):
-        path = Path(plan)
-        if not path.is_file():
-            raise ValueError(f"plan {path}: no such file; give a plan.json written by `poplar plan` or "
-                             "`poplar train`, or a poplar.Plan")
-        try:
-            plan = json.loads(path.read_text())
-        except ValueError as e:
-            raise ValueError(f"plan {path}: not valid JSON ({e}); write it again with `poplar plan`") from None
+        from poplar.train.planning import read_json
+
+        plan = read_json(Path(plan), f"plan {plan}", "give a plan.json written by `poplar plan` or `poplar "
+                         "train`, or a poplar.Plan", "write it again with `poplar plan`")
     if not isinstance(plan, dict):
         raise TypeError(f"plan must be a poplar.Plan, its dict or a plan.json path, got {type(plan).__name__}")
     try:

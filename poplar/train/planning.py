@@ -83,12 +83,8 @@ def plan_on(cfg: TrainConfig, wl: Workload, spec, distributed: bool, progress=No
 def load_plan_for(cfg: TrainConfig, wl: Workload):
     """``cfg.plan``, refused where it was planned for another model or sequence length, or is not a plan."""
     path = Path(cfg.plan)
-    if not path.is_file():
-        raise ValueError(f"--plan {path}: no such file; give a plan.json written by `poplar plan` or by hand")
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"--plan {path}: not valid JSON ({e}); write it again with `poplar plan`") from None
+    data = read_json(path, f"--plan {path}", "give a plan.json written by `poplar plan` or by hand",
+                     "write it again with `poplar plan`")
     planned = (data.get("meta") or {}).get("model") if isinstance(data, dict) else None
     if planned and (planned.get("name"), planned.get("seq_len")) != (wl.model, wl.seq_len):
         raise ValueError(f"--plan {path} was planned for {planned.get('name')} at {planned.get('seq_len')} tokens "
@@ -111,3 +107,14 @@ def _on_cuda() -> bool:
     from poplar.engine.dist import context
 
     return dist.is_initialized() and context().device.type == "cuda"
+
+
+def read_json(path: Path, name: str, missing: str, broken: str):
+    """The JSON value in ``path``; a one-line ValueError (``name``: no such file; ``missing`` / not valid JSON;
+    ``broken``) otherwise."""
+    if not path.is_file():
+        raise ValueError(f"{name}: no such file; {missing}")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{name}: not valid JSON ({e}); {broken}") from None

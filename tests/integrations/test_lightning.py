@@ -27,7 +27,7 @@ from poplar.integrations.lightning import PoplarStrategy  # noqa: E402
 from tests.integrations.lightning_workers import (  # noqa: E402
     CLUSTER, EPOCH_END, GLOBAL_BATCH, LAST_STEP, MID_EPOCH, N_STEPS, OPTIMIZER, QUIET, LitTiny, dataset,
     global_batches, lightning_runs, schedule, val_set)
-from tests.models import lm_loss, make_model  # noqa: E402
+from tests.models import lm_loss, reference_train  # noqa: E402
 
 CLIP = 0.05
 # (plan, gradient_clip_val, checkpoints, validation at each epoch's end): a global batch of 10 on 3 ranks
@@ -62,22 +62,14 @@ def ckpt(tmp_path_factory):
 
 def reference(clip):
     """One device, the whole global batches, the same optimizer and scheduler; the validation loss after each step."""
-    model = make_model()
-    opt = OPTIMIZER(model.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    losses, val = [], {}
-    for step, batch in enumerate(global_batches(), 1):
-        loss = lm_loss(model, batch)
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        losses.append(loss.item())
+    val = {}
+
+    def validate(step, model):
         with torch.no_grad():
             val[step] = lm_loss(model, val_set().tensors).item()
-    return {f"net.{k}": v for k, v in model.state_dict().items()}, losses, val
+    state, losses = reference_train(global_batches(), clip=clip, optimizer=OPTIMIZER, schedule=schedule,
+                                    after_step=validate)
+    return {f"net.{k}": v for k, v in state.items()}, losses, val
 
 
 @pytest.mark.slow
