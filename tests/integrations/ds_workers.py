@@ -44,8 +44,10 @@ def train(rank, world_size, cases, cluster, n_steps, save_at=None, load=None, ou
             engine.save_checkpoint(out, client_state={"saved_at": save_at})
         run(engine, batches)
         state = engine.runtime.engine.full_state_dict()
+        with torch.no_grad():    # evaluation: a forward outside any step (ZeRO-3 gathers as it goes)
+            logits = engine(dataset(1, 2).tensors[0])
         results.append({"state": state if rank == 0 else None, "steps": engine.global_steps,
-                        "loss": engine.last_loss, "client": client})
+                        "loss": engine.last_loss, "client": client, "logits": logits})
         engine.close()
     return results
 

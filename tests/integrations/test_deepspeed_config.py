@@ -14,7 +14,7 @@ from poplar.integrations.ds_config import read_ds_config
 from poplar.integrations.runtime import load_plan, optimizer_factory, resolve_plan
 from poplar.launch import spawn
 from tests.integrations import ds_workers
-from tests.models import reference_train
+from tests.models import make_model, reference_train
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = str(ROOT / "examples" / "cluster-3.yaml")      # an A100-80GB beside two T4-16GB
@@ -53,9 +53,15 @@ def test_deepspeed_loop_on_three_uneven_emulated_ranks_matches_single_device_in_
     cases = [(p.to_dict(), config(s, p.global_batch_size, **({"gradient_clipping": 0.05} if s == 1 else {})))
              for s, p in PLANS.items()]
     ranks = spawn(ds_workers.train, 3, cases, CLUSTER, N_STEPS, timeout_s=240)
-    for (stage, plan), got in zip(PLANS.items(), ranks[0]):
+    for (stage, plan), got, last in zip(PLANS.items(), ranks[0], ranks[-1]):
         assert got["steps"] == N_STEPS, stage
         assert_same(got["state"], reference(plan.global_batch_size, clip=0.05 if stage == 1 else None), 1e-5)
+        trained = make_model()
+        trained.load_state_dict(got["state"])
+        with torch.no_grad():   # an evaluation forward through the engine is the trained model's, on every rank
+            want = trained(ds_workers.dataset(1, 2).tensors[0])
+        for logits in (got["logits"], last["logits"]):
+            torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
 
 
 def test_resume_on_two_ranks_from_three_continues_exactly(tmp_path):
