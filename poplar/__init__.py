@@ -6,6 +6,8 @@
 8
 """
 
+import os
+
 from poplar.engine import Engine, EngineConfig, NonFiniteError
 from poplar.engine import initialize as _engine_initialize
 from poplar.plan import Plan
@@ -35,7 +37,7 @@ def _deepspeed_style(args: tuple, kwargs: dict) -> bool:
     config = kwargs.get("config", kwargs.get("config_params"))
     if config is None and len(args) > 3:
         config = args[3]
-    if isinstance(config, str) or type(config).__name__.endswith("Path"):
+    if isinstance(config, (str, os.PathLike)):
         return True
     if isinstance(config, dict) and _DEEPSPEED_KEYS & set(config):
         return True

@@ -19,7 +19,6 @@ the global batch.
 
 from __future__ import annotations
 
-import os
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from poplar.engine.batch import batch_size
 from poplar.engine.config import EngineConfig
 from poplar.integrations.data import plan_loader
 from poplar.integrations.ds_config import build_optimizer, read_ds_config
-from poplar.integrations.runtime import Runtime, resolve_plan
+from poplar.integrations.runtime import Runtime, from_environment, resolve_plan
 
 _UNUSED_ARGS = ("args", "mpu", "mesh_param", "distributed_port", "dist_init_required")
 
@@ -60,9 +59,13 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if ctx.rank == 0 and settings.ignored_line():
         print(settings.ignored_line(), flush=True)
     engine_config = EngineConfig(clip_grad_norm=settings.clip_grad_norm, mixed_precision=settings.precision)
+    poplar = settings.poplar   # the config's poplar section, then the environment, fill what the call leaves out
+    plan, cluster, workload, _ = from_environment(plan if plan is not None else poplar.get("plan"),
+                                                  cluster if cluster is not None else poplar.get("cluster"),
+                                                  workload or poplar.get("workload"), settings.global_batch)
     plan = _plan(ctx.world_size, settings, engine_config, plan, cluster, workload, model)
     opt = _optimizer(optimizer, settings)
-    runtime = Runtime(model, opt, plan, engine_config, cluster=_cluster(settings, cluster))
+    runtime = Runtime(model, opt, plan, engine_config, cluster=cluster)
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(runtime.engine.optimizer)
     engine = DeepSpeedStyleEngine(runtime, lr_scheduler)
@@ -75,19 +78,13 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
 
 
 def _plan(world_size: int, settings, config: EngineConfig, plan, cluster, workload, model=None):
-    plan = plan if plan is not None else settings.poplar.get("plan") or os.environ.get("POPLAR_PLAN")
     stages = (settings.stage,) if settings.stage is not None else tuple(settings.poplar.get("stages", (0, 1, 2, 3)))
-    plan = resolve_plan(world_size, plan, cluster=_cluster(settings, cluster),
-                        workload=workload or settings.poplar.get("workload") or os.environ.get("POPLAR_WORKLOAD"),
-                        global_batch=settings.global_batch, stages=stages, config=config, model=model)
+    plan = resolve_plan(world_size, plan, cluster=cluster, workload=workload, global_batch=settings.global_batch,
+                        stages=stages, config=config, model=model)
     if settings.stage is not None and plan.zero_stage != settings.stage:
         raise ValueError(f"the plan is for ZeRO stage {plan.zero_stage}, the config's zero_optimization.stage is "
                          f"{settings.stage}: make them agree")
     return plan
-
-
-def _cluster(settings, cluster):
-    return cluster if cluster is not None else settings.poplar.get("cluster") or os.environ.get("POPLAR_CLUSTER")
 
 
 def _optimizer(optimizer, settings):

@@ -69,7 +69,8 @@ from poplar.engine.dist import choose_backend, init_distributed, shutdown
 from poplar.integrations import lightning_checkpoint as checkpoints
 from poplar.integrations.lightning_data import plan_train_loader
 from poplar.integrations.lightning_options import engine_config, loss_of, take_weights
-from poplar.integrations.runtime import Runtime, load_plan, optimizer_factory, resolve_plan
+from poplar.integrations.runtime import (Runtime, cluster_spec, from_environment, load_plan, optimizer_factory,
+                                         resolve_plan)
 from poplar.plan import Plan
 
 __all__ = ["PoplarStrategy"]
@@ -77,27 +78,6 @@ __all__ = ["PoplarStrategy"]
 _NEEDS_A_PLAN = ("PoplarStrategy needs a plan: give plan= (a poplar.Plan or a plan.json from `poplar plan`), or "
                  "cluster=, workload= and global_batch= to plan one (Trainer(strategy='poplar') reads them from "
                  "POPLAR_PLAN, or POPLAR_CLUSTER, POPLAR_WORKLOAD and POPLAR_GLOBAL_BATCH)")
-
-
-def _from_environment(plan, cluster, workload, global_batch) -> tuple:
-    """What was left out, from ``POPLAR_PLAN``, ``POPLAR_CLUSTER``, ``POPLAR_WORKLOAD`` and ``POPLAR_GLOBAL_BATCH``."""
-    env = os.environ
-    batch = env.get("POPLAR_GLOBAL_BATCH") or None
-    if global_batch is None and batch is not None:
-        if not batch.isdigit():
-            raise ValueError(f"POPLAR_GLOBAL_BATCH={batch!r}: give the global batch as a whole number of samples")
-        global_batch = int(batch)
-    return (plan if plan is not None else env.get("POPLAR_PLAN") or None,
-            cluster if cluster is not None else env.get("POPLAR_CLUSTER") or None,
-            workload if workload is not None else env.get("POPLAR_WORKLOAD") or None, global_batch)
-
-
-def _cluster_spec(cluster):
-    if cluster is None or not isinstance(cluster, (str, Path)):
-        return cluster
-    from poplar.cluster.spec import load_cluster
-
-    return load_cluster(cluster)
 
 
 class PoplarStrategy(ParallelStrategy):
@@ -118,11 +98,11 @@ class PoplarStrategy(ParallelStrategy):
                  global_batch: int | None = None, stages=(0, 1, 2, 3), config: EngineConfig | dict | None = None,
                  seed: int = 0, shuffle: bool = True, **kwargs):
         super().__init__(**kwargs)
-        plan, cluster, workload, global_batch = _from_environment(plan, cluster, workload, global_batch)
+        plan, cluster, workload, global_batch = from_environment(plan, cluster, workload, global_batch)
         self._plan = load_plan(plan) if plan is not None else None
         if self._plan is None and (cluster is None or workload is None or global_batch is None):
             raise ValueError(_NEEDS_A_PLAN)
-        self._cluster = _cluster_spec(cluster)
+        self._cluster = cluster_spec(cluster)
         if self._plan is not None and self._cluster is not None and self._cluster.world_size != self._plan.world_size:
             raise ValueError(f"the plan is for {self._plan.world_size} ranks but the cluster has "
                              f"{self._cluster.world_size} devices: give a plan for {self._cluster.world_size} ranks "

@@ -16,6 +16,7 @@ Every integration does the same four things, here once:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -82,19 +83,36 @@ def _check_workload_is(model: torch.nn.Module, workload) -> None:
 
 
 def _profile_and_plan(world_size: int, cluster, workload, global_batch: int, stages, config) -> Plan:
-    from poplar.cluster.spec import load_cluster
     from poplar.plan import check_global_batch
-    from poplar.planner import make_plan
-    from poplar.profile.options import ProfileOptions
-    from poplar.profile.profiler import profile_cluster
+    from poplar.train.planning import profile_and_plan
     from poplar.workload import as_workload
 
-    spec = load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster
+    spec = cluster_spec(cluster)
     spec.check_world_size(world_size)
     check_global_batch(global_batch, world_size)
-    options = ProfileOptions(stages=stages, max_micro_batch=min(256, global_batch), precision=config.mixed_precision)
-    profile, _ = profile_cluster(as_workload(workload), spec.model_dump(), options, config=config, distributed=True)
-    return make_plan(profile, global_batch, list(stages)).plan
+    return profile_and_plan(as_workload(workload), spec, global_batch, stages, config, distributed=True).plan
+
+
+def cluster_spec(cluster):
+    """A :class:`~poplar.cluster.spec.ClusterSpec` from itself, a cluster file or a preset's name (None: None)."""
+    if cluster is None or not isinstance(cluster, (str, Path)):
+        return cluster
+    from poplar.cluster.spec import load_cluster
+
+    return load_cluster(cluster)
+
+
+def from_environment(plan, cluster, workload, global_batch) -> tuple:
+    """What was left out, from ``POPLAR_PLAN``, ``POPLAR_CLUSTER``, ``POPLAR_WORKLOAD`` and ``POPLAR_GLOBAL_BATCH``."""
+    env = os.environ
+    batch = env.get("POPLAR_GLOBAL_BATCH") or None
+    if global_batch is None and batch is not None:
+        if not batch.isdigit():
+            raise ValueError(f"POPLAR_GLOBAL_BATCH={batch!r}: give the global batch as a whole number of samples")
+        global_batch = int(batch)
+    return (plan if plan is not None else env.get("POPLAR_PLAN") or None,
+            cluster if cluster is not None else env.get("POPLAR_CLUSTER") or None,
+            workload if workload is not None else env.get("POPLAR_WORKLOAD") or None, global_batch)
 
 
 def rank_device_of(cluster, rank: int):
@@ -102,9 +120,7 @@ def rank_device_of(cluster, rank: int):
     from poplar.devices import Device, rank_device
 
     if cluster is not None:
-        from poplar.cluster.spec import load_cluster
-
-        return rank_device(load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster, rank)
+        return rank_device(cluster_spec(cluster), rank)
     if torch.distributed.get_backend() == "nccl":
         from poplar.devices.cuda import CudaDevice
 
@@ -153,10 +169,8 @@ class Runtime:
         ctx = init_distributed()
         self.rank, self.world_size = ctx.rank, ctx.world_size
         plan.check_world_size(self.world_size)
+        cluster = cluster_spec(cluster)
         if cluster is not None:
-            from poplar.cluster.spec import load_cluster
-
-            cluster = load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster
             cluster.check_world_size(self.world_size)
         self.device = rank_device_of(cluster, self.rank)
         self.device.__enter__()

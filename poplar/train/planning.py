@@ -61,23 +61,31 @@ def _cluster_spec(cfg: TrainConfig, distributed: bool):
 
 def plan_on(cfg: TrainConfig, wl: Workload, spec, distributed: bool, progress=None):
     """Profile (or read the cache) on ``spec`` and plan; the chosen allocation's plan and the planner's result."""
-    from poplar.planner import make_plan
-    from poplar.profile.options import ProfileOptions
-    from poplar.profile.profiler import profile_cluster
-
-    options = ProfileOptions(stages=cfg.stages, use_cache=cfg.profile_cache,
-                             max_micro_batch=min(256, cfg.global_batch), precision=cfg.engine.mixed_precision)
     title = f"{cfg.cluster or 'the GPUs here'}: profiling {wl.model} (cached after the first run)"
-    with progress(title) if progress is not None else contextlib.nullcontext() as events:
-        profile, _ = profile_cluster(wl, spec.model_dump(), options, config=cfg.engine, distributed=distributed,
-                                     progress=events)
-    result = make_plan(profile, cfg.global_batch, cfg.stages)
+    result = profile_and_plan(wl, spec, cfg.global_batch, cfg.stages, cfg.engine, distributed,
+                              use_cache=cfg.profile_cache, progress=progress, title=title)
     if cfg.baseline == "poplar":
         return result.plan, result
     alloc = result.allocations()[cfg.baseline]
     if alloc.plan is None:
         raise ValueError(f"the {cfg.baseline} baseline cannot run stage {result.stage}: {alloc.why_not}")
     return alloc.plan, result
+
+
+def profile_and_plan(wl: Workload, spec, global_batch: int, stages, config, distributed: bool,
+                     use_cache: bool = True, progress=None, title: str = ""):
+    """Profile ``wl`` on ``spec`` (or read the cache) as ``config`` will train it, and plan ``global_batch`` over
+    ``stages``: the planner's result. ``distributed``: this process is one rank of the profiled group."""
+    from poplar.planner import make_plan
+    from poplar.profile.options import ProfileOptions
+    from poplar.profile.profiler import profile_cluster
+
+    options = ProfileOptions(stages=tuple(stages), use_cache=use_cache, max_micro_batch=min(256, global_batch),
+                             precision=config.mixed_precision)
+    with progress(title) if progress is not None else contextlib.nullcontext() as events:
+        profile, _ = profile_cluster(wl, spec.model_dump(), options, config=config, distributed=distributed,
+                                     progress=events)
+    return make_plan(profile, global_batch, list(stages))
 
 
 def load_plan_for(cfg: TrainConfig, wl: Workload):
