@@ -1,50 +1,48 @@
 #!/usr/bin/env bash
-# The checks and figures that need a real GPU (recorded in docs/profile.md and docs/train.md).
-#   bench/gpu.sh OUT [tests] [profile] [train] [probe]
-# tests:   the suite's CUDA tests (skipped everywhere else)
-# profile: `poplar profile` of llama-125m (seq 256) on this GPU, every ZeRO stage, with its plot
-# train:   `poplar train` of llama-350m (seq 1024, bf16) on this GPU: profile, plan, train; tokens/s and MFU
-# probe:   plain PyTorch forward+backward of the same model, for scale (no Poplar)
+# The checks and figures that need a real GPU (recorded in docs/devices.md).
+#   bench/gpu.sh OUT [declared] [engine] [tests] [profile] [train]
+# declared: the device model (poplar.emulate.model) against real bf16 forward+backward times (bench/gpu_model.py)
+# engine:   llama-1b through poplar.initialize against a plain PyTorch loop: step-time ratio and MFU
+# tests:    the suite's CUDA tests (skipped everywhere else)
+# profile:  `poplar profile --cluster none` of llama-125m (seq 1024, bf16) on this GPU, with its plot
+# train:    `poplar train --cluster none` of llama-350m (seq 1024, bf16) on this GPU: profile, plan, train
+# Packages the GPU image lacks travel as wheels in .whl/ (bench/README.md says which); each section writes under OUT
+# as it finishes (all output in OUT/log.txt).
 set -uo pipefail
-out=${1:?usage: bench/gpu.sh OUT [tests] [profile] [train] [probe]}
+out=${1:?usage: bench/gpu.sh OUT [declared] [engine] [tests] [profile] [train]}
 shift
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 COLUMNS=160 POPLAR_CACHE_DIR="$out/cache" POPLAR_DATA_CACHE="$out/data"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+work=$(mktemp -d)   # caches and run directories: only the figures come back under OUT (a few files)
+export PYTHONUNBUFFERED=1 COLUMNS=160 POPLAR_CACHE_DIR="$work/cache" POPLAR_DATA_CACHE="$work/data"
 SECTIONS=" ${*:-all} "
 want() { [[ "$SECTIONS" == *" all "* || "$SECTIONS" == *" $1 "* ]]; }
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
-} 2>&1 | tee "$out/machine.txt"
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+} 2>&1 | tee -a "$out/log.txt"
 
-if want tests; then
-  timeout 300 python -m pytest -q -p no:cacheprovider tests/devices/test_cuda.py tests/profile/test_discover.py \
-    tests/profile/test_real_profiler.py tests/train/test_real_devices.py 2>&1 | tee "$out/tests.txt"
+if want declared; then
+  timeout 130 python3 bench/gpu_model.py declared --out "$out" 2>&1 | tee -a "$out/log.txt"
 fi
-if want probe; then
-  timeout 120 python - <<'EOF' 2>&1 | tee "$out/probe.txt"
-import time, torch
-from poplar.workload import Workload
-wl = Workload(model="llama-350m", seq_len=1024, vocab_size=8192)
-model = wl.build().cuda().to(torch.bfloat16)
-for mbs in (8, 16, 32):
-    batch = tuple(t.cuda() for t in wl.random_batch(mbs))
-    for i in range(4):
-        if i == 1:
-            torch.cuda.synchronize(); t0 = time.perf_counter()
-        wl.loss(model, batch).backward()
-    torch.cuda.synchronize(); dt = (time.perf_counter() - t0) / 3
-    print(f"plain bf16 fwd+bwd, micro-batch {mbs}: {dt * 1000:.1f} ms, {mbs * 1024 / dt:,.0f} tokens/s, "
-          f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-EOF
+if want engine; then
+  timeout 110 python3 bench/gpu_model.py engine --out "$out" 2>&1 | tee -a "$out/log.txt"
+fi
+if want tests; then
+  timeout 130 python3 -m pytest -q -p no:cacheprovider tests/devices/test_cuda.py tests/profile/test_discover.py \
+    tests/profile/test_real_profiler.py tests/train/test_real_devices.py 2>&1 | tee -a "$out/log.txt"
 fi
 if want profile; then
-  timeout 400 python -m poplar.cli.main profile --model llama-125m --seq-len 256 --cluster none --points 4 --repeats 3 \
-    --max-micro-batch 1024 --out "$out/profile-llama-125m.json" --plot "$out/profile-llama-125m.png" 2>&1 | tee "$out/profile.txt"
+  timeout 110 python3 -m poplar.cli.main profile --model llama-125m --seq-len 1024 --cluster none --stages 0,3 \
+    --points 4 --repeats 2 --max-micro-batch 512 --mixed-precision bf16 --out "$out/profile-llama-125m.json" \
+    --plot "$out/profile-llama-125m.png" 2>&1 | tee -a "$out/log.txt"
 fi
 if want train; then
-  timeout 500 python -m poplar.cli.main train --cluster none --model llama-350m --global-batch 64 --steps 30 \
+  timeout 110 python3 -m poplar.cli.main train --cluster none --model llama-350m --global-batch 32 --steps 15 \
     --set seq_len=1024 --set vocab_size=8192 --set mixed_precision=bf16 --set lr=3e-4 --set warmup_steps=5 \
-    --out "$out/train-llama-350m" 2>&1 | tee "$out/train.txt"
-  cp "$out/train-llama-350m/log.jsonl" "$out/train-llama-350m.jsonl" 2>/dev/null
-  cp "$out/train-llama-350m/plan.json" "$out/train-llama-350m-plan.json" 2>/dev/null
+    --set "stages=[0]" --out "$work/train-llama-350m" 2>&1 | tee -a "$out/log.txt"
+  cp "$work/train-llama-350m/log.jsonl" "$out/train-llama-350m.jsonl" 2>/dev/null
+  cp "$work/train-llama-350m/plan.json" "$out/train-llama-350m-plan.json" 2>/dev/null
 fi

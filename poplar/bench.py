@@ -145,31 +145,36 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
     by_name = {a.name: m for a, m in zip(unique, measured)}
     rows = {}
     for alloc in allocs:
-        m = by_name[same_as[alloc.name]]
-        rows[alloc.name] = {"plan": alloc.plan.to_dict(), "predicted_samples_per_s": alloc.predicted.samples_per_s,
-                            "samples_per_s": m["samples_per_s"],
-                            "tokens_per_s": m["samples_per_s"] * workload.seq_len,
-                            "step_s": m["step_s"], "busy_s": m["busy_s"], "overruns": m["overruns"],
-                            "predicted_step_s": alloc.predicted.step_s,
-                            "prediction_error": alloc.predicted.step_s / m["step_s"] - 1}
+        rows[alloc.name] = _row(alloc, by_name[same_as[alloc.name]], workload)
         if same_as[alloc.name] != alloc.name:
             rows[alloc.name]["same_plan_as"] = same_as[alloc.name]
     ideal = result.ideal_samples_per_s
     out = {"cluster": cluster, "model": workload.model, "seq_len": workload.seq_len, "global_batch": global_batch,
            "zero_stage": result.stage, "shape": result.plan.shape, "reason": result.reason, "ideal_samples_per_s": ideal,
            "ideal_tokens_per_s": ideal * workload.seq_len, "allocations": rows, "peers": notes}
-    pop = rows["poplar"]["samples_per_s"]
-    out["poplar_vs_uniform"] = pop / rows["uniform"]["samples_per_s"] if "uniform" in rows else None
-    out["poplar_vs_proportional"] = pop / rows["proportional"]["samples_per_s"] if "proportional" in rows else None
-    out["poplar_vs_measured_peak"] = (pop / rows["measured-peak"]["samples_per_s"] if "measured-peak" in rows
-                                      else None)
+    pop = rows["poplar"].get("samples_per_s")
     ds = notes.get("deepspeed")
-    out["poplar_vs_deepspeed"] = pop / ds["samples_per_s"] if isinstance(ds, dict) else None
-    out["poplar_of_ideal"] = pop / ideal
+    for key, other in (("uniform", rows.get("uniform")), ("proportional", rows.get("proportional")),
+                       ("measured_peak", rows.get("measured-peak")), ("deepspeed", ds if isinstance(ds, dict) else None)):
+        theirs = other.get("samples_per_s") if other else None
+        out[f"poplar_vs_{key}"] = pop / theirs if pop and theirs else None
+    out["poplar_of_ideal"] = pop / ideal if pop else None
     measured_once = [r for r in rows.values() if "same_plan_as" not in r]
-    out["overruns"] = (sum(r["overruns"] for r in measured_once)
+    out["overruns"] = (sum(r.get("overruns", 0) for r in measured_once)
                        + (ds.get("overruns", 0) if isinstance(ds, dict) else 0))
     return out
+
+
+def _row(alloc, m: dict, workload: Workload) -> dict:
+    """One allocation's row: its plan, what was predicted and what was measured (or why it could not run)."""
+    row = {"plan": alloc.plan.to_dict(), "predicted_samples_per_s": alloc.predicted.samples_per_s,
+           "predicted_step_s": alloc.predicted.step_s}
+    if "failed" in m:
+        return {**row, "failed": m["failed"]}
+    return {**row, "samples_per_s": m["samples_per_s"], "tokens_per_s": m["samples_per_s"] * workload.seq_len,
+            "step_s": m["step_s"], "busy_s": m["busy_s"], "overruns": m["overruns"],
+            "prediction_error": alloc.predicted.step_s / m["step_s"] - 1,
+            **({"measured_alone": m["alone"]} if "alone" in m else {})}
 
 
 def bench_clusters(names: list[str], workload: Workload, global_batch: int, steps: int, *, use_cache: bool = True,
@@ -226,10 +231,15 @@ def results_table(results: list[dict], title: str):
                 notes.append(f"{r['cluster']}: {name}: {peer}")
 
         def vs(a: dict, name: str) -> str:
-            return f"{a['samples_per_s'] / rows[name]['samples_per_s']:.2f}x" if name in rows else "-"
+            theirs = rows.get(name, {}).get("samples_per_s")
+            return f"{a['samples_per_s'] / theirs:.2f}x" if theirs else "-"
 
         for name, a in rows.items():
             label = f"{name} (= {a['same_plan_as']})" if a.get("same_plan_as") else name
+            if "failed" in a:   # reported beside the others, with its reason
+                notes.append(f"{r['cluster']}: {name} could not run: {a['failed']}")
+                table.add_row(r["cluster"], str(r["zero_stage"]), label, "failed", *["-"] * 7)
+                continue
             error = f"{100 * a['prediction_error']:+.1f}%" if "prediction_error" in a else "-"
             table.add_row(r["cluster"], str(r["zero_stage"]), label, f"{a['samples_per_s']:.1f}",
                           vs(a, "uniform"), vs(a, "proportional"), vs(a, "measured-peak"), vs(a, "deepspeed"),

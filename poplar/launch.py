@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from poplar.engine import flight
 from poplar.engine.dist import init_distributed, shutdown
 from poplar.sigterm import SigtermCounter
 
@@ -117,16 +119,19 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     coll_timeout = collective_timeout_s or max(10.0, timeout_s / 2)
+    records = tempfile.TemporaryDirectory(prefix="poplar-flight-")   # each rank's last collective (flight)
+    env = {**os.environ, flight.ENV: records.name}
     pc = mp.start_processes(_entry, args=(fn, world_size, store.port, coll_timeout, threads, results,
-                                          dict(os.environ), args, kwargs),
+                                          env, args, kwargs),
                             nprocs=world_size, join=False, start_method=START_METHOD)
-    ranks = _Ranks(pc.processes, results)
+    ranks = _Ranks(pc.processes, results, records.name)
     try:
         with _forward_sigterm(pc.processes):
             if not ranks.supervise(time.monotonic() + timeout_s, on_poll):
                 raise TimeoutError(f"{world_size} ranks did not finish within {timeout_s:.0f} s")
     finally:
         ranks.stop()
+        records.cleanup()
     del store
     return ranks.outputs_or_raise()
 
@@ -134,8 +139,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
 class _Ranks:
     """The spawned ranks as the launcher watches them: their results, their errors, how they ended."""
 
-    def __init__(self, procs, results):
-        self.procs, self.results = procs, results
+    def __init__(self, procs, results, records: str):
+        self.procs, self.results, self.records = procs, results, records
         self.outputs: dict[int, Any] = {}
         self.errors: dict[int, tuple[str | None, str, str]] = {}   # rank: (exception type, message, details)
 
@@ -151,7 +156,10 @@ class _Ranks:
         """Until every rank handed in its result or one failed or died (True), or the deadline passed (False)."""
         while len(self.outputs) < len(self.procs):
             self.drain()
-            if self.errors or self._died():
+            if self.errors:
+                self._aborted()
+                return True
+            if self._died():
                 return True
             if time.monotonic() > deadline:
                 return False
@@ -175,8 +183,26 @@ class _Ranks:
         if dead and not self.errors:
             first = min(dead, key=lambda r: self.procs[r].exitcode in WATCH_EXITS)   # the cause, not its echoes
             how = f"rank {first} {exit_reason(self.procs[first].exitcode)} before returning"
+            if self.procs[first].exitcode < 0:   # killed: gloo aborts a rank whose collective's size is not its peers'
+                line = flight.mismatch_line(self.records, first, len(self.procs))
+                how += f": {line}" if line else ""
             self.errors[first] = (None, how, how)
         return bool(self.errors)
+
+    def _aborted(self) -> None:
+        """Ranks that raised may only have lost a peer that gloo aborted in a mismatched collective: that rank,
+        where its flight record shows one, is the cause reported (its death follows theirs within moments)."""
+        settle = time.monotonic() + WATCH_SETTLE_S
+        while time.monotonic() < settle:
+            for r in self._dead():
+                line = self.procs[r].exitcode < 0 and flight.mismatch_line(self.records, r, len(self.procs))
+                if line and "mismatch" in line:
+                    how = f"rank {r} {exit_reason(self.procs[r].exitcode)} before returning: {line}"
+                    self.errors = {r: (None, how, how), **self.errors}
+                    return
+            if len(self._dead()) + len(self.outputs) == len(self.procs):
+                return
+            time.sleep(0.02)
 
     def _dead(self) -> list[int]:
         return [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in self.outputs]

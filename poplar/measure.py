@@ -115,8 +115,37 @@ def measure_plans(workload: str | Workload, cluster: dict, plans: list[poplar.Pl
     Returns, per plan and then per peer: ``step_s`` (median time of a step on the
     devices' clock, the slowest rank's view), ``busy_s`` (each rank's median busy time),
     ``samples_per_s`` and ``overruns`` (summed over ranks). Raises
-    :class:`poplar.peers.PeerFailed` when a peer cannot run.
+    :class:`poplar.peers.PeerFailed` when a peer cannot run. Where a plan cannot run
+    (out of memory, say) in the shared launch, each is measured again in a launch of
+    its own, so that the others' figures are kept; the one that fails alone is
+    ``{"failed": its one line}``.
     """
+    from poplar.engine.agreement import check_plans_before_launch
+    from poplar.launch import RankFailed
+
+    check_plans_before_launch(plans, as_workload(workload).build)
+    args = (workload, cluster, steps, warmup, rounds, timeout_s)
+    try:
+        return _launch(*args, plans, peers)
+    except RankFailed as e:
+        if len(plans) < 2:
+            raise
+        first = e.line
+    out = []
+    for plan in plans:
+        try:
+            out += _launch(*args, [plan], ())
+        except RankFailed as e:
+            out.append({"failed": e.line})
+    if all("failed" not in m for m in out):   # each ran alone: together they did not fit
+        for m in out:
+            m["alone"] = first
+    return out + (_launch(*args, [], peers) if peers else [])
+
+
+def _launch(workload, cluster: dict, steps: int, warmup: int, rounds: int, timeout_s: float, plans: list,
+            peers) -> list[dict]:
+    """One launch measuring ``plans`` and ``peers`` (see :func:`measure_plans`)."""
     from poplar.launch import RankFailed, spawn
 
     spec = parse_cluster(cluster)

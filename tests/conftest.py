@@ -19,6 +19,7 @@ HERE = Path(__file__).resolve().parent
 SLOW = {
     "data/test_text.py", "devices/test_base.py", "devices/test_emulated.py", "engine/test_collectives.py",
     "engine/test_equivalence.py", "engine/test_errors.py", "engine/test_features.py", "engine/test_memory.py",
+    "engine/test_shapes.py",
     "engine/test_nonfinite.py", "peers/test_deepspeed.py", "planner/test_planner.py", "profile/test_discover.py",
     "profile/test_fidelity.py", "profile/test_profiler.py", "profile/test_units.py", "simulate/test_profile.py",
     "cli/test_simulate.py",

@@ -11,25 +11,29 @@ from torch import nn
 
 
 class Block(nn.Module):
-    def __init__(self, d: int):
+    def __init__(self, d: int, hidden: int | None = None):
         super().__init__()
+        hidden = hidden or 3 * d
         self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, 3 * d)
-        self.down = nn.Linear(3 * d, d)
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
 
     def forward(self, x):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
 class TinyLM(nn.Module):
-    """Embedding, a ModuleList of blocks (one unit each), a head tied to the embedding."""
+    """Embedding, a ModuleList of blocks (one unit each), a head tied to the embedding.
+
+    ``hidden``: the blocks' inner width (default ``3 * d``); with it the units' sizes can be chosen.
+    """
 
     def __init__(self, vocab: int = 37, d: int = 16, layers: int = 3, tied: bool = True, unused: bool = False,
-                 checkpoint: str | None = None):
+                 checkpoint: str | None = None, hidden: int | None = None):
         super().__init__()
         self.checkpoint = checkpoint
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(layers))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         if tied:

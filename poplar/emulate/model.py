@@ -43,15 +43,36 @@ _FREE = {getattr(_aten, name) for name in (
 _NOT_COMPUTE = ("c10d", "_c10d_functional", "profiler", "prims", "prim")   # prim: a fake tensor's device query
 
 
+def _shape(t):
+    return t.shape if isinstance(t, torch.Tensor) else t
+
+
 def _cpu_attention_flops(fwd: bool):
     """CPU's flash-attention kernels are missing from flop_counter's table: the GPU kernels' formulas."""
     def count(*args, out_val=None, **kwargs):
         if fwd:
-            q, k, v = args[0], args[1], args[2]
-            return flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape)
-        grad_out, q, k, v = args[0], args[1], args[2], args[3]
-        return flop_counter.sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+            q, k, v = (_shape(t) for t in args[:3])
+            return flop_counter.sdpa_flop_count(q, k, v)
+        grad_out, q, k, v = (_shape(t) for t in args[:4])
+        return flop_counter.sdpa_backward_flop_count(grad_out, q, k, v)
     return count
+
+
+def _grouped_query(count, first: int, heads_dim: int):
+    """Grouped-query attention (fewer key/value heads than query heads: SDPA's ``enable_gqa``, which CUDA's
+    kernels take as it is) costs what attention over the key/value heads repeated costs; flop_counter's
+    formulas want equal heads. ``first``: where the query is among the arguments (a backward's first is the
+    output's gradient); ``heads_dim``: 1 in (batch, heads, seq, dim), 2 in (batch, seq, heads, dim)."""
+    def wrapped(*args, out_val=None, **kwargs):
+        args = list(args)
+        heads = _shape(args[first])[heads_dim]
+        for i in (first + 1, first + 2):
+            shape = _shape(args[i])
+            if isinstance(shape, torch.Size) and len(shape) == 4 and shape[heads_dim] != heads:
+                # a meta tensor of the repeated shape: some formulas read shapes, others tensors
+                args[i] = torch.empty([*shape[:heads_dim], heads, *shape[heads_dim + 1:]], device="meta")
+        return count(*args, out_val=out_val, **kwargs)
+    return wrapped
 
 
 _FLOPS = dict(flop_counter.flop_registry)
@@ -59,6 +80,11 @@ for _name, _fwd in (("_scaled_dot_product_flash_attention_for_cpu", True),
                     ("_scaled_dot_product_flash_attention_for_cpu_backward", False)):
     if hasattr(_aten, _name):
         _FLOPS[getattr(_aten, _name)] = _cpu_attention_flops(_fwd)
+for _packet in list(_FLOPS):
+    _name = getattr(_packet, "__name__", "")
+    if "attention" in _name and hasattr(_aten, _name):
+        _FLOPS[_packet] = _grouped_query(_FLOPS[_packet], first=1 if "backward" in _name else 0,
+                                         heads_dim=1 if "scaled_dot_product" in _name else 2)
 
 
 @dataclass(frozen=True)

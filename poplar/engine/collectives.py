@@ -37,6 +37,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from poplar.engine import flight
+
 # torch 2.13 renamed the *_tensor collectives; keep working on older releases too.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -93,6 +95,7 @@ class Comm:
 
     def __init__(self, group: dist.ProcessGroup | None = None):
         self._group = group
+        self._ranks: tuple[int, ...] | None = None   # the group's global ranks, once looked up
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -114,8 +117,22 @@ class Comm:
         """Issue one collective: ``issue(async_op)`` calls torch.distributed (``nbytes``: the full buffer's).
 
         ``groups``: for ``reduce_across`` (:mod:`poplar.engine.layout`), the groups it sums across.
+        The rank's flight record (:mod:`poplar.engine.flight`), where there is one, notes it first.
         """
+        record = flight.recorder()
+        if record is not None:
+            record.record(op, nbytes, self._group_ranks())
+        return self._run(op, nbytes, issue, async_op, groups)
+
+    def _run(self, op: str, nbytes: int, issue: Callable[[bool], Any], async_op: bool, groups: int):
         return issue(async_op)
+
+    def _group_ranks(self) -> tuple[int, ...] | None:
+        if self._group is None:
+            return None
+        if self._ranks is None:
+            self._ranks = tuple(dist.get_process_group_ranks(self._group))
+        return self._ranks
 
     def all_reduce(self, tensor: torch.Tensor, op=SUM, async_op: bool = False):
         g = self._group
@@ -203,7 +220,7 @@ class ObservedComm(Comm):
     def on_group(self, group: dist.ProcessGroup) -> "ObservedComm":
         return ObservedComm(self.observer, group)
 
-    def run(self, op: str, nbytes: int, issue: Callable[[bool], Any], async_op: bool, groups: int = 1):
+    def _run(self, op: str, nbytes: int, issue: Callable[[bool], Any], async_op: bool, groups: int):
         obs = self.observer
         token = obs.launch(op, nbytes, self._group, groups)
         work = Work(issue(True), obs, token)

@@ -19,18 +19,20 @@ stage (:mod:`poplar.stages`) deciding only what is sharded; its parts live besid
   (:class:`EngineState`), bytes held (:class:`ModelStateMemory`, reading the schedule the
   gradient reducer and the unsharder publish), each given what it needs;
 - :mod:`~poplar.engine.collectives`: every collective, as methods of the :class:`Comm` the
-  engine is given (a device gives one that observes them).
+  engine is given (a device gives one that observes them); :mod:`~poplar.engine.flight`, the
+  last one each rank issued, for a launcher to read if the rank dies;
+- :mod:`~poplar.engine.agreement`: what every rank must agree on before the first collective.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from poplar.engine.agreement import check_same_everywhere, check_shape
 from poplar.engine.batch import BatchCheck, batch_size, split_batch
 from poplar.engine.collectives import Comm
 from poplar.engine.config import EngineConfig, LossFn, OptimizerFactory
@@ -84,7 +86,7 @@ class Engine:
 
         if any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):
             model.to(self.device)   # (a model already there is left as built: its tensors may be a subclass's)
-        self._check_consistent(model)
+        check_same_everywhere(self.comm, plan, model, self.device)
         self.model = model
         self._broadcast_non_trainable()
         if self.compute_dtype != torch.float32:   # what the units do not hold computes in bf16 too
@@ -93,6 +95,7 @@ class Engine:
                 if t.is_floating_point():
                     t.data = t.data.to(self.compute_dtype)
         specs = build_units(model, config.unit_classes, config.unit_numel)
+        check_shape(plan, self.world_size, [s.params for s in specs])
         self.shard_layout = ShardLayout.build(self.comm, plan.shard_groups, plan.shard_shares)
         self.units = [FlatUnit(i, s.module, s.name, s.params, stage=self.stage, layout=self.shard_layout,
                                compute_dtype=self.compute_dtype, device=self.device)
@@ -125,23 +128,6 @@ class Engine:
         return self._reducer.on_unit_done
 
     # ------------------------------------------------------------------ set-up checks
-    def _check_consistent(self, model: nn.Module) -> None:
-        """Every rank must hold the same plan and the same model: fail everywhere if not."""
-        n_params = sum(p.numel() for p in model.parameters())
-        # check_world_size passed, so every rank sends the same number of values.
-        groups = self.plan.shard_groups or [range(self.world_size)]
-        group_of = [next(j for j, g in enumerate(groups) if r in g) for r in range(self.world_size)]
-        shares = zlib.crc32(repr(self.plan.shard_shares).encode())   # the same number for the same shares
-        values = [n_params, self.plan.zero_stage, *self.plan.micro_batch_sizes, *self.plan.accum_steps,
-                  *self.plan.local_batch_sizes, *group_of, shares]
-        lo, hi = self.comm.agree(values, self.device)
-        if lo[0] != hi[0]:
-            raise ValueError(f"ranks hold different models: parameter counts range from {lo[0]} to {hi[0]}; "
-                             "build the same model on every rank")
-        if lo[1:] != hi[1:]:
-            raise ValueError(f"ranks hold different plans (rank {self.rank} has {self.plan}); "
-                             "give every rank the same plan")
-
     def _broadcast_non_trainable(self) -> None:
         with torch.no_grad():
             for t in list(self.model.buffers()) + [p for p in self.model.parameters() if not p.requires_grad]:

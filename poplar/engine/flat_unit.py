@@ -122,7 +122,8 @@ class FlatUnit:
         with torch.no_grad():
             for s in self.slots:
                 full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-        self.comm.broadcast(full, src=0)
+        # over the world: only the unit's own elements, since each group pads it to its own size
+        self.comm.broadcast(full[:self.numel], src=0)
         dtype = self.compute_dtype
         mixed = dtype != torch.float32
         if not self.shard_params:

@@ -191,6 +191,25 @@ class ShardLayout:
         return self.comm.run("reduce_across", numel * shard.element_size(), issue, async_op, groups=self.replicas)
 
 
+def check_collective_sizes(world_size: int, groups: Sequence[Sequence[int]] | None,
+                           shares: Sequence[float] | None, numels: Sequence[int]) -> None:
+    """Refuse (``ValueError``, one line) a shape whose cross-group exchange two ranks would size differently.
+
+    Every rank's exchange of every unit (``numels``) is derived from the layout alone, so this runs anywhere,
+    before any process starts: what rank ``r`` sends rank ``s`` must be what ``s`` expects from ``r``.
+    """
+    layouts = [ShardLayout(world_size, groups, r, shares) for r in range(world_size)]
+    if layouts[0].replicas == 1:
+        return   # flat: every collective is the world's, of the unit's padded size on every rank alike
+    for numel in numels:
+        sizes = [layout._exchange(numel).sizes for layout in layouts]
+        for r, s in ((r, s) for r in range(world_size) for s in range(r + 1, world_size)):
+            if sizes[r][s] != sizes[s][r]:
+                raise ValueError(f"shard groups {[list(g) for g in layouts[0].groups]}: in the sum across groups of "
+                                 f"a unit of {numel} elements rank {r} would send rank {s} {sizes[r][s]} and rank "
+                                 f"{s} would send back {sizes[s][r]}; the engine cannot run this shape")
+
+
 class _SumAcross:
     """The all-to-all in flight; ``wait()`` adds every group's part into the slice, in group order."""
 

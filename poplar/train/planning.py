@@ -19,13 +19,18 @@ def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, distributed: bool 
     ``progress(title)``: a context that hears of the profiling's progress
     (:class:`poplar.cli.output.Progress`).
     """
+    from poplar.engine.agreement import check_plans_before_launch
+
     given = given_plan(cfg, wl, world_size)
     if given is not None:
+        check_plans_before_launch([given], wl.build, cfg.engine)
         return given, None
     check_global_batch(cfg.global_batch, world_size)
     spec = _cluster_spec(cfg, distributed)
     spec.check_world_size(world_size)
-    return plan_on(cfg, wl, spec, distributed, progress)
+    plan, result = plan_on(cfg, wl, spec, distributed, progress)
+    check_plans_before_launch([plan], wl.build, cfg.engine)
+    return plan, result
 
 
 def given_plan(cfg: TrainConfig, wl: Workload, world_size: int):

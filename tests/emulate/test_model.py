@@ -62,3 +62,30 @@ def test_ring_collectives_on_one_node_and_across_two():
     assert NetworkModel(net, [0]).seconds("all_reduce", 1e9) == 0.0
     with pytest.raises(ValueError, match="no network model"):
         one.seconds("gossip", 1)
+
+
+@pytest.mark.parametrize("name", ["_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_backward",
+                                  "_scaled_dot_product_efficient_attention_backward",
+                                  "_scaled_dot_product_cudnn_attention_backward", "_flash_attention_forward",
+                                  "_efficient_attention_forward", "_flash_attention_backward",
+                                  "_efficient_attention_backward", "_scaled_dot_product_flash_attention_for_cpu",
+                                  "_scaled_dot_product_flash_attention_for_cpu_backward"])
+def test_grouped_query_attention_costs_what_repeated_key_value_heads_cost(name):
+    """CUDA's kernels take fewer key/value heads than query heads as they are (SDPA's enable_gqa, Llama-3's
+    shapes): counted as attention over the heads repeated, where flop_counter's formulas would refuse them."""
+    from poplar.emulate.model import _FLOPS
+
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None or packet not in _FLOPS:
+        pytest.skip(f"no {name} in this torch")
+    layout = (lambda b, h, s, d: (b, s, h, d)) if "scaled_dot_product" not in name else (lambda *x: x)
+    q, kv, full = (torch.empty(layout(2, h, 16, 8), device="meta") for h in (8, 2, 8))
+    args = [q, kv, kv] if "backward" not in name else [q, q, kv, kv]
+    same = [q, full, full] if "backward" not in name else [q, q, full, full]
+    # the varlen kernels' further arguments, up to their longest sequences (no packed sequences)
+    rest = {"_flash_attention_forward": [None, None, 16, 16], "_efficient_attention_forward": [None, None, None, 16, 16],
+            "_flash_attention_backward": [q, None, None, None, 16, 16],
+            "_efficient_attention_backward": [None, q, None, None, 16, 16]}.get(name, [])
+    counted = _FLOPS[packet](*args, *rest, out_val=None)
+    assert counted == _FLOPS[packet](*same, *rest, out_val=None) > 0

@@ -56,9 +56,9 @@ def counted():
     return {name: [r["counts"][i] for r in launched()] for i, name in enumerate(CASES)}
 
 
-def unit_numels() -> list[int]:
+def unit_numels(model_kw: dict = MODEL) -> list[int]:
     """The units' sizes from the model itself: the root (embedding, final norm; the head is tied), then each block."""
-    model = make_model(**MODEL)
+    model = make_model(**model_kw)
     in_blocks = {id(p) for p in model.blocks.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
     return [root] + [sum(p.numel() for p in block.parameters()) for block in model.blocks]
@@ -68,23 +68,24 @@ def padded_numels(ranks: int = WORLD) -> list[int]:
     return [-(-n // ranks) * ranks for n in unit_numels()]
 
 
-def expected_step(stage: int, accum: int, itemsize: int, group: int | None = None,
-                  world: int = WORLD, shares: list[float] | None = None) -> list[tuple[str, int]]:
+def expected_step(stage: int, accum: int, itemsize: int, layout: ShardLayout | None = None,
+                  model_kw: dict = MODEL) -> list[tuple[str, int]]:
     """One rank's step: every collective as (op, bytes of the full buffer), and ("micro_step", k) where k starts.
 
-    ``group``: hybrid, the size of the rank's shard group (its collectives are ``op/group``). ``shares``
-    (flat): the ranks' uneven shares, whose all-gathers move every rank's slice padded to the largest.
+    ``layout``: the rank's place in the plan's shard groups and shares (default: flat over ``WORLD`` ranks,
+    even). Hybrid, its group's collectives are ``op/group``, every unit padded to the group's size; where the
+    shares cut a group's slices unevenly, its all-gathers move every slice padded to the largest.
     """
-    sizes = padded_numels(group or world)
-    gathered = list(sizes)
-    if shares:
-        cut = ShardLayout(world, None, 0, shares)
-        gathered = [world * max(cut.slice_sizes(n)) for n in unit_numels()]
+    layout = layout or ShardLayout(WORLD, None, 0)
+    numels = unit_numels(model_kw)
+    sizes = [layout.padded(n) for n in numels]
+    gathered = [layout.shard_size * max(layout.slice_sizes(n)) for n in numels]
+    hybrid, world = layout.hybrid, layout.world_size
     last = len(sizes) - 1
-    tag = "/group" if group else ""
+    tag = "/group" if hybrid else ""
     grad = lambda i: 4 * sizes[i]               # noqa: E731  fp32 gradient bucket
     param = lambda i: itemsize * gathered[i]    # noqa: E731  parameters in the compute precision
-    reduce = "all_reduce" if stage == 0 and not group else "reduce_scatter" + tag
+    reduce = "all_reduce" if stage == 0 and not hybrid else "reduce_scatter" + tag
     gather = "all_gather" + tag
     out = [("all_reduce", 8 * world)]        # every rank's local batch size, checked against the plan
     for k in range(accum):
@@ -101,8 +102,8 @@ def expected_step(stage: int, accum: int, itemsize: int, group: int | None = Non
             out.append((reduce, grad(0)))                # the root's, last: the root stays gathered
         elif stage == 2 or k == accum - 1:
             out += [(reduce, grad(i)) for i in range(last, -1, -1)]
-    if group:
-        out = _with_sums_across(out, stage, grad)
+    if hybrid:
+        out = _with_sums_across(out, stage, grad, numels)
     out.append(("all_reduce", 4))                # the loss
     if stage >= 1:
         out.append(("all_reduce", 4))            # the squared gradient norm, summed over the shards
@@ -111,9 +112,8 @@ def expected_step(stage: int, accum: int, itemsize: int, group: int | None = Non
     return out
 
 
-def _with_sums_across(out: list, stage: int, grad) -> list:
+def _with_sums_across(out: list, stage: int, grad, numels: list[int]) -> list:
     """The last micro-step's reduce-scatters each followed (once waited for) by the unit's sum across groups."""
-    numels = unit_numels()
     order = list(range(len(numels) - 1, -1, -1))   # the units' reduce-scatters, in launch order
     start = max(i for i, c in enumerate(out) if c[0] == "micro_step")
     scatters = [i for i in range(start, len(out)) if out[i][0] == "reduce_scatter/group"]
@@ -146,8 +146,8 @@ def hybrid_counted():
 def test_a_hybrid_step_issues_the_stages_collectives_in_its_group_and_one_sum_across(name):
     plan = HYBRID[name]
     for rank, run in enumerate(hybrid_counted()[name]):
-        group = next(len(g) for g in HYBRID_GROUPS if rank in g)
-        expected = expected_step(plan["zero_stage"], plan["accum_steps"][rank], 4, group, HYBRID_WORLD)
+        layout = ShardLayout(HYBRID_WORLD, HYBRID_GROUPS, rank)
+        expected = expected_step(plan["zero_stage"], plan["accum_steps"][rank], 4, layout)
         for step in run["steps"]:
             assert [tuple(c) for c in step] == expected, (name, rank)
 
@@ -212,6 +212,7 @@ def uneven_counted():
 def test_uneven_shares_issue_the_same_collectives_the_gathers_padded_to_the_largest_slice(name):
     plan = UNEVEN[name]
     for rank, run in enumerate(uneven_counted()[name]):
-        expected = expected_step(plan["zero_stage"], plan["accum_steps"][rank], 4, shares=plan["shard_shares"])
+        layout = ShardLayout(WORLD, None, rank, plan["shard_shares"])
+        expected = expected_step(plan["zero_stage"], plan["accum_steps"][rank], 4, layout)
         for step in run["steps"]:
             assert [tuple(c) for c in step] == expected, (name, rank)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+import traceback
+from pathlib import Path
 
 import torch
 
@@ -31,12 +33,14 @@ def train_with_plan(plan: poplar.Plan, n_steps: int, config=None, model_kw=None,
     peak = PeakMemory(engine) if track_peak else None
     lo, hi = plan.sample_range(rank)
     losses, norms = [], []
-    for tokens, targets in make_batches(n_steps, plan.global_batch_size, seed=seed):
+    vocab = model.embed.num_embeddings
+    for tokens, targets in make_batches(n_steps, plan.global_batch_size, vocab=vocab, seed=seed):
         losses.append(engine.train_batch((tokens[lo:hi], targets[lo:hi]), lm_loss))
         norms.append(engine.last_grad_norm)
     state = engine.full_state_dict()
-    last = torch.distributed.get_world_size() - 1   # another shard group's copy where the plan is hybrid
-    out = {"losses": losses, "norms": norms, "state": state if rank in (0, last) else None,
+    # every shard group's copy where the plan is hybrid: its first rank's, and the last rank's
+    keep = {0, torch.distributed.get_world_size() - 1} | {g[0] for g in plan.shard_groups or ()}
+    out = {"losses": losses, "norms": norms, "state": state if rank in keep else None,
            "memory": engine.memory_report(), "peak": peak.peak if peak else {},
            "unit_numels": [u.padded_numel for u in engine.units]}
     engine.close()
@@ -47,6 +51,27 @@ def run_cases(rank, world_size, cases, n_steps, optimizer=OPTIMIZER, track_peak=
     """Several (plan dict, config) cases one after another in the same process group."""
     return [train_with_plan(poplar.Plan.from_dict(plan), n_steps, config, model_kw, optimizer, track_peak=track_peak)
             for plan, config, model_kw in cases]
+
+
+def until_failure(rank, world_size, worker, cases, *args, progress: str | None = None, **kwargs):
+    """``worker(rank, world_size, [case], *args)`` for each case in turn, up to the first that raises.
+
+    Returns ``(results, failure)``: one result per case run, and ``(index, traceback)`` of the case that
+    raised (None if none did), so that one case's failure names that case and the cases before it still
+    report. The cases after it are not run: the group may be broken. (A rank left waiting in a collective
+    its peer abandoned fails too, when the peer leaves or the collective times out.) ``progress``: a file
+    that holds the index of the case under way, to name it should the rank die in it (gloo aborts a rank
+    whose collective's size is not its peers').
+    """
+    out = []
+    for index, case in enumerate(cases):
+        if progress is not None:
+            Path(progress).write_text(str(index))
+        try:
+            out += worker(rank, world_size, [case], *args, **kwargs)
+        except Exception:   # the test names the case and shows this
+            return out, (index, traceback.format_exc())
+    return out, None
 
 
 def catch(fn, *args):
@@ -195,10 +220,11 @@ def count_collectives(rank, world_size, cases, model_kw, n_steps=2):
     for plan_dict, config in cases:
         plan = poplar.Plan.from_dict(plan_dict)
         comm = CountingComm()
-        engine = poplar.initialize(make_model(**model_kw), OPTIMIZER, plan, config, comm=comm)
+        model = make_model(**model_kw)
+        engine = poplar.initialize(model, OPTIMIZER, plan, config, comm=comm)
         lo, hi = plan.sample_range(rank)
         steps = []
-        for tokens, targets in make_batches(n_steps, plan.global_batch_size):
+        for tokens, targets in make_batches(n_steps, plan.global_batch_size, vocab=model.embed.num_embeddings):
             comm.log = []
             micro = iter(range(plan.accum_steps[rank]))
 
@@ -242,3 +268,13 @@ def collectives_and_states(rank, world_size, cases, model_kw):
     """One launch for tests/engine/test_collectives.py: :func:`count_collectives`, then :func:`unit_states`."""
     return {"counts": count_collectives(rank, world_size, cases, model_kw),
             "states": unit_states(rank, world_size, model_kw)}
+
+
+def shape_cases(rank, world_size, train, counted, n_steps, optimizer, model_kw, progress_dir):
+    """One launch for tests/engine/test_shapes.py: :func:`run_cases`' cases, then :func:`count_collectives`',
+    each kind up to its first case that fails (:func:`until_failure`; the case under way in
+    ``progress_dir/<kind>-<rank>``)."""
+    train_at, counts_at = (str(Path(progress_dir) / f"{kind}-{rank}") for kind in ("train", "counts"))
+    return {"train": until_failure(rank, world_size, run_cases, train, n_steps, optimizer, progress=train_at),
+            "counts": until_failure(rank, world_size, count_collectives, counted, model_kw, n_steps,
+                                    progress=counts_at)}
