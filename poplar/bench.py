@@ -122,6 +122,7 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
     ``progress`` receives the profiler's events (see :func:`plan_cluster`).
     """
     spec, result = plan_cluster(cluster, workload, global_batch, use_cache, progress)
+    spec = spec.subset(result.ranks)   # the devices the plans are for: those the planner left out sit out
     allocs = [a for a in result.allocations().values() if a.plan is not None]
     # an allocation whose plan is another's (Poplar keeps a baseline's split when it
     # predicts none faster) is that plan: measured once, so the host's noise between two

@@ -108,3 +108,37 @@ def test_a_cluster_that_fails_is_one_line_and_the_others_figures_are_kept(measur
     written = json.loads(out.read_text())
     assert [r["cluster"] for r in written] == ["both-differ", "uneven-quantity"]
     assert written[0]["allocations"]["poplar"]["samples_per_s"] > 0 and "failed" in written[1]
+
+
+def test_a_plan_that_leaves_cards_out_is_measured_on_the_cards_it_names(monkeypatch):
+    """A kind that fits no stage is left out by the planner: every allocation is measured on the other ranks'
+    cluster, and a plan that fails is reported beside the others with its reason."""
+    from poplar.cluster.spec import parse_cluster
+    from poplar.profile.profile import DOES_NOT_FIT
+    from tests.planner.profiles import make_profile
+
+    prof = make_profile({"big": (1, 0.01, 0.001, 8), "small": (2, 0.01, 0.001, 0)})
+    for s in range(4):
+        prof.devices["small"].stages[s] = prof.devices["small"].stages[s].model_copy(
+            update={"points": [], "note": DOES_NOT_FIT})
+    clusters = []
+
+    def measure(workload, cluster, plans, steps=12, rounds=3, peers=()):
+        clusters.append(cluster)
+        return [{"failed": "rank 0: OutOfMemoryError: emulated"} if i else
+                {"step_s": 0.1, "busy_s": [0.1], "samples_per_s": 80.0, "steps": steps, "overruns": 0}
+                for i, _ in enumerate(plans)]
+
+    monkeypatch.setattr(poplar.bench, "profile_cluster", lambda *a, **k: (prof, {}))
+    monkeypatch.setattr(poplar.bench, "measure_plans", measure)
+    spec = {"devices": [{"kind": "big", "gpu": "A100-80GB"}, {"kind": "small", "gpu": "T4-16GB", "count": 2}]}
+    monkeypatch.setattr(poplar.bench, "load_cluster", lambda name: parse_cluster(spec))
+    result = poplar.bench.bench_cluster("x", WORKLOAD, 8, steps=3, peers=False)
+    assert [(d["kind"], d.get("count", 1)) for d in clusters[0]["devices"]] == [("big", 1)]
+    rows = result["allocations"]
+    assert rows["poplar"]["samples_per_s"] == 80.0
+    # a plan that could not run is a row of its own, its reason under the table, the others' ratios unharmed
+    failed = {"plan": rows["poplar"]["plan"], "failed": "rank 0: OutOfMemoryError: emulated"}
+    table, notes = poplar.bench.results_table([{**result, "allocations": {"poplar": rows["poplar"],
+                                                                           "uniform": failed}}], "t")
+    assert "x: uniform could not run: rank 0: OutOfMemoryError: emulated" in notes and table.row_count == 3

@@ -254,6 +254,25 @@ class ClusterSpec(BaseModel):
         nodes = self.rank_nodes()
         return [[r for r, n in enumerate(nodes) if n == node] for node in sorted(set(nodes))]
 
+    def subset(self, ranks: list[int]) -> ClusterSpec:
+        """The cluster of ``ranks`` only, in that order, each on the node it had: where a plan that leaves the
+        other devices out runs.
+
+        >>> spec = parse_cluster({"devices": [{"kind": "a", "gpu": "A100-80GB"}, {"kind": "t", "gpu": "T4-16GB",
+        ...                                    "count": 2}]})
+        >>> [(d.kind, d.count) for d in spec.subset([0]).devices], spec.subset([1, 2]).world_size
+        ([('a', 1)], 2)
+        """
+        devices, nodes = self.rank_devices(), self.rank_nodes()
+        groups: list[DeviceGroup] = []
+        for r in ranks:
+            d, node = devices[r], nodes[r]
+            if groups and groups[-1].kind == d.kind and groups[-1].node == node:
+                groups[-1] = groups[-1].model_copy(update={"count": groups[-1].count + 1})
+            else:
+                groups.append(d.model_copy(update={"count": 1, "node": node, "gpus_per_node": None}))
+        return self.model_copy(update={"devices": groups})
+
     def device(self, rank: int) -> DeviceGroup:
         ranks = self.rank_devices()
         if not 0 <= rank < len(ranks):

@@ -30,6 +30,10 @@ def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
     Without collectives to follow, the busy times (update included) are what is balanced.
     """
     scheduled = cost.profile.comm is not None and len(cost.ranks) > 1
+    # where the ranks start every step together, the update follows the step's last collective on every rank:
+    # the compute is balanced, the update after it; elsewhere (ZeRO-0) a rank's update overlaps the others'
+    # next step, and what is balanced is the busy time, update included, as without collectives
+    together = scheduled and cost.schedule.ranks_start_together
     # the balanced limit is within an even split's longest busy time (every rank computing longer would take
     # more than the whole batch)
     longest = even_split_busy_s(cost, global_batch)
@@ -39,13 +43,13 @@ def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
     for k, kc in cost.kinds.items():
         b = np.arange(0, _most_within(kc, reach, global_batch) + 1)
         t, _ = fastest_accum_table(kc, np.maximum(b, 1))
-        if scheduled:   # the update follows the step's last collective on every rank: balance the compute
+        if together:
             t = t - kc.per_step_s
         times[k] = np.maximum.accumulate(np.where(b == 0, 0.0, t))   # more samples never take less time
     if not scheduled:
         alike = Counter((k, 0.0) for k in cost.rank_kinds)
         return global_batch / (_balanced_limit(times, alike, global_batch) + cost.comm_s(1))
-    return global_batch / _balanced_step_s(cost, global_batch, times, span)
+    return global_batch / _balanced_step_s(cost, global_batch, times, span, with_update=not together)
 
 
 # Groups of ranks may compute up to this many times an even split's longest busy time longer or shorter than the
@@ -105,8 +109,10 @@ def _least_reaching(f, lo: float, hi: float, rel: float = 1e-13) -> float:
     return hi
 
 
-def _balanced_step_s(cost: CostModel, global_batch: int, compute: dict[str, np.ndarray], span: float) -> float:
-    """The least step of the schedule over fractional allocations (see :func:`_step_at`).
+def _balanced_step_s(cost: CostModel, global_batch: int, compute: dict[str, np.ndarray], span: float,
+                     with_update: bool = False) -> float:
+    """The least step of the schedule over fractional allocations (see :func:`_step_at`); ``with_update``: the
+    times balanced (``compute[kind][b]``) hold the update too.
 
     Flat, every rank computes equally long. Over shard groups, a group whose own links
     leave it slack may compute longer than another: one offset per sort of group (its
@@ -121,7 +127,7 @@ def _balanced_step_s(cost: CostModel, global_batch: int, compute: dict[str, np.n
     # them all, and its ranks of one kind for each other
     reps = Counter((sorts[g], k) for g, k in zip(rank_groups, cost.rank_kinds))
     firsts = [sorts.index(j) for j in range(groups)]
-    at = lambda d: _step_at(cost, global_batch, compute, [0.0, *d], reps, firsts)   # noqa: E731
+    at = lambda d: _step_at(cost, global_batch, compute, [0.0, *d], reps, firsts, with_update)   # noqa: E731
     if groups == 1:
         return at([])
     # finer near no offset, where the best are found: 0 and +-span halved GRID_HALVINGS times
@@ -159,11 +165,11 @@ def _group_sorts(cost: CostModel) -> list[int]:
 
 
 def _step_at(cost: CostModel, global_batch: int, compute: dict[str, np.ndarray], offsets: list[float],
-             reps: Counter, firsts: list[int]) -> float:
+             reps: Counter, firsts: list[int], with_update: bool = False) -> float:
     """The schedule's step when the ranks of groups of sort ``j`` compute until a common limit plus
     ``offsets[j]`` (less if the whole batch takes less), the limit at which the ranks take the whole batch;
     ``reps[(j, kind)]``: how many ranks of ``kind`` groups of sort ``j`` hold, ``firsts[j]``: the group that is
-    scheduled for its sort.
+    scheduled for its sort; ``with_update``: the times in ``compute`` hold the update (the schedule adds it).
 
     Each rank runs the fewest micro-steps memory allows (in ZeRO-2/3 the fewest the
     cluster's memory allows for the whole batch), of equal length: the longest last
@@ -183,5 +189,7 @@ def _step_at(cost: CostModel, global_batch: int, compute: dict[str, np.ndarray],
         whole = max(1, min(global_batch, int(np.searchsorted(t, mine, side="right")) - 1))
         accum = common if cost.stage >= 2 else -(-whole // kc.max_micro_batch)
         seconds = min(mine, float(t[-1]))
+        if with_update:   # less than a sample's time: no compute (no plan gives a rank less than a sample)
+            seconds = max(0.0, seconds - kc.per_step_s)
         ranks.append((firsts[j], [(whole / accum, seconds / accum)] * accum, kc))
     return cost.schedule.run(ranks)

@@ -31,7 +31,9 @@ to be ready; in ZeRO-3 it is gathered before anything runs): that part is
 :meth:`CostModel.comm_s`, all that is charged where there is no collective profile.
 Each rank waits for the slowest at the collectives it shares with them (in ZeRO-2/3 on
 every micro-step, where every rank runs the same number), so the step takes the slowest
-rank's busy time plus the communication the schedule leaves exposed.
+rank's busy time plus the communication the schedule leaves exposed. In ZeRO-0 nothing
+after the gradients' all-reduces waits for the other ranks: a rank's update overlaps
+another's next step, and the step is that of a run of steps, not one from a common start.
 
 Shaped (``shaped=True``, on several nodes): the plan runs hybrid over the nodes (the
 two-level all-reduce in stage 0). Each node's collectives take the times the profiler
@@ -152,6 +154,9 @@ class CostModel:
                                         or len({(k, s) for k, s in zip(kinds, self.shares)}) != len(first)):
             raise ValueError("shares are planned flat, in stages 1-3, one weight a plan rank, alike within a kind")
         self.fraction = fractions(self.shares) if self.shares else None
+        if self.fraction is None and self.stage and not self.shaped and len(self.ranks) < self.profile.world_size:
+            # the profile is at an even share over the cluster's ranks: these few, the others left out, hold more
+            self.fraction = fractions([1.0] * len(self.ranks))
         model = self.profile.model   # every rank holds the uneven gathers' buffers alike (ZeRO-3)
         self._buffers = (gather_buffer_bytes(self.fraction, self.stage, model.unit_numels, model.dtype)
                          if self.fraction else 0.0)

@@ -227,7 +227,7 @@ def _shares_known(profile: Profile, stage: int, ranks: list[int]) -> bool:
 
 def _fits_with_less(profile: Profile, stage: int, ranks: list[int]) -> bool:
     """Whether every kind that holds no sample at an even share was timed where it holds less (the simulator's
-    :data:`~poplar.simulate.profile.FITS_WITH_LESS`), the rest timed as usual: uneven shares may fit them all."""
+    :data:`~poplar.profile.profile.FITS_WITH_LESS`), the rest timed as usual: uneven shares may fit them all."""
     if any(stage not in profile.devices[profile.ranks[r]].stages for r in ranks):
         return False
     profiles = [profile.stage(profile.ranks[r], stage) for r in ranks]
@@ -347,9 +347,10 @@ def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanR
         kinds = sorted({profile.ranks[r] for r in excluded_ranks})
         verb = "holds" if len(excluded_ranks) == 1 else "hold"
         how = (f"{verb} the model only with uneven shares, {with_them:.3g} samples/s predicted with them"
-               if with_them else "cannot hold the model in any stage profiled")
-        reason += (f". Rank {_rank_list(excluded_ranks)} ({', '.join(kinds)}) {how}: this plan is for the other "
-                   f"{world - len(excluded_ranks)} ranks; launch without them")
+               if with_them else "cannot hold the model and a sample in any stage profiled, even with no share of "
+                                 "the states")
+        reason += (f". Rank {_rank_list(excluded_ranks)} ({', '.join(kinds)}) {how}: this plan is for rank "
+                   f"{_rank_list(ranks)} (poplar train and bench run it there, the others sitting out)")
     return PlanResult(plan=best.poplar.plan, stage=best.stage, predicted=pred, stages=results, ranks=best.ranks,
                       reason=reason, excluded_ranks=excluded_ranks, profile=profile, shaped=shaped)
 

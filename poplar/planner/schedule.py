@@ -28,6 +28,13 @@ Where a unit's compute falls comes from the profile's measured step anatomy
 shares the compute by the units' forward FLOPs, the backward twice the forward, and
 puts all of the root's in its middle.
 
+Steps follow each other: a rank starts its next step as soon as its own is done. Where
+every rank waits for the others at a step's start or end (flat ZeRO-1/2: the parameters'
+all-gathers after the update; ZeRO-3: the batch check before the root's first gather),
+one step from a common start is what each step of a run takes. Elsewhere (ZeRO-0; hybrid
+ZeRO-1/2) a rank's update overlaps another's next step, which takes the first step's
+offsets: :meth:`StepSchedule.run` follows two steps and takes the second.
+
 >>> root = UnitTimes(forward_s=0.5, backward_s=0.5, reduce_s=1.5, middle_s=2.0)
 >>> layer = UnitTimes(forward_s=1.0, backward_s=2.0, reduce_s=1.5)
 >>> events = micro_step_events([root, layer], gathers=False, reduces=True)
@@ -38,7 +45,7 @@ puts all of the root's in its middle.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from poplar.plan import near_equal
@@ -70,6 +77,11 @@ class Issue:
 @dataclass(frozen=True)
 class Wait:
     key: str
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """The rank's step ends here; the events after it are its next step, begun at once."""
 
 
 def micro_step_events(units: list[UnitTimes], *, gathers: bool, reduces: bool, prefetch: bool = True,
@@ -129,6 +141,18 @@ def run_ranks(ranks: list[list]) -> tuple[float, list[float]]:
 
     A collective starts when every rank that issues it has, and its link is free.
     """
+    end, busy, _ = follow_ranks(ranks)
+    return end, busy
+
+
+def follow_ranks(ranks: list[list]) -> tuple[float, list[float], list[list[float]]]:
+    """:func:`run_ranks`, and each rank's clock at each of its :class:`StepEnd`.
+
+    >>> a = [Compute(1.0), Issue("x", 0.5), Compute(3.0), Wait("x"), StepEnd()]
+    >>> b = [Compute(2.0), Issue("x", 0.5), Compute(1.0), Wait("x"), StepEnd()]
+    >>> follow_ranks([a, b])    # x runs 2-2.5: a ends at 4, b at 3
+    (4.0, [4.0, 3.0], [[4.0], [3.0]])
+    """
     issuers: dict[str, list[int]] = {}
     on_link: dict[str, tuple[int, list[str]]] = {}   # per link: the first rank on it, and its sequence
     for r, events in enumerate(ranks):
@@ -142,6 +166,7 @@ def run_ranks(ranks: list[list]) -> tuple[float, list[float]]:
                 raise ValueError(f"rank {r} issues other collectives than rank {first} on link {link or 'world'}: "
                                  "the ranks of a group must run the same sequence")
     clock, busy, pos = [0.0] * len(ranks), [0.0] * len(ranks), [0] * len(ranks)
+    ends: list[list[float]] = [[] for _ in ranks]
     done: dict[str, float] = {}
     link_free: dict[str, float] = {}
 
@@ -157,6 +182,8 @@ def run_ranks(ranks: list[list]) -> tuple[float, list[float]]:
                 if e.key not in done:
                     return e.key
                 clock[r] = max(clock[r], done[e.key])
+            elif isinstance(e, StepEnd):
+                ends[r].append(clock[r])
             else:
                 return e
             pos[r] += 1
@@ -170,7 +197,7 @@ def run_ranks(ranks: list[list]) -> tuple[float, list[float]]:
             if any(a is not None for a in at):
                 raise ValueError("the ranks' collectives cannot all start: ranks of a group must issue the same "
                                  "sequence on it")
-            return max(clock), busy
+            return max(clock), busy, ends
         moved = set()
         for key, e in ready.items():
             start = max(max(clock[q] for q in issuers[key]), link_free.get(e.link, 0.0))
@@ -183,8 +210,19 @@ def run_ranks(ranks: list[list]) -> tuple[float, list[float]]:
                 at[r] = advance(r)
 
 
+def repeated(events: list, steps: int) -> list:
+    """``steps`` of a rank's step one after another, each ended by a :class:`StepEnd`, its collectives named
+    apart (alike on every rank)."""
+    out: list = []
+    for k in range(steps):
+        out += [replace(e, key=f"{k}:{e.key}") if isinstance(e, (Issue, Wait)) else e for e in events]
+        out.append(StepEnd())
+    return out
+
+
 FORWARD_SHARE = 1 / 3     # of a micro-step's compute: the backward does about twice the forward's FLOPs
 MAX_INFLIGHT = 2          # ZeRO-2/3 reductions in flight: the engine's default (max_inflight_reduces)
+STEADY_STEPS = 2          # steps followed where the ranks do not start a step together: the last is the steady one
 
 
 @dataclass(frozen=True)
@@ -257,11 +295,28 @@ class StepSchedule:
         return self.run([(g, [(m, float(kinds[k].g[m])) for m in near_equal(b, a)], kinds[k])
                          for g, k, b, a in distinct])
 
+    @property
+    def ranks_start_together(self) -> bool:
+        """Whether every rank waits for all the others at each step's start or end, so that each step starts
+        on every rank at once: flat ZeRO-1/2 at the world's parameter all-gathers after the update, ZeRO-3 at
+        the batch check before the root's first gather. In ZeRO-0 nothing after the gradients' all-reduces
+        waits for the other ranks (the loss's all-reduce is issued before the update), nor in hybrid ZeRO-1/2
+        anything after the norm's but the group's own gathers: a rank done with its update starts its next
+        step while another is still in its own."""
+        return self.stage == 3 or (self.stage in (1, 2) and self.shape is None)
+
     def run(self, ranks: list[tuple]) -> float:
-        """The step's end for ranks given as (group, each micro-step's (micro-batch, compute seconds), the
-        kind's :class:`~poplar.planner.cost.KindCost`)."""
-        end, _ = run_ranks([self.rank_events(micro, kind_cost, g) for g, micro, kind_cost in ranks])
-        return end
+        """The step time for ranks given as (group, each micro-step's (micro-batch, compute seconds), the
+        kind's :class:`~poplar.planner.cost.KindCost`): one step from a common start where the ranks start
+        every step together, else the steady time of a step in a run of them (training's, and what ``poplar
+        bench`` measures), each rank's next step begun when its own is done: the second of two followed (the
+        first one's ends hang on its last collectives only, so the second repeats)."""
+        events = [self.rank_events(micro, kind_cost, g) for g, micro, kind_cost in ranks]
+        if self.ranks_start_together:
+            end, _ = run_ranks(events)
+            return end
+        _, _, ends = follow_ranks([repeated(e, STEADY_STEPS) for e in events])
+        return max(e[-1] - e[-2] for e in ends)
 
     def rank_events(self, micro: list[tuple[float, float]], kind_cost, group: int = 0) -> list:
         """One rank's step: its micro-steps, the update, and in ZeRO-1/2 the parameters gathered after it."""

@@ -43,6 +43,14 @@ class StepAnatomy(BaseModel):
     before_norm_s: float = Field(ge=0, description="seconds between the loss's and the norm's all-reduce")
 
 
+# What a stage profile's note says where a device holds no sample beside an even share of the states (the
+# profiler and the simulator alike; the planner reads them).
+NOT_TIMED = "not timed: a device of this cluster does not fit micro-batch 1"
+DOES_NOT_FIT = "does not fit micro-batch 1 beside this stage's model states, even with none of the sharded ones"
+FITS_WITH_LESS = "fits a sample only beside a smaller share of the sharded states than an even one"
+AT_LARGER_SHARE = "timed holding more than an even share of the states (another kind holds a sample only with less)"
+
+
 class StageProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

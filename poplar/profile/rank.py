@@ -27,14 +27,13 @@ from poplar.cluster.spec import parse_cluster
 from poplar.engine.config import EngineConfig
 from poplar.profile.anatomy import measure_anatomy
 from poplar.profile.options import ProfileOptions
-from poplar.profile.probe import largest_micro_batch
-from poplar.profile.profile import CommProfile, StageProfile
+from poplar.profile.probe import grow_then_bisect, largest_micro_batch
+from poplar.profile.profile import (AT_LARGER_SHARE, DOES_NOT_FIT, FITS_WITH_LESS, NOT_TIMED, CommProfile,
+                                    StageProfile)
 from poplar.profile.timing import RankRun, point_sizes, time_collectives, time_points, timed_step
 from poplar.stages import OPTIMIZER_BYTES_PER_MASTER_BYTE
 from poplar.stages import stage as zero_stage
 from poplar.workload import Workload, as_workload
-
-NOT_TIMED = "not timed: a device of this cluster does not fit micro-batch 1"
 
 
 class RankProfile(BaseModel):
@@ -72,14 +71,49 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
 
 
 def profile_stage(run: RankRun, stage: int, options: ProfileOptions) -> StageProfile:
-    """This rank's profile of its device in ``stage`` (every rank calls it at once: it agrees the sizes)."""
-    device = run.device
+    """This rank's profile of its device in ``stage`` (every rank calls it at once: it agrees the sizes), as at an
+    even share of the model states over the run's ranks.
+
+    Where some rank holds no sample beside an even share, the ranks that do are given the sharded states (stages
+    1-3) and the others timed beside none of them (:data:`FITS_WITH_LESS`); where a rank holds no sample even so,
+    or in stage 0, the ranks that do are timed among themselves and it is left out (:data:`DOES_NOT_FIT`). A
+    profile timed at another share is written as at the even one (the planner takes it to any share).
+    """
+    return _profile(run, stage, options)[0]
+
+
+def _profile(run: RankRun, stage: int, options: ProfileOptions) -> tuple[StageProfile, int]:
+    """:func:`profile_stage`'s figures, and the sharded states' bytes this rank holds at an even share."""
     run.note(stage, "memory")
-    states = _model_states(run, stage, options.precision)
-    device.free_memory()   # the engine died with that frame: the probe holds the states itself
-    if states.most is None:
+    even = _model_states(run, stage, options.precision)
+    run.device.free_memory()   # the engine died with that frame: the probe holds the states itself
+    if even.most is not None:
+        return _timed_stage(run, stage, options, even), even.sharded
+    fits = run.each(even.fits_one)
+    if stage and any(fits):
+        shared = run.with_shares([1.0 if f else 0.0 for f in fits])
+        states = _model_states(shared, stage, options.precision)
+        run.device.free_memory()
+        if states.most is not None:
+            sp = _timed_stage(shared, stage, options, states)
+            if not fits[run.rank]:
+                sp = _with_less(run, sp, options.precision)
+            return _at_even_share(run, sp, states.sharded, even.sharded), even.sharded
+    members = [r for r, f in enumerate(fits) if f]
+    if not members:
         run.note(stage, "done")
-        return StageProfile(max_micro_batch=int(states.fits_one), state_bytes=states.before, note=NOT_TIMED)
+        return StageProfile(max_micro_batch=int(even.fits_one), state_bytes=even.before, note=NOT_TIMED), 0
+    among = run.among(members)
+    if among is None:
+        run.note(stage, "done")
+        return StageProfile(max_micro_batch=0, state_bytes=even.before, note=DOES_NOT_FIT), 0
+    sp, theirs = _profile(among, stage, options)
+    return _at_even_share(run, sp, theirs, even.sharded), even.sharded
+
+
+def _timed_stage(run: RankRun, stage: int, options: ProfileOptions, states: _States) -> StageProfile:
+    """The stage timed on every rank of ``run``, beside ``states`` (every rank holds a sample there)."""
+    device = run.device
     state = states.most
     # some capacity kept free: the whole local batch sits on the device during a step
     # (the engine moves it there at once), more than the probe's single micro-batch
@@ -103,6 +137,31 @@ def profile_stage(run: RankRun, stage: int, options: ProfileOptions) -> StagePro
     run.note(stage, "done")
     return StageProfile(max_micro_batch=limit, state_bytes=state, points=points, per_step_s=per_step,
                         anatomy=anatomy, memory_points=memory)
+
+
+def _with_less(run: RankRun, sp: StageProfile, precision: str) -> StageProfile:
+    """A rank timed beside none of the sharded states: its second memory point the most states beside which one
+    sample fits (none fits beside its even share), so the planner can read any share between."""
+    device, headroom = run.device, int(run.device.probe_headroom * run.device.capacity)
+    chunk = max(1, (device.capacity - sp.state_bytes) // 1024)
+
+    def fits(m: int) -> bool:
+        return largest_micro_batch(device, run.workload, sp.state_bytes + m * chunk + headroom, limit=1,
+                                   precision=precision) == 1
+    most = sp.state_bytes + grow_then_bisect(fits, limit=1024) * chunk
+    return sp.model_copy(update={"note": FITS_WITH_LESS, "memory_points": [(sp.state_bytes, sp.max_micro_batch),
+                                                                            (most, 1)]})
+
+
+def _at_even_share(run: RankRun, sp: StageProfile, sharded: int, even: int) -> StageProfile:
+    """``sp``, timed holding ``sharded`` bytes of the sharded states, as at an even share of them over ``run``'s
+    ranks (``even`` bytes): its states shifted by the difference, its largest micro-batch read off its memory
+    points there."""
+    if sharded == even or not sp.points:
+        return sp
+    state = sp.state_bytes - sharded + even
+    return sp.model_copy(update={"state_bytes": state, "note": sp.note or AT_LARGER_SHARE,
+                                 "max_micro_batch": sp.max_micro_batch_at(state, run.device.capacity)})
 
 
 class _States(NamedTuple):

@@ -24,10 +24,11 @@ def profile_table(prof: Profile, summary: dict, title: str) -> Table:
         for stage, sp in sorted(dev.stages.items()):
             source = "cache" if (kind, stage) in summary["from_cache"] else "measured"
             state = f"{sp.state_bytes / 2**20:.2f}"
-            if sp.points:
-                top = sp.max_micro_batch
-                table.add_row(kind, str(stage), str(top), state, f"{1000 * sp.time(1):.1f}",
-                              f"{1000 * sp.time(top):.1f}", f"{sp.throughput(top):.1f}", source)
+            if sp.points:   # (a kind timed only beside a smaller share: up to what it held there)
+                top = sp.max_micro_batch or max(m for m, _ in sp.points)
+                note = source if sp.max_micro_batch else f"{source}: {sp.note}"
+                table.add_row(kind, str(stage), str(sp.max_micro_batch), state, f"{1000 * sp.time(1):.1f}",
+                              f"{1000 * sp.time(top):.1f}", f"{sp.throughput(top):.1f}", note)
             else:
                 table.add_row(kind, str(stage), str(sp.max_micro_batch), state, "-", "-", "-", sp.note or source)
     return table

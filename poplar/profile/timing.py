@@ -10,7 +10,7 @@ the same at any size). After warm-up rounds, the median over the timed rounds.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -33,7 +33,12 @@ def _adamw(params):
 
 @dataclass
 class RankRun:
-    """One rank's profiling: its device, the workload, the engine options, and how it reports progress."""
+    """One rank's profiling: its device, the workload, the engine options, and how it reports progress.
+
+    ``rank`` and ``world_size`` are among the ranks profiled together: the cluster's, or
+    those :meth:`among` names (the others left out); ``shares``: the model states' shares
+    every engine of the run holds (:meth:`with_shares`; None: even).
+    """
 
     device: Device
     rank: int
@@ -44,10 +49,16 @@ class RankRun:
     repeats: int
     kind: str = ""              # the device kind, as progress events name it
     progress: Any = None        # where ``(kind, stage, what)`` events go (``put``), or None: this rank is silent
+    comm: Any = None            # the engines' collectives: the device's (None), or over the ranks profiled together
+    group: Any = None           # the process group of the ranks profiled together (None: the world's)
+    shares: tuple[float, ...] | None = None
 
     def engine(self, plan: poplar.Plan):
-        """An engine of the workload's model with ``plan``, its collectives seen by the device."""
-        return poplar.initialize(self.workload.build(), _adamw, plan, self.config, comm=self.device.comm)
+        """An engine of the workload's model with ``plan`` (and the run's shares), its collectives seen by the
+        device."""
+        if self.shares is not None:
+            plan = plan.with_shard_shares(self.shares)
+        return poplar.initialize(self.workload.build(), _adamw, plan, self.config, comm=self.comm or self.device.comm)
 
     def note(self, stage: int, what: str) -> None:
         if self.progress is not None:
@@ -55,16 +66,36 @@ class RankRun:
 
     def everyone(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (each rank calls this at once)."""
-        flags = torch.tensor([int(flag)], device=self.device.torch_device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        return bool(flags.item())
+        return all(self.each(flag))
+
+    def each(self, flag: bool) -> list[bool]:
+        """Every rank's ``flag``, in rank order (each rank calls this at once)."""
+        flags = torch.zeros(self.world_size, dtype=torch.int64, device=self.device.torch_device)
+        flags[self.rank] = int(flag)
+        dist.all_reduce(flags, group=self.group)
+        return [bool(f) for f in flags.tolist()]
 
     def agree_sizes(self, mine: list[int]) -> list[list[int]]:
         """Every rank's sizes to time, from this rank's ``mine``: row ``i`` is round ``i``'s micro-batch per rank."""
         sizes = torch.zeros(self.world_size, len(mine), dtype=torch.int64, device=self.device.torch_device)
         sizes[self.rank] = torch.tensor(mine)
-        dist.all_reduce(sizes)
+        dist.all_reduce(sizes, group=self.group)
         return [[int(s) for s in sizes[:, i]] for i in range(len(mine))]
+
+    def with_shares(self, shares: list[float]) -> RankRun:
+        """The same run, every engine holding ``shares`` of the states (one weight a rank, stages 1-3)."""
+        return replace(self, shares=tuple(shares))
+
+    def among(self, members: list[int]) -> RankRun | None:
+        """The run among ``members`` (ranks of this run) only: None on a rank left out. Every rank of the run
+        calls it at once (the members' process group is made on every rank)."""
+        base = list(range(self.world_size)) if self.group is None else dist.get_process_group_ranks(self.group)
+        group = dist.new_group([base[r] for r in members])
+        if self.rank not in members:
+            return None
+        comm = (self.comm or self.device.comm).on_group(group)
+        return replace(self, rank=members.index(self.rank), world_size=len(members), comm=comm, group=group,
+                       shares=None)
 
 
 def point_sizes(max_micro_batch: int, n_points: int) -> list[int]:

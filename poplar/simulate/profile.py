@@ -31,7 +31,7 @@ from poplar.engine.config import EngineConfig
 from poplar.precision import cast_model, torch_dtype
 from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import forward_backward, grow_then_bisect
-from poplar.profile.profile import Profile, StageProfile
+from poplar.profile.profile import DOES_NOT_FIT, FITS_WITH_LESS, Profile, StageProfile
 from poplar.profile.profiler import merge_stage
 from poplar.profile.rank import _optimizer_states_to_come, shard_bytes
 from poplar.profile.timing import RankRun, point_sizes, timed_step
@@ -110,10 +110,8 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
     return out
 
 
-# Unlike the profiler's ranks, which time a step together, a kind is simulated alone: it is timed even where
-# another kind does not fit (the planner then plans around the one that does not).
-DOES_NOT_FIT = "does not fit micro-batch 1 beside this stage's model states"
-FITS_WITH_LESS = "fits a sample only beside a smaller share of the sharded states than an even one"
+# A kind is simulated alone: it is timed even where another kind does not fit (the planner then plans around the
+# one that does not), and its notes are the profiler's (poplar.profile.profile).
 
 
 class _Kept(OrderedDict):

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Literal
 
 from poplar.train.config import TrainConfig
@@ -78,6 +79,20 @@ def resolve_launch(cfg: TrainConfig, nproc: int | None = None, env: Mapping[str,
                          "(an emulated cluster), or --nproc with --plan (plain CPU ranks)")
     raise ValueError("no cluster file and no CUDA device to discover here: give --cluster FILE|PRESET (an "
                      "emulated cluster), or --nproc with --plan (plain CPU ranks), or launch under torchrun")
+
+
+def on_planned_ranks(cfg: TrainConfig, launch: Launch, plan, ranks: list[int] | None,
+                     out_dir: Path) -> tuple[TrainConfig, Launch]:
+    """Where the plan is for some of the emulated cluster's devices only (``ranks``: the planner left the others
+    out, as none of their shares lets them hold the model, or as it is faster without them), the run's cluster is
+    those devices (``cluster.yaml`` in the run directory) and only their ranks are launched."""
+    if launch.devices != "emulated" or launch.in_process or ranks is None or plan.world_size == launch.world_size:
+        return cfg, launch
+    from poplar.cluster.spec import load_cluster
+
+    path = out_dir / "cluster.yaml"
+    path.write_text(load_cluster(cfg.cluster).subset(ranks).to_yaml())
+    return cfg.model_copy(update={"cluster": str(path)}), replace(launch, world_size=len(ranks))
 
 
 def _cluster_world(cfg: TrainConfig) -> int | None:

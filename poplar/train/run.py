@@ -23,7 +23,7 @@ import poplar
 from poplar.train.checkpointer import check_resume
 from poplar.train.config import TrainConfig
 from poplar.train.dataset import prepare_data, workload_of
-from poplar.train.launching import Launch, resolve_launch
+from poplar.train.launching import Launch, on_planned_ranks, resolve_launch
 from poplar.plan import check_global_batch
 from poplar.train.planning import get_plan, global_batch_of
 from poplar.train.run_dir import check_out, write_run_files
@@ -67,6 +67,7 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     check_resume(cfg, wl, global_batch_of(cfg, wl, launch.world_size))
     plan, result = get_plan(cfg, wl, launch.world_size, progress=progress)
     out_dir.mkdir(parents=True, exist_ok=True)     # only now: a run refused writes nothing
+    cfg, launch = on_planned_ranks(cfg, launch, plan, result.ranks if result else None, out_dir)
     write_run_files(cfg, out_dir, plan, result)
     ranks = spawn(train_rank, launch.world_size, cfg, launch, plan.to_dict(), wl.model_dump(), return_state,
                   timeout_s=timeout_s)

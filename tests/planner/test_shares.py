@@ -114,9 +114,15 @@ def test_a_stage_that_fits_only_with_uneven_shares_is_planned_with_them_where_th
 
 
 def test_cards_that_fit_only_with_uneven_shares_are_left_out_where_that_is_faster():
-    # one small card: 4 + 1 a micro-step at room for one, 4 + 2 at room for two (the states it gives up leave the
-    # big card 4); the big card alone, 8 at an even share: 6 micro-steps against 8 or more
-    result = make_plan(_fits_only_with_less(1, big_free=12), 48, [2])
+    # the big card alone holds the whole of the states (not its even share of them) and 8 samples beside them:
+    # 6 micro-steps; the small card would add a sample or two a micro-step at ten times the big card's cost
+    prof = _fits_only_with_less(1, big_free=16)
+    big, small = prof.devices["big"].stages[2], prof.devices["small"].stages[2]
+    prof.devices["big"].stages[2] = big.model_copy(update={"memory_points": [big.memory_points[0], (STATE, 12)],
+                                                           "max_micro_batch": 12})
+    prof.devices["small"].stages[2] = small.model_copy(update={"points": [(m, 10 * t) for m, t in small.points]})
+    result = make_plan(prof, 48, [2])
+    assert result.plan.micro_batch_sizes == (8,)
     assert result.excluded_ranks == [1] and result.plan.world_size == 1 and result.plan.shard_shares is None
     assert "holds the model only with uneven shares" in result.reason
 

@@ -153,3 +153,22 @@ def test_the_run_keeps_the_plan_it_trains_with(tmp_path, allocation):
     assert poplar.Plan.load(tmp_path / "plan.json") == alloc.plan
     assert saved["predicted"]["samples_per_s"] == pytest.approx(alloc.predicted.samples_per_s)
     assert saved["meta"]["allocation"] == allocation and saved["meta"]["reason"] == result.reason
+
+
+def test_cards_that_fit_nowhere_sit_out_and_the_plan_trains_on_the_others(tmp_path):
+    """Two T4s that hold no sample beside the model (2 MiB each at this scale), an A100 that does: the plan is for
+    the A100, and `poplar train` runs it on that rank alone (the run's cluster.yaml), the T4s sitting out."""
+    import yaml
+
+    cluster = tmp_path / "big-and-two-small.yaml"
+    cluster.write_text(yaml.safe_dump({"memory_scale": 0.00012, "devices": [
+        {"kind": "a100-80gb", "gpu": "A100-80GB"}, {"kind": "t4-16gb", "gpu": "T4-16GB", "count": 2}]}))
+    cfg = load_config(None, dict(model="llama-tiny", seq_len=32, vocab_size=512, global_batch=8, steps=3, lr=3e-3,
+                                 cluster=str(cluster), stages=[0], out=str(tmp_path / "run")))
+    result = run_training(cfg)
+    assert result["plan"].world_size == 1 and result["planning"].excluded_ranks == [1, 2]
+    assert "cannot hold the model and a sample in any stage profiled" in result["planning"].reason
+    ran = yaml.safe_load((tmp_path / "run" / "cluster.yaml").read_text())
+    assert [(d["kind"], d.get("count", 1)) for d in ran["devices"]] == [("a100-80gb", 1)]
+    records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2] and all(len(r["busy_s"]) == 1 for r in records)
