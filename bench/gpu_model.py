@@ -31,12 +31,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import poplar
 from poplar.cluster.catalogue import gpu as catalogue_gpu
 from poplar.cluster.spec import DeviceGroup
-from poplar.emulate.model import GpuModel, WorkCounter, op_cost
+from poplar.emulate.model import GpuModel, WorkCounter
 from poplar.engine.dist import init_distributed
 from poplar.precision import cast_model
 from poplar.workload import Workload
@@ -55,24 +54,18 @@ def _category(name: str, flops: float) -> str:
     return "other"
 
 
-class DeclaredSplit(TorchDispatchMode):
-    """The declared model's seconds of every operator run inside it, by category, and its launches."""
+class DeclaredSplit(WorkCounter):
+    """The device model's seconds of every operator run inside it, and those seconds by category."""
 
     def __init__(self, model: GpuModel):
-        super().__init__()
-        self.model, self.seconds, self.launches, self.flops = model, {}, 0, 0.0
+        super().__init__(model)
+        self.split: dict[str, float] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        cost = op_cost(func, args, kwargs, out)
-        if cost is not None:
-            flops, nbytes, dtype = cost
-            key = _category(func.__name__, flops)
-            self.seconds[key] = self.seconds.get(key, 0.0) + self.model.op_seconds(flops, nbytes, dtype)
-            self.launches += 1
-            self.flops += flops
-        return out
+    def count(self, func, flops, nbytes, dtype) -> float:
+        seconds = super().count(func, flops, nbytes, dtype)
+        key = _category(func.__name__, flops)
+        self.split[key] = self.split.get(key, 0.0) + seconds
+        return seconds
 
 
 def _sync(device):
@@ -145,9 +138,9 @@ def declared(out: Path, cases, device, repeats: int) -> list[dict]:
             real_s = _timed(step, device, repeats)
             kernels, n_kernels = _kernel_split(step, device)
             row = {"model": name, "seq_len": seq_len, "micro_batch": mbs, "gpu": kind.gpu,
-                   "declared_s": sum(split.seconds.values()), "declared_split_s": split.seconds,
-                   "declared_launch_s": split.launches * model_of_gpu.kernel_overhead_s,
-                   "operators": split.launches, "flops": split.flops, "real_s": real_s,
+                   "declared_s": split.seconds, "declared_split_s": split.split,
+                   "declared_launch_s": split.ops * model_of_gpu.kernel_overhead_s,
+                   "operators": split.ops, "flops": split.flops, "real_s": real_s,
                    "real_kernel_split_s": kernels, "real_kernels": n_kernels,
                    "real_idle_s": max(0.0, real_s - sum(kernels.values())) if kernels else None}
             row["declared_over_real"] = row["declared_s"] / real_s
@@ -156,7 +149,7 @@ def declared(out: Path, cases, device, repeats: int) -> list[dict]:
             print(f"{name} seq {seq_len} mbs {mbs}: declared {row['declared_s'] * 1e3:.2f} ms, real "
                   f"{real_s * 1e3:.2f} ms ({row['declared_over_real']:.3f}), {row['real_tflops']:.0f} TFLOP/s, "
                   f"kernels {kernels and {k: round(v * 1e3, 2) for k, v in kernels.items()}}, "
-                  f"declared {({k: round(v * 1e3, 2) for k, v in split.seconds.items()})}", flush=True)
+                  f"declared {({k: round(v * 1e3, 2) for k, v in split.split.items()})}", flush=True)
             (out / "declared.json").write_text(json.dumps(rows, indent=1))
         del model
         if device.type == "cuda":

@@ -148,12 +148,16 @@ class WorkCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         cost = op_cost(func, args, kwargs, out)
         if cost is not None:
-            flops, nbytes, dtype = cost
-            seconds = self.gpu.op_seconds(flops, nbytes, dtype)
-            if self.add is None:
-                self.seconds += seconds
-                self.ops += 1
-                self.flops += flops
-            else:
-                self.add(seconds)
+            self.count(func, *cost)
         return out
+
+    def count(self, func, flops: float, nbytes: float, dtype: torch.dtype) -> float:
+        """One operator that ran: its modelled seconds, added up (or handed to ``add``) and returned."""
+        seconds = self.gpu.op_seconds(flops, nbytes, dtype)
+        if self.add is None:
+            self.seconds += seconds
+            self.ops += 1
+            self.flops += flops
+        else:
+            self.add(seconds)
+        return seconds
