@@ -183,21 +183,27 @@ class _Ranks:
         if dead and not self.errors:
             first = min(dead, key=lambda r: self.procs[r].exitcode in WATCH_EXITS)   # the cause, not its echoes
             how = f"rank {first} {exit_reason(self.procs[first].exitcode)} before returning"
-            if self.procs[first].exitcode < 0:   # killed: gloo aborts a rank whose collective's size is not its peers'
-                line = flight.mismatch_line(self.records, first, len(self.procs))
-                how += f": {line}" if line else ""
+            how += self._mismatch(first)
             self.errors[first] = (None, how, how)
         return bool(self.errors)
 
+    def _mismatch(self, rank: int) -> str:
+        """``": ..."``: the collective a killed ``rank`` died in where its peers sized it otherwise (gloo aborts
+        such a rank), as the ranks' flight records show; else nothing (a rank killed for another reason)."""
+        if self.procs[rank].exitcode >= 0:
+            return ""
+        line = flight.mismatch_line(self.records, rank, len(self.procs))
+        return f": {line}" if line and "mismatch" in line else ""
+
     def _aborted(self) -> None:
-        """Ranks that raised may only have lost a peer that gloo aborted in a mismatched collective: that rank,
-        where its flight record shows one, is the cause reported (its death follows theirs within moments)."""
+        """Ranks that raised may only have lost a peer that gloo aborted in a mismatched collective: that rank
+        is the cause reported (its death follows theirs within moments)."""
         settle = time.monotonic() + WATCH_SETTLE_S
         while time.monotonic() < settle:
             for r in self._dead():
-                line = self.procs[r].exitcode < 0 and flight.mismatch_line(self.records, r, len(self.procs))
-                if line and "mismatch" in line:
-                    how = f"rank {r} {exit_reason(self.procs[r].exitcode)} before returning: {line}"
+                line = self._mismatch(r)
+                if line:
+                    how = f"rank {r} {exit_reason(self.procs[r].exitcode)} before returning{line}"
                     self.errors = {r: (None, how, how), **self.errors}
                     return
             if len(self._dead()) + len(self.outputs) == len(self.procs):

@@ -173,17 +173,20 @@ class CostModel:
     def _stage_profile(self, kind: str) -> StageProfile:
         sp = self.profile.stage(kind, self.stage)
         dev, model = self.profile.devices[kind], self.profile.model
+        # the whole model's update, where the kind's ZeRO-0 step was timed (else its per_step_s is no update: 0)
+        full = dev.stages.get(0)
+        full = full if full is not None and full.points else None
         if self.fraction is not None:
             return stage_at_share(sp, stage=self.stage, precision=model.dtype, n_params=model.n_params,
                                   world=self.profile.world_size, capacity=dev.memory_gb * 2**30,
-                                  fraction=self.fraction[self._first[kind]], full=dev.stages.get(0),
+                                  fraction=self.fraction[self._first[kind]], full=full,
                                   buffers=self._buffers)
         if self.shape is None:
             return sp
         sizes = [len(g) for g in self.shape.groups if any(self.profile.ranks[self.ranks[i]] == kind for i in g)]
         return shaped_stage(sp, stage=self.stage, n_params=model.n_params, world=self.profile.world_size,
                             group=min(sizes), capacity=dev.memory_gb * 2**30, precision=model.dtype,
-                            full=dev.stages.get(0))
+                            full=full)
 
     # -- communication ------------------------------------------------------------------
     def _coll(self, which: str, numel: float) -> float:

@@ -145,14 +145,8 @@ def run_ranks(ranks: list[list]) -> tuple[float, list[float]]:
     return end, busy
 
 
-def follow_ranks(ranks: list[list]) -> tuple[float, list[float], list[list[float]]]:
-    """:func:`run_ranks`, and each rank's clock at each of its :class:`StepEnd`.
-
-    >>> a = [Compute(1.0), Issue("x", 0.5), Compute(3.0), Wait("x"), StepEnd()]
-    >>> b = [Compute(2.0), Issue("x", 0.5), Compute(1.0), Wait("x"), StepEnd()]
-    >>> follow_ranks([a, b])    # x runs 2-2.5: a ends at 4, b at 3
-    (4.0, [4.0, 3.0], [[4.0], [3.0]])
-    """
+def _issuers(ranks: list[list]) -> dict[str, list[int]]:
+    """The ranks that issue each collective; every rank on a link must issue the same sequence on it."""
     issuers: dict[str, list[int]] = {}
     on_link: dict[str, tuple[int, list[str]]] = {}   # per link: the first rank on it, and its sequence
     for r, events in enumerate(ranks):
@@ -165,6 +159,18 @@ def follow_ranks(ranks: list[list]) -> tuple[float, list[float], list[list[float
             if seq != expected:
                 raise ValueError(f"rank {r} issues other collectives than rank {first} on link {link or 'world'}: "
                                  "the ranks of a group must run the same sequence")
+    return issuers
+
+
+def follow_ranks(ranks: list[list]) -> tuple[float, list[float], list[list[float]]]:
+    """:func:`run_ranks`, and each rank's clock at each of its :class:`StepEnd`.
+
+    >>> a = [Compute(1.0), Issue("x", 0.5), Compute(3.0), Wait("x"), StepEnd()]
+    >>> b = [Compute(2.0), Issue("x", 0.5), Compute(1.0), Wait("x"), StepEnd()]
+    >>> follow_ranks([a, b])    # x runs 2-2.5: a ends at 4, b at 3
+    (4.0, [4.0, 3.0], [[4.0], [3.0]])
+    """
+    issuers = _issuers(ranks)
     clock, busy, pos = [0.0] * len(ranks), [0.0] * len(ranks), [0] * len(ranks)
     ends: list[list[float]] = [[] for _ in ranks]
     done: dict[str, float] = {}
