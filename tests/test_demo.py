@@ -27,9 +27,12 @@ def test_demo_then_bench_on_an_emulated_cluster(tmp_path):
     for word in ("poplar", "uniform", "proportional", "ideal", "samples/s", "predicted", "comparison.png"):
         assert word in run.stdout, word
     assert (out / "comparison.png").stat().st_size > 20_000
-    # the demo's cluster is memory-bound: its small card holds the states only in ZeRO-1, which is planned
+    # the demo's cluster is memory-bound: its small card holds a sample beside an even share of the states only
+    # in ZeRO-1 (at the demo's pace, ZeRO-1 is planned), and in ZeRO-2 beside a smaller share (timed so: at this
+    # test's fast pace, whose overruns blur the times, either may win); never in ZeRO-0
     said = " ".join(run.stdout.split())     # however the console wrapped it
-    assert "llama-tiny on memory-bound: ZeRO-1" in said and "stage 0 left out" in said, run.stdout[-3000:]
+    assert re.search(r"llama-tiny on memory-bound: ZeRO-[12]", said) and "stage 0 left out" in said, \
+        run.stdout[-3000:]
     # empty caches: the profiling reports every stage as it starts and ends, a line each in a log
     for stage in range(4):
         assert re.search(rf"^memory-bound: (\S+ )?stage {stage}: memory$", run.stdout, re.M), run.stdout[:3000]
