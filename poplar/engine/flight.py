@@ -66,12 +66,6 @@ def recorder() -> FlightRecord | None:
     return _record
 
 
-def forget() -> None:
-    """Look the record up again (a process that joined another group)."""
-    global _record
-    _record = False
-
-
 def read(folder: str | os.PathLike, rank: int) -> tuple[str, list[str]] | None:
     """(the plan's note, the last few collectives, oldest first) of ``rank``'s record; None where it issued none."""
     path = Path(folder) / f"rank-{rank}"
