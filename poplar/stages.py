@@ -66,6 +66,20 @@ class ZeroStage:
         params = (2 if precision != "fp32" else 4) if self.shards_parameters else 0
         return master + OPTIMIZER_BYTES_PER_MASTER_BYTE * 4 + 4 + params   # + the fp32 gradient shard
 
+    def uneven_gather_bytes(self, fractions: list[float], unit_numels: list[int], precision: str) -> float:
+        """What ZeRO-3's all-gathers in flight (the unit computing and the one prefetched) hold besides their
+        outputs where ranks hold unlike slices, every slice padded to the largest and this rank's copy
+        (:attr:`poplar.engine.flat_unit.FlatUnit.gather_buffer_numel`); 0 for even slices and in the other
+        stages.
+
+        >>> [stage(s).uneven_gather_bytes([0.75, 0.25], [100], "fp32") for s in (2, 3)]
+        [0.0, 1800.0]
+        """
+        if not self.shards_parameters or len(set(fractions)) <= 1 or not unit_numels:
+            return 0.0
+        width = 2 if precision == "bf16" else 4
+        return 2 * (len(fractions) + 1) * max(fractions) * max(unit_numels) * width
+
     def __str__(self) -> str:
         return f"ZeRO-{self.number}"
 

@@ -65,7 +65,9 @@ class SimulatedComm(ObservedComm):
         return list(values), list(values)
 
     def run(self, op: str, nbytes: int, issue: Callable[[bool], Any], async_op: bool, groups: int = 1):
-        work = Work(Issued(), self.observer, self.observer.launch(op, nbytes, self._group, groups))
+        local = getattr(issue, "__self__", None)   # a collective with local work around it runs that (unissued)
+        done = local.unissued() if hasattr(local, "unissued") else Issued()
+        work = Work(done, self.observer, self.observer.launch(op, nbytes, self._group, groups))
         if async_op:
             return work
         work.wait()

@@ -54,6 +54,14 @@ def _even(sizes: Sequence[int] | None) -> bool:
     return sizes is None or len(set(sizes)) <= 1
 
 
+class _Done:
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 class _UnevenGather:
     """An all-gather of shards of unlike sizes: each padded to the largest and gathered into a buffer of its
     own; every rank's part is copied into ``output`` when the gather is waited for."""
@@ -72,6 +80,12 @@ class _UnevenGather:
             return self
         self.wait()
         return None
+
+    def unissued(self):
+        """The gather with its local work only (the padding, the copies out), as a comm that issues no
+        collective runs it (the simulator's): done when waited for."""
+        self._work = _Done()
+        return self
 
     def wait(self, *args, **kwargs) -> bool:
         if self._work is not None:
@@ -159,9 +173,8 @@ class Comm:
         if _even(sizes):
             return self.run("all_gather", _bytes(output),
                             lambda a: _all_gather(output, input, group=g, async_op=a), async_op)
-        largest = max(sizes)
-        return self.run("all_gather", len(sizes) * largest * output.element_size(),
-                        lambda a: _UnevenGather(output, input, list(sizes), g).issue(a), async_op)
+        gather = _UnevenGather(output, input, list(sizes), g)   # its slice padded: local work, before the issue
+        return self.run("all_gather", len(sizes) * gather.largest * output.element_size(), gather.issue, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """``tensor`` from the group's rank ``src`` to every rank."""

@@ -180,7 +180,7 @@ class CostModel:
             return stage_at_share(sp, stage=self.stage, precision=model.dtype, n_params=model.n_params,
                                   world=self.profile.world_size, capacity=dev.memory_gb * 2**30,
                                   fraction=self.fraction[self._first[kind]], full=full,
-                                  buffers=self._buffers)
+                                  buffers=self._buffers, uneven=len(set(self.fraction)) > 1)
         if self.shape is None:
             return sp
         sizes = [len(g) for g in self.shape.groups if any(self.profile.ranks[self.ranks[i]] == kind for i in g)]

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from poplar.profile.profile import Profile, StageProfile
 from poplar.stages import stage as zero_stage
 
@@ -54,25 +56,19 @@ def gather_scale(fraction: list[float]) -> float:
 
 
 def gather_buffer_bytes(fraction: list[float], stage: int, unit_numels: list[int], precision: str) -> float:
-    """ZeRO-3 with unlike slices: what the all-gathers in flight (the unit computing and the one prefetched) hold
-    besides their outputs, every slice padded to the largest and this rank's copy
-    (:attr:`poplar.engine.flat_unit.FlatUnit.gather_buffer_numel`); 0 for even slices and in the other stages."""
-    if stage != 3 or len(set(fraction)) <= 1 or not unit_numels:
-        return 0.0
-    width = 2 if precision == "bf16" else 4
-    return 2 * (len(fraction) + 1) * max(fraction) * max(unit_numels) * width
+    """ZeRO-3's gather buffers with unlike slices (:meth:`poplar.stages.ZeroStage.uneven_gather_bytes`)."""
+    return zero_stage(stage).uneven_gather_bytes(fraction, unit_numels, precision)
 
 
 def stage_at_share(sp: StageProfile, *, stage: int, precision: str, n_params: int, world: int, fraction: float,
-                   capacity: float, full: StageProfile | None = None, buffers: float = 0.0) -> StageProfile:
+                   capacity: float, full: StageProfile | None = None, buffers: float = 0.0,
+                   uneven: bool = False) -> StageProfile:
     """``sp`` (measured at an even share over ``world`` ranks) for a rank holding ``fraction`` of the states, and
-    ``buffers`` bytes more (:func:`gather_buffer_bytes`)."""
+    ``buffers`` bytes more (:func:`gather_buffer_bytes`); ``uneven``: the ranks' shares differ."""
     even = 1 / world
     state = sp.state_bytes + zero_stage(stage).sharded_bytes_per_param(precision) * n_params * (fraction - even)
     state += buffers
-    per_step = sp.per_step_s
-    if full is not None and world > 1:
-        per_step = max(0.0, sp.per_step_s + (full.per_step_s - sp.per_step_s) * (fraction - even) / (1 - even))
+    per_step = _per_step_at(sp, fraction, even, full, uneven)
     largest = sp.max_micro_batch_at(state, capacity) if sp.points else 0
     if largest == 0 or not sp.points:
         return sp.model_copy(update={"state_bytes": int(state), "max_micro_batch": 0, "points": [],
@@ -87,6 +83,20 @@ def stage_at_share(sp: StageProfile, *, stage: int, precision: str, n_params: in
         points.append((largest, tb + (tb - ta) / (mb - ma) * (largest - mb)))
     return sp.model_copy(update={"state_bytes": int(math.ceil(state)), "max_micro_batch": largest,
                                  "points": points, "per_step_s": per_step})
+
+
+def _per_step_at(sp: StageProfile, fraction: float, even: float, full: StageProfile | None, uneven: bool) -> float:
+    """The once-per-step part holding ``fraction`` of the states: on the line through the steps timed at unlike
+    shares where the shares are unlike and it was timed so; else on the line from the even share's to ZeRO-0's
+    (the whole model's update), where the kind has one; else the even share's."""
+    if uneven and len({f for f, _ in sp.share_steps}) >= 2:
+        f, t = np.array(sp.share_steps, dtype=float).T
+        slope, _ = np.polyfit(f, t, 1)
+        slope = max(0.0, slope)           # holding more never costs less: a falling line is noise
+        return max(0.0, float(np.mean(t) + slope * (fraction - np.mean(f))))
+    if full is not None and even < 1:
+        return max(0.0, sp.per_step_s + (full.per_step_s - sp.per_step_s) * (fraction - even) / (1 - even))
+    return sp.per_step_s
 
 
 def room_shares(profile: Profile, stage: int, kinds: list[str]) -> dict[int, list[float]]:

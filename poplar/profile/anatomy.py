@@ -98,24 +98,37 @@ class _Marks:
         end = grads[-1] if grads else self.launches[loss][2]     # the root's gradient collective: its backward done
         norm = after[1] if len(after) > 1 else None
         loss_t = self.launches[loss][2]
-        forward = [0.0] * n_units
-        backward = [0.0] * n_units
-        for i in layers:
-            forward[i] = self.at[("forward_end", i)] - self.at[("forward", i)]
-            backward[i] = self.at[("backward_end", i)] - self.at[("backward", i)]
-        if n_units > 1:
-            first, last = min(layers, key=lambda i: self.at[("forward", i)]), \
-                max(layers, key=lambda i: self.at[("forward", i)])
-            forward[0] = self.at[("forward", first)]
-            middle = self.at[("backward", last)] - self.at[("forward_end", last)]
-            backward[0] = end - self.at[("backward_end", first)]
-        else:
-            forward[0], middle = end, 0.0
+        forward, backward, middle = self._shares(n_units, grads, end)
         total = max(end, 1e-12)
         return StepAnatomy(micro_batch=micro_batch, forward=[max(0.0, f / total) for f in forward],
                            backward=[max(0.0, b / total) for b in backward], root_middle=max(0.0, middle / total),
                            before_loss_s=max(0.0, loss_t - end),
                            before_norm_s=0.0 if norm is None else max(0.0, self.launches[norm][2] - loss_t))
+
+    def _shares(self, n_units: int, grads: list[float], end: float) -> tuple[list[float], list[float], float]:
+        """Busy seconds of each unit's forward and backward, and the root's middle. A unit's backward ends where the
+        engine issues its gradient's collective (its parameters' gradients are in), which comes before its
+        inputs' gradient is summed up: where every unit issued one, the backward is cut at those."""
+        layers = range(1, n_units)
+        forward, backward = [0.0] * n_units, [0.0] * n_units
+        if n_units == 1:
+            return [end], backward, 0.0
+        for i in layers:
+            forward[i] = self.at[("forward_end", i)] - self.at[("forward", i)]
+            backward[i] = self.at[("backward_end", i)] - self.at[("backward", i)]
+        first, last = min(layers, key=lambda i: self.at[("forward", i)]), \
+            max(layers, key=lambda i: self.at[("forward", i)])
+        forward[0] = self.at[("forward", first)]
+        middle = self.at[("backward", last)] - self.at[("forward_end", last)]
+        backward[0] = end - self.at[("backward_end", first)]
+        before = self.at[("backward", last)]
+        grads = [t for t in grads if t >= before]     # not the batch check's, issued as the step starts
+        if len(grads) == n_units:    # the layers' in the order their backward ended, the root's last
+            done = sorted(layers, key=lambda i: self.at[("backward_end", i)])
+            for i, t in zip(done, grads):
+                backward[i], before = t - before, t
+            backward[0] = end - before
+        return forward, backward, middle
 
 
 def measure_anatomy(run: RankRun, stage: int, sizes: list[int]) -> StepAnatomy | None:

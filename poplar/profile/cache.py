@@ -27,6 +27,9 @@ from poplar.workload import Workload, as_workload
 # buckets in flight (memory), ZeRO-3's prefetch (time). The precision is keyed on its own; the
 # others (clipping, checks) cost the same whatever the plan, so profiles are shared across them.
 KEYED_ENGINE_OPTIONS = ("unit_classes", "unit_numel", "max_inflight_reduces", "prefetch")
+# what a profile holds and how it is read off the run: raised when that changes (profiles cached before
+# are then measured again). 2: a unit's backward ends where its gradient's collective is issued.
+MEASURES = 2
 
 
 def default_cache_dir() -> Path:
@@ -58,7 +61,7 @@ def cache_key(workload: str | Workload, kind: dict, stage: int, world_size: int,
     engine options were keyed are still read.
     """
     key = {"workload": as_workload(workload).cache_dict(), "device": kind, "stage": stage, "world_size": world_size,
-           "dtype": precision, "max_micro_batch": max_micro_batch, "poplar": poplar.__version__}
+           "dtype": precision, "max_micro_batch": max_micro_batch, "poplar": poplar.__version__, "measures": MEASURES}
     if real:
         key["software"] = {"torch": torch.__version__, "cuda": torch.version.cuda,
                            "cudnn": torch.backends.cudnn.version()}

@@ -68,6 +68,9 @@ class StageProfile(BaseModel):
                                                  "largest micro-batch beside them) measured, fewer states first: "
                                                  "how the micro-batch grows as a rank holds less (stages 1-3: "
                                                  "none of the sharded states, and its even share)")
+    share_steps: list[tuple[float, float]] = Field(default_factory=list, description="(fraction of the sharded "
+                                                   "states held, per_step_s) measured with the ranks holding unlike "
+                                                   "shares (stages 1-3; empty where not measured)")
 
     def time(self, micro_batch):
         """Seconds of a step with one micro-batch of this size (spline through the points); arrays allowed."""

@@ -134,7 +134,8 @@ def merge_stage(entries: list[StageProfile]) -> StageProfile:
                         state_bytes=max(m.state_bytes for m in entries),
                         points=_merge_points([m.points for m in entries]),
                         per_step_s=statistics.median(m.per_step_s for m in entries),
-                        note=entries[0].note, anatomy=entries[0].anatomy, memory_points=_merge_memory(entries))
+                        note=entries[0].note, anatomy=entries[0].anatomy, memory_points=_merge_memory(entries),
+                        share_steps=_merge_points([m.share_steps for m in entries], float))
 
 
 def _merge_memory(entries: list[StageProfile]) -> list[tuple[int, int]]:
@@ -145,12 +146,12 @@ def _merge_memory(entries: list[StageProfile]) -> list[tuple[int, int]]:
     return [(max(p[i][0] for p in lists), min(p[i][1] for p in lists)) for i in range(len(lists[0]))]
 
 
-def _merge_points(point_lists: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
-    """Identical devices share one profile: the median time at each micro-batch size."""
-    by_size: dict[int, list[float]] = {}
+def _merge_points(point_lists: list[list[tuple[int, float]]], at=int) -> list[tuple[int, float]]:
+    """Identical devices share one profile: the median time at each micro-batch size (or share: ``at``)."""
+    by_size: dict = {}
     for points in point_lists:
         for m, t in points:
-            by_size.setdefault(int(m), []).append(float(t))
+            by_size.setdefault(at(m), []).append(float(t))
     return [(m, statistics.median(ts)) for m, ts in sorted(by_size.items())]
 
 

@@ -18,6 +18,7 @@ much memory it leaves free, whether engines of several sizes may be alive at onc
 
 from __future__ import annotations
 
+import statistics
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
@@ -30,7 +31,8 @@ from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import grow_then_bisect, largest_micro_batch
 from poplar.profile.profile import (AT_LARGER_SHARE, DOES_NOT_FIT, FITS_WITH_LESS, NOT_TIMED, CommProfile,
                                     StageProfile)
-from poplar.profile.timing import RankRun, point_sizes, time_collectives, time_points, timed_step
+from poplar.profile.timing import (RankRun, _time_group, fraction_held, point_sizes, skewed_shares, time_collectives,
+                                   time_points, timed_step)
 from poplar.stages import OPTIMIZER_BYTES_PER_MASTER_BYTE
 from poplar.stages import stage as zero_stage
 from poplar.workload import Workload, as_workload
@@ -130,13 +132,50 @@ def _timed_stage(run: RankRun, stage: int, options: ProfileOptions, states: _Sta
                                                      limit=options.max_micro_batch, precision=options.precision)))
     sizes = run.agree_sizes(point_sizes(limit, options.n_points))
     points, per_step = time_points(run, stage, sizes)
+    share_steps = _share_steps(run, stage, states, options, sizes[0], points[0][1] - per_step)
     run.note(stage, "anatomy")
     rows = sorted({len(sizes) // 2, len(sizes) - 1})     # a middle size and the largest
     measured = [measure_anatomy(run, stage, sizes[i]) for i in rows]
     anatomy = sorted((a for a in measured if a is not None), key=lambda a: a.micro_batch)
     run.note(stage, "done")
     return StageProfile(max_micro_batch=limit, state_bytes=state, points=points, per_step_s=per_step,
-                        anatomy=anatomy, memory_points=memory)
+                        anatomy=anatomy, memory_points=memory, share_steps=share_steps)
+
+
+def _share_steps(run: RankRun, stage: int, states: _States, options: ProfileOptions, row: list[int],
+                 micro_step: float) -> list[tuple[float, float]]:
+    """The once-per-step part where the ranks hold unlike shares of the states (stages 1-3): its update grows with
+    the share held, and unlike slices are gathered padded and copied out. Timed at the smallest sizes (``row``;
+    this rank's micro-step there takes ``micro_step`` seconds) at two skews of the shares
+    (:func:`~poplar.profile.timing.skewed_shares`), where every rank holds its sample beside its share of both.
+    Not where the run is already at other shares or among some ranks only."""
+    n = run.world_size
+    if stage == 0 or n < 2 or run.shares is not None or run.group is not None:
+        return []
+    vectors = skewed_shares(run.agree_sizes([int(run.device.capacity)])[0])
+    headroom = int(run.device.probe_headroom * run.device.capacity)
+    held = [held_at_shares(states.most, states.sharded, states.units, stage, v, run.rank, options.precision)
+            for v in vectors]
+    fits = all(largest_micro_batch(run.device, run.workload, h + headroom, limit=row[run.rank],
+                                   precision=options.precision) >= row[run.rank] for h in held)
+    if not run.everyone(fits):
+        return []
+    out = []
+    for shares in vectors:
+        times: list[list[float]] = [[]]
+        _time_group(run, stage, {0: poplar.Plan(stage, row, 1, shard_shares=shares)}, times)
+        run.device.free_memory()
+        out.append((fraction_held(shares, run.rank), max(0.0, statistics.median(times[0]) - micro_step)))
+    return out
+
+
+def held_at_shares(most: int, sharded: int, units, stage: int, shares: list[float], rank: int,
+                   precision: str) -> int:
+    """The model states ``rank`` holds at their most with ``shares`` of them, from ``most`` at an even share (of
+    which ``sharded`` bytes are its share; ``units``: the units' parameters)."""
+    fractions = [fraction_held(shares, r) for r in range(len(shares))]
+    return int(most + sharded * (fractions[rank] * len(shares) - 1)
+               + zero_stage(stage).uneven_gather_bytes(fractions, list(units), precision))
 
 
 def _with_less(run: RankRun, sp: StageProfile, precision: str) -> StageProfile:
@@ -169,6 +208,7 @@ class _States(NamedTuple):
     before: int         # model-state bytes before any step, the optimizer's to come included
     most: int | None    # at their most, after two steps; None: a rank's device does not fit micro-batch 1
     sharded: int = 0    # bytes of them this rank holds only as its share (none in stage 0)
+    units: tuple[int, ...] = ()   # the engine's units' parameters
 
 
 def _model_states(run: RankRun, stage: int, precision: str) -> _States:
@@ -187,8 +227,9 @@ def _model_states(run: RankRun, stage: int, precision: str) -> _States:
             timed_step(run.device, engine, batch, run.workload.loss)
         most = engine.model_state_bytes()
     sharded = shard_bytes(engine, stage, precision)
+    units = tuple(u.numel for u in engine.units)
     engine.close()
-    return _States(fits, before, most, sharded)
+    return _States(fits, before, most, sharded, units)
 
 
 def shard_bytes(engine, stage: int, precision: str) -> int:

@@ -24,6 +24,7 @@ from poplar.profile.profile import CommProfile
 from poplar.workload import Workload
 
 PER_STEP_SIZES = 3   # the smallest sizes also timed with two micro-batches, for the once-per-step part
+SHARE_SKEW = 0.5     # unlike shares timed: one rank's weight 1 + this (and 1 + twice this), the others' 1
 _OPTIMIZER_LR = 1e-4
 
 
@@ -103,6 +104,22 @@ def point_sizes(max_micro_batch: int, n_points: int) -> list[int]:
     if max_micro_batch <= 0:
         return [0] * n_points
     return [int(round(v)) for v in np.geomspace(1, max_micro_batch, n_points)]
+
+
+def skewed_shares(capacities: list[int]) -> list[list[float]]:
+    """The share vectors the once-per-step part is timed at with unlike shares (stages 1-3), for ranks of these
+    memory capacities: the first rank with the most memory holds more than an even share, the others less, at
+    two skews (so that a card with no room for more is never given more).
+
+    >>> skewed_shares([80, 40]), fraction_held(skewed_shares([80, 40])[0], 1)
+    ([[1.5, 1.0], [2.0, 1.0]], 0.4)
+    """
+    big = capacities.index(max(capacities))
+    return [[1.0 + k * SHARE_SKEW * (r == big) for r in range(len(capacities))] for k in (1, 2)]
+
+
+def fraction_held(shares: list[float], rank: int) -> float:
+    return shares[rank] / sum(shares)
 
 
 def timed_step(device: Device, engine, batch, loss: Callable) -> float:

@@ -33,11 +33,12 @@ from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import forward_backward, grow_then_bisect
 from poplar.profile.profile import DOES_NOT_FIT, FITS_WITH_LESS, Profile, StageProfile
 from poplar.profile.profiler import merge_stage
-from poplar.profile.rank import _optimizer_states_to_come, shard_bytes
-from poplar.profile.timing import RankRun, point_sizes, timed_step
+from poplar.profile.rank import _optimizer_states_to_come, held_at_shares, shard_bytes
+from poplar.profile.timing import RankRun, fraction_held, point_sizes, skewed_shares, timed_step
 from poplar.simulate.comm import simulated_comm
 from poplar.simulate.fake import fake_tensors
 from poplar.simulate.trace import Activations, CountedMarks, CountingDevice, Steps, Trace
+from poplar.stages import stage as zero_stage
 from poplar.workload import Workload, as_workload
 
 
@@ -107,7 +108,34 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
             out[k] = StageProfile(max_micro_batch=0, state_bytes=most if fits else before, note=DOES_NOT_FIT)
             continue
         out[k] = out[k].model_copy(update={"memory_points": memory})
+    for k, share_steps in _share_steps(run, stage, recording, out, capacity, headroom, saved, kinds).items():
+        out[k] = out[k].model_copy(update={"share_steps": share_steps})
     return out
+
+
+def _share_steps(run: RankRun, stage: int, recording: _Recording, timed: dict[str, StageProfile], capacity: dict,
+                 headroom: dict, saved: Activations, kinds: dict[str, DeviceGroup]) -> dict[str, list]:
+    """The once-per-step part at unlike shares, as the profiler times it (:func:`poplar.profile.rank._share_steps`:
+    where every kind is timed at an even share and every rank holds a sample beside its states at both skews):
+    each kind's ranks' shares, each priced from a step recorded on the first rank with the same shares as its."""
+    n, precision = run.world_size, run.config.mixed_precision
+    if stage == 0 or n < 2 or any(not timed[k].max_micro_batch for k in kinds):
+        return {}
+    rank_kinds = [d.kind for d in run.device.cluster.rank_devices()]
+    vectors = skewed_shares([capacity[k] for k in rank_kinds])
+    engine = recording.engine
+    units, sharded = [u.numel for u in engine.units], shard_bytes(engine, stage, precision)
+    if any(_largest(saved, held_at_shares(recording.most, sharded, units, stage, v, r, precision) + headroom[k],
+                    capacity[k], 1) < 1 for v in vectors for r, k in enumerate(rank_kinds)):
+        return {}
+    out: dict[str, dict[float, float]] = {}
+    for r, k in enumerate(rank_kinds):
+        gpu, micro_step = GpuModel.of(kinds[k]), timed[k].points[0][1] - timed[k].per_step_s
+        for v in vectors:    # rank r's shares, moved to the first rank (slices of one size cost alike anywhere)
+            first = [v[r]] + [w for q, w in enumerate(v) if q != r]
+            trace = _Recording.of(run, stage, first).trace(1, 1)
+            out.setdefault(k, {})[fraction_held(v, r)] = max(0.0, trace.busy(gpu) - micro_step)
+    return {k: sorted(points.items()) for k, points in out.items()}
 
 
 # A kind is simulated alone: it is timed even where another kind does not fit (the planner then plans around the
@@ -135,6 +163,7 @@ class _Kept(OrderedDict):
 # devices: counted once a process, for every cluster simulated in it (as the saved bytes, by model and precision).
 # Kept for the last few: the paper's evaluation simulates 24 models and worlds in one process.
 _COUNTED = _Kept(most=16)
+_SHARED = _Kept(most=8)     # the recordings at unlike shares
 _SAVED = _Kept(most=4)
 
 
@@ -157,15 +186,21 @@ class _Recording:
     after a warm-up of two micro-batches); the model states around it.
     The engine lives on (fake: it holds no memory), for the sizes asked for later."""
 
-    def __init__(self, run: RankRun, stage: int):
-        self.run, self.stage = run, stage
+    def __init__(self, run: RankRun, stage: int, shares: tuple[float, ...] | None = None):
+        self.run, self.stage, self.shares = run, stage, shares
         self.engine = run.engine(self._plan(1, 1))
         self.before = self.engine.model_state_bytes() + _optimizer_states_to_come(self.engine)
         timed_step(run.device, self.engine, run.workload.random_batch(1), run.workload.loss)
         self.most = 0
 
+    @classmethod
+    def of(cls, run: RankRun, stage: int, shares: list[float]) -> _Recording:
+        """The stage's recording with ``shares`` of the states, made once a process (as the even one's steps)."""
+        key = (run.workload.model_dump_json(), stage, run.config.model_dump_json(), run.world_size, tuple(shares))
+        return _SHARED.get_or(key, lambda: cls(run, stage, tuple(shares)))
+
     def _plan(self, m: int, accumulation: int) -> poplar.Plan:
-        return poplar.Plan(self.stage, [m] * self.run.world_size, accumulation)
+        return poplar.Plan(self.stage, [m] * self.run.world_size, accumulation, shard_shares=self.shares)
 
     def trace(self, m: int, accumulation: int) -> Trace:
         """The trace of a step of ``accumulation`` micro-batches of ``m``, with its marks."""

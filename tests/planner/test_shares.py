@@ -38,6 +38,25 @@ def test_a_share_moves_the_states_the_micro_batch_and_the_update():
     assert gather_scale([0.75, 0.25]) == 1.5
 
 
+@pytest.mark.parametrize("times, slope", [((0.25, 0.27), 0.3), ((0.27, 0.25), 0.0)])
+def test_with_unlike_shares_the_update_is_on_the_line_timed_at_unlike_shares(times, slope):
+    """Where the ranks' shares differ, the once-per-step part is read off the steps timed so (a falling line is
+    noise: flat); where they are alike (some ranks left out), off the line to ZeRO-0's as before."""
+    sp = StageProfile(max_micro_batch=2, state_bytes=STATE, per_step_s=0.1, points=[(1, 1.1), (2, 1.2)],
+                      memory_points=[(STATE - COPY // 2, 8), (STATE, 2)],
+                      share_steps=[(0.6, times[0]), (2 / 3, times[1])])
+    full = StageProfile(max_micro_batch=1, state_bytes=STATE, per_step_s=0.3, points=[(1, 1.3)])
+
+    def at(fraction: float, uneven: bool) -> StageProfile:
+        return stage_at_share(sp, stage=2, precision="fp32", n_params=N_PARAMS, world=2, fraction=fraction,
+                              capacity=10 * STATE, full=full, uneven=uneven)
+    mean = (sum(times) / 2, (0.6 + 2 / 3) / 2)
+    for fraction in (0.25, 0.6, 0.9):
+        assert at(fraction, True).per_step_s == pytest.approx(mean[0] + slope * (fraction - mean[1]))
+    assert at(0.25, True).time(1) == pytest.approx(1.1 + at(0.25, True).per_step_s - 0.1)   # the compute unchanged
+    assert at(0.75, False).per_step_s == pytest.approx(0.1 + 0.2 * 0.5)
+
+
 def _profile(memory_points: bool = True, memory=(2.0, 1.0)):
     """Stage 2 (every rank the same micro-steps) on a big card and a small one that holds one sample at an even
     share and eight holding none, each timed up to eight samples; large fixed costs a micro-step, so fewer

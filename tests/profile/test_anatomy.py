@@ -5,6 +5,7 @@ import warnings
 import pytest
 
 from poplar.launch import spawn
+from poplar.profile.anatomy import _Marks
 from poplar.profile.profile import StageProfile, StepAnatomy
 from tests.profile.workers import anatomy_at
 
@@ -44,3 +45,27 @@ def test_shares_between_the_measured_sizes_are_interpolated():
     assert mid.root_middle == pytest.approx(0.15) and mid.before_loss_s == pytest.approx(34e-6)
     assert sp.anatomy_at(1).root_middle == pytest.approx(0.2) and sp.anatomy_at(200).root_middle == pytest.approx(0.1)
     assert StageProfile(max_micro_batch=1, state_bytes=0).anatomy_at(1) is None
+
+
+def _marks(launch_before_inputs: float) -> _Marks:
+    """Marks of a step of two layers (1 then 2), each layer's gradient collective issued ``launch_before_inputs``
+    seconds before its inputs' gradient is in (its parameters' gradients come first)."""
+    marks = _Marks(None)
+    marks.at = {("forward", 1): 1.0, ("forward_end", 1): 2.0, ("forward", 2): 2.0, ("forward_end", 2): 3.0,
+                ("backward", 2): 4.0, ("backward_end", 2): 6.0, ("backward", 1): 6.0, ("backward_end", 1): 8.0}
+    marks.launches = [("all_reduce", 16, 0.0),                          # the batch check, as the step starts
+                      ("reduce_scatter", 4096, 6.0 - launch_before_inputs),
+                      ("reduce_scatter", 4096, 8.0 - launch_before_inputs),
+                      ("reduce_scatter", 2048, 9.0),                    # the root's, after its own backward
+                      ("all_reduce", 4, 9.5), ("all_reduce", 4, 9.75)]   # the loss, the norm
+    return marks
+
+
+@pytest.mark.parametrize("early", [0.0, 0.5, 1.5])
+def test_a_unit_s_backward_ends_where_its_gradient_collective_is_issued(early):
+    a = _marks(early).anatomy(3, 4)
+    seconds = [s * 9.0 for s in a.backward]   # shares of the micro-step, up to the root's collective at 9
+    # the last layer from its backward's start to its collective, the first from there to its own; the root the rest
+    assert seconds == pytest.approx([1.0 + early, 2.0, 2.0 - early])
+    assert sum(a.forward) + sum(a.backward) + a.root_middle == pytest.approx(1.0)
+    assert (a.before_loss_s, a.before_norm_s) == pytest.approx((0.5, 0.25))

@@ -292,6 +292,26 @@ def test_a_card_that_holds_a_sample_only_beside_less_than_its_share_is_timed_the
         assert all(abs(a - b) <= 1 for (_, a), (_, b) in pairs), kind
     result = make_plan(prof, 8)
     assert result.plan is not None and result.stage in (0, 1)
+    assert not big1.share_steps and not small1.share_steps   # already timed at other shares than an even one
+
+
+def test_the_once_per_step_part_is_timed_at_unlike_shares_where_every_card_has_room(tmp_path):
+    """Stages 1-3: the card with the most memory holds more than an even share and the other less, at two skews
+    (the update grows with the share; unlike slices are gathered padded): at the shares the simulator finds."""
+    from poplar.profile.options import ProfileOptions
+    from poplar.simulate import simulate_profile
+
+    cluster = {"devices": [BIG, SMALL], "memory_scale": MEMORY_SCALE}
+    prof, _ = profile_cluster("tiny", cluster, stages=(0, 2), cache_dir=tmp_path, timeout_s=240, n_points=2,
+                              repeats=1)
+    simulated = simulate_profile("tiny", cluster, ProfileOptions(stages=(0, 2), n_points=2))
+    assert not prof.stage("big", 0).share_steps          # ZeRO-0 shards nothing
+    for kind, fractions in (("big", [0.6, 2 / 3]), ("small", [1 / 3, 0.4])):
+        got, sim = prof.stage(kind, 2), simulated.stage(kind, 2)
+        assert [f for f, _ in got.share_steps] == pytest.approx(fractions)
+        assert [f for f, _ in sim.share_steps] == pytest.approx(fractions)
+        # the padded gathers' copies and the share's update: about the even share's part, not another size
+        assert all(0.5 * got.per_step_s < t < 3 * got.per_step_s for _, t in got.share_steps), kind
 
 
 def test_a_card_that_holds_no_sample_with_any_share_is_left_out_and_the_plan_is_for_the_others(tmp_path):
