@@ -102,6 +102,19 @@ def test_no_import_circle_between_parts():
     assert not circles, "\n".join(sorted(set(circles)))
 
 
+def test_no_part_imports_another_part_s_private_names():
+    """A name with a leading underscore is its part's own: another part imports only what is public."""
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        me = _module(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("poplar."):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if private and _part(node.module) != _part(me):
+                    bad.append(f"{me} imports {', '.join(private)} from {node.module}")
+    assert not bad, "\n".join(sorted(bad))
+
+
 @pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT.parent)))
 def test_files_and_functions_are_read_at_once(path):
     src = path.read_text()

@@ -39,6 +39,10 @@ def _setup(tmp: Path, earlier_run: Path) -> None:
     (tmp / "speed.yaml").write_text("devices:\n  - kind: x\n    speed: 2.0\n")
     (tmp / "no-devices.yaml").write_text("devices: []\n")
     (tmp / "zero-count.yaml").write_text("devices:\n  - kind: x\n    gpu: T4-16GB\n    count: 0\n")
+    (tmp / "nan-tflops.yaml").write_text("devices:\n  - kind: x\n    memory_gb: 16\n    tflops: {fp32: .nan}\n"
+                                         "    memory_bandwidth_gbs: 300\n")
+    (tmp / "inf-bandwidth.yaml").write_text("devices:\n  - kind: x\n    memory_gb: 16\n    tflops: 10\n"
+                                            "    memory_bandwidth_gbs: .inf\n")
     poplar.Plan.from_local_batches(1, [6, 4], 1).save(tmp / "plan-2.json")
     (tmp / "plan-edited.json").write_text(json.dumps({"zero_stage": 2, "micro_batch_sizes": [2, 2, 2],
                                                       "accum_steps": [1, 2, 1]}))
@@ -95,6 +99,10 @@ CASES = [
     ("a cluster of no devices", ["train", "--cluster", "{tmp}/no-devices.yaml", *TINY, "--out", "{tmp}/r"],
      "devices", 2),
     ("a device count of 0", ["train", "--cluster", "{tmp}/zero-count.yaml", *TINY, "--out", "{tmp}/r"], "count", 2),
+    ("a device's TFLOP/s not a number", ["profile", "--cluster", "{tmp}/nan-tflops.yaml", "--out", "{tmp}/p.json"],
+     "devices.0.tflops", 2),
+    ("a device's bandwidth infinite", ["bench", "--cluster", "{tmp}/inf-bandwidth.yaml"],
+     "devices.0.memory_bandwidth_gbs", 2),
     ("a misspelt GPU name", ["train", "--cluster", "{tmp}/misspelt-gpu.yaml", *TINY, "--out", "{tmp}/r"],
      "unknown GPU 'A100-80G': did you mean A100-80GB", 2),
     ("a CUDA device name for a catalogue name", ["profile", "--cluster", "{tmp}/cuda-name.yaml", "--out",

@@ -36,10 +36,11 @@ its kinds carries the GPU's properties (``cuda``) instead of figures.
 from __future__ import annotations
 
 import difflib
+import math
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from poplar.cluster.catalogue import gpu_by_key as catalogue_gpu
 
@@ -66,7 +67,7 @@ class CudaProperties(BaseModel):
 
 
 class Link(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     bandwidth_gbs: float = Field(gt=0, description="GB/s one way, per rank")
     latency_us: float = Field(ge=0, description="microseconds per message")
@@ -112,7 +113,7 @@ class Network(BaseModel):
 class DeviceGroup(BaseModel):
     """``count`` identical devices of one kind, on one node."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     kind: str = Field(min_length=1, description="a name for this kind of device")
     count: int = Field(1, gt=0, description="how many ranks are devices of this kind")
@@ -131,6 +132,16 @@ class DeviceGroup(BaseModel):
     intra_node: Link | None = Field(None, description="the link among these ranks inside a node (NVLink, PCIe); "
                                     "default: the network's intra_node")
     cuda: CudaProperties | None = Field(None, description="a real CUDA device, as discovered; None: emulated")
+
+    @field_validator("tflops", mode="before")
+    @classmethod
+    def _positive_tflops(cls, v):
+        figures = v.values() if isinstance(v, dict) else [] if v is None else [v]
+        if any(isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0
+               for f in figures):
+            raise ValueError(f"every TFLOP/s figure must be a finite number above 0 (one, or one per dtype: "
+                             f"{{fp32: 19.5, bf16: 312}}), got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _figures(self) -> DeviceGroup:
@@ -192,7 +203,7 @@ _DEFAULTS = {name: f.default for name, f in DeviceGroup.model_fields.items()}
 class ClusterSpec(BaseModel):
     """The devices of a heterogeneous cluster in rank order, their nodes and the links between them."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     devices: list[DeviceGroup] = Field(min_length=1, description="device kinds, in rank order")
     memory_scale: float = Field(1.0, gt=0, description="every emulated device's memory times this")

@@ -85,15 +85,15 @@ def _mlp_step(batch: int):
 def _comm_ratio(device) -> float:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return 0.0
-    from poplar.engine.collectives import _all_gather, _reduce_scatter
+    from poplar.engine.collectives import all_gather_tensor, reduce_scatter_tensor
 
     world = dist.get_world_size()
     worst = 0.0
     for numel in (world, 16 * 1024 * world, 256 * 1024 * world):
         full, shard = torch.zeros(numel), torch.zeros(numel // world)
         for op, run in (("all_reduce", lambda: dist.all_reduce(full)),
-                        ("reduce_scatter", lambda: _reduce_scatter(shard, full)),
-                        ("all_gather", lambda: _all_gather(full, shard))):
+                        ("reduce_scatter", lambda: reduce_scatter_tensor(shard, full)),
+                        ("all_gather", lambda: all_gather_tensor(full, shard))):
             real = []
             for i in range(4):
                 dist.barrier()

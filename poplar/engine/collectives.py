@@ -40,8 +40,8 @@ import torch.distributed as dist
 from poplar.engine import flight
 
 # torch 2.13 renamed the *_tensor collectives; keep working on older releases too.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 SUM = dist.ReduceOp.SUM
 
@@ -75,7 +75,7 @@ class _UnevenGather:
         self._work = None
 
     def issue(self, async_op: bool):
-        self._work = _all_gather(self.gathered, self.mine, group=self.group, async_op=True)
+        self._work = all_gather_tensor(self.gathered, self.mine, group=self.group, async_op=True)
         if async_op:
             return self
         self.wait()
@@ -160,7 +160,7 @@ class Comm:
         g = self._group
         if _even(sizes):
             return self.run("reduce_scatter", _bytes(input),
-                            lambda a: _reduce_scatter(output, input, op=SUM, group=g, async_op=a), async_op)
+                            lambda a: reduce_scatter_tensor(output, input, op=SUM, group=g, async_op=a), async_op)
         parts = list(input.split(list(sizes)))
         return self.run("reduce_scatter", _bytes(input),
                         lambda a: dist.reduce_scatter(output, parts, op=SUM, group=g, async_op=a), async_op)
@@ -172,7 +172,7 @@ class Comm:
         g = self._group
         if _even(sizes):
             return self.run("all_gather", _bytes(output),
-                            lambda a: _all_gather(output, input, group=g, async_op=a), async_op)
+                            lambda a: all_gather_tensor(output, input, group=g, async_op=a), async_op)
         gather = _UnevenGather(output, input, list(sizes), g)   # its slice padded: local work, before the issue
         return self.run("all_gather", len(sizes) * gather.largest * output.element_size(), gather.issue, async_op)
 

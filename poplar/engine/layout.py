@@ -186,7 +186,7 @@ class ShardLayout:
             recvbuf = torch.empty(sum(ex.sizes), dtype=shard.dtype, device=shard.device)
             work = dist.all_to_all_single(recvbuf, sendbuf, ex.sizes, ex.sizes, group=self.comm.group,
                                           async_op=True)
-            return _SumAcross(work, recvbuf, mine, ex.parts, self.group_index)
+            return SumAcross(work, recvbuf, mine, ex.parts, self.group_index)
 
         return self.comm.run("reduce_across", numel * shard.element_size(), issue, async_op, groups=self.replicas)
 
@@ -210,7 +210,7 @@ def check_collective_sizes(world_size: int, groups: Sequence[Sequence[int]] | No
                                  f"{s} would send back {sizes[s][r]}; the engine cannot run this shape")
 
 
-class _SumAcross:
+class SumAcross:
     """The all-to-all in flight; ``wait()`` adds every group's part into the slice, in group order."""
 
     def __init__(self, work, recvbuf: torch.Tensor, mine: torch.Tensor, parts, own_group: int):

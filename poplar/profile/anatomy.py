@@ -25,7 +25,7 @@ from poplar.profile.timing import RankRun, timed_step
 SMALL_BYTES = 8     # the loss and the squared norm: one fp32 (or fp64) number
 
 
-class _Marks:
+class Marks:
     """Busy seconds (the device's clock less its waits) at each mark of one step."""
 
     def __init__(self, device):
@@ -140,7 +140,7 @@ def measure_anatomy(run: RankRun, stage: int, sizes: list[int]) -> StepAnatomy |
     batch = wl.random_batch(plan.local_batch_size(run.rank))
     for _ in range(max(1, run.warmup)):
         timed_step(run.device, engine, batch, wl.loss)
-    marks = _Marks(run.device)
+    marks = Marks(run.device)
     with marks.watch(engine), run.device.step(engine.held_state):
         marks.start()
         engine.train_batch(batch, wl.loss)

@@ -87,7 +87,7 @@ def profile_cluster(workload: str | Workload, cluster: dict, options: ProfileOpt
         measured = {(k, s): merge_stage([r.stages[s] for r in ranks if r.kind == k]) for s in todo for k in kinds}
         if not distributed or dist.get_rank() == 0:
             cache.save(measured, comm)
-    profile = _assemble(wl, spec, options.precision, config, {**cached, **measured}, comm)
+    profile = assemble(wl, spec, options.precision, config, {**cached, **measured}, comm)
     summary = {"measured": sorted(measured), "from_cache": sorted(ks for ks in cached if ks not in measured),
                "dilation": ranks[0].dilation if ranks else None, "overruns": sum(r.overruns for r in ranks)}
     return profile, summary
@@ -169,7 +169,7 @@ def _merge_comm(ranks: list[RankProfile]) -> CommProfile:
     return comm.model_copy(update={"shaped": comm.shaped.model_copy(update={"inside": inside})})
 
 
-def _assemble(wl: Workload, spec: ClusterSpec, precision: str, config: EngineConfig,
+def assemble(wl: Workload, spec: ClusterSpec, precision: str, config: EngineConfig,
               stages: dict[tuple[str, int], StageProfile], comm: CommProfile | None) -> Profile:
     kinds = {d.kind: d for d in spec.devices}
     devices = {k: DeviceProfile(kind=k, memory_gb=spec.memory_bytes(d) / 2**30,

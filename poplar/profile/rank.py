@@ -218,7 +218,7 @@ def _model_states(run: RankRun, stage: int, precision: str) -> _States:
     engine = run.engine(poplar.Plan(stage, [1] * run.world_size, 2))
     # the optimizer's states come with its first step: counted before it, so that no rank
     # runs out of memory inside a step while the others wait for it in a collective
-    before = engine.model_state_bytes() + _optimizer_states_to_come(engine)
+    before = engine.model_state_bytes() + optimizer_states_to_come(engine)
     fits, everyone = _fits_one(run, engine, before, precision)
     most = None
     if everyone:
@@ -237,7 +237,7 @@ def shard_bytes(engine, stage: int, precision: str) -> int:
     return zero_stage(stage).sharded_bytes_per_param(precision) * sum(u.shard_numel for u in engine.units)
 
 
-def _optimizer_states_to_come(engine) -> int:
+def optimizer_states_to_come(engine) -> int:
     """Bytes the profiler's AdamW will add at its first step: its moments, sized by what it updates."""
     if engine.optimizer.state:
         return 0

@@ -182,7 +182,7 @@ def _timed_parts(device: Device, issue: Callable[[], Any], repeats: int) -> tupl
     return tuple(statistics.median(x[j] for x in out) for j in range(3))
 
 
-def _time_ops(device: Device, comm, numel: int, repeats: int) -> CommProfile:
+def time_ops(device: Device, comm, numel: int, repeats: int) -> CommProfile:
     """All-reduce, reduce-scatter and all-gather over ``comm``'s ranks, at ``numel`` (padded) and a tiny size."""
     world = comm.world_size
     padded = -(-numel // world) * world
@@ -207,14 +207,14 @@ def time_collectives(device: Device, numel: int, node_groups: list[list[int]] | 
     among its own ranks (each rank times its own node's; :attr:`ShapedComm.inside` holds
     this rank's only, the profiler puts the nodes' together) and the sum across nodes.
     """
-    flat = _time_ops(device, device.comm, numel, repeats)
+    flat = time_ops(device, device.comm, numel, repeats)
     if not node_groups or len(node_groups) < 2:
         return flat
     from poplar.engine.layout import ShardLayout
     from poplar.profile.profile import ShapedComm
 
     layout = ShardLayout.build(device.comm, node_groups)
-    inside = _time_ops(device, layout.shard_comm, numel, repeats)
+    inside = time_ops(device, layout.shard_comm, numel, repeats)
 
     def across(n: int) -> tuple[float, float]:
         """On the link (the wait: the all-to-all), and computing (the parts added in group order)."""

@@ -14,9 +14,9 @@ import torch
 
 from poplar.cluster.spec import ClusterSpec
 from poplar.devices.simulated import Issued, SimulatedDevice
-from poplar.engine.layout import ShardLayout, _SumAcross
+from poplar.engine.layout import ShardLayout, SumAcross
 from poplar.profile.profile import CommProfile, ShapedComm
-from poplar.profile.timing import _time_ops
+from poplar.profile.timing import time_ops
 
 REPEATS = 1   # the network model is deterministic
 
@@ -26,7 +26,7 @@ def simulated_comm(spec: ClusterSpec, numel: int) -> CommProfile:
     groups = spec.node_groups()
     with torch.device("meta"):
         first = _on_meta(SimulatedDevice(spec, 0))
-        flat = _time_ops(first, first.comm, numel, REPEATS)
+        flat = time_ops(first, first.comm, numel, REPEATS)
         if len(groups) < 2:
             return flat
         links, nodes = spec.intra_links(), spec.rank_nodes()
@@ -36,7 +36,7 @@ def simulated_comm(spec: ClusterSpec, numel: int) -> CommProfile:
             key = (len(g), links[nodes[g[0]]])
             if key not in alike:
                 device = _on_meta(SimulatedDevice(spec, g[0]))
-                alike[key] = _time_ops(device, device.comm.among(g), numel, REPEATS)
+                alike[key] = time_ops(device, device.comm.among(g), numel, REPEATS)
             inside.append(alike[key])
         link, add = _across(first, groups, numel)
         link_tiny, add_tiny = _across(first, groups, len(groups) * 64)
@@ -64,6 +64,6 @@ def _across(device: SimulatedDevice, groups: list[list[int]], numel: int) -> tup
         if exchange.send:
             torch.cat([mine[a:a + n] for a, n in exchange.send])
         received = torch.empty(sum(exchange.sizes))
-        _SumAcross(Issued(), received, mine, exchange.parts, layout.group_index).wait()
+        SumAcross(Issued(), received, mine, exchange.parts, layout.group_index).wait()
     return link, device.compute_s
 

@@ -33,7 +33,7 @@ from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import forward_backward, grow_then_bisect
 from poplar.profile.profile import DOES_NOT_FIT, FITS_WITH_LESS, Profile, StageProfile
 from poplar.profile.profiler import merge_stage
-from poplar.profile.rank import _optimizer_states_to_come, held_at_shares, shard_bytes
+from poplar.profile.rank import optimizer_states_to_come, held_at_shares, shard_bytes
 from poplar.profile.timing import RankRun, fraction_held, point_sizes, skewed_shares, timed_step
 from poplar.simulate.comm import simulated_comm
 from poplar.simulate.fake import fake_tensors
@@ -189,7 +189,7 @@ class _Recording:
     def __init__(self, run: RankRun, stage: int, shares: tuple[float, ...] | None = None):
         self.run, self.stage, self.shares = run, stage, shares
         self.engine = run.engine(self._plan(1, 1))
-        self.before = self.engine.model_state_bytes() + _optimizer_states_to_come(self.engine)
+        self.before = self.engine.model_state_bytes() + optimizer_states_to_come(self.engine)
         timed_step(run.device, self.engine, run.workload.random_batch(1), run.workload.loss)
         self.most = 0
 
@@ -250,13 +250,13 @@ def _timed(steps: Steps, gpu: GpuModel, limit: int, state: int, n_points: int) -
 def simulate_profile(workload: str | Workload, cluster, options: ProfileOptions | None = None,
                      config: EngineConfig | None = None) -> Profile:
     """The :class:`Profile` of ``workload`` on ``cluster``, simulated (see the module)."""
-    from poplar.profile.profiler import _assemble
+    from poplar.profile.profiler import assemble
 
     options, config = _resolved(options, config)
     wl, spec = as_workload(workload), parse_cluster(cluster)
     stages = simulate_stages(wl, spec, options, config)
     with fake_tensors():     # the model is built once more, for its units: of any size
-        profile = _assemble(wl, spec, options.precision, config, stages, None)
+        profile = assemble(wl, spec, options.precision, config, stages, None)
     return profile.model_copy(update={"comm": simulated_comm(spec, wl.n_params())})
 
 

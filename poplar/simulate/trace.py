@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from poplar.devices.simulated import SimulatedDevice
 from poplar.emulate.model import GpuModel, op_cost
-from poplar.profile.anatomy import _Marks
+from poplar.profile.anatomy import Marks
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the compute dtypes a price depends on
 LINE_SIZES = (2, 3, 4)   # the micro-batches a line is drawn through (the first two) and checked at (the third)
@@ -85,7 +85,7 @@ class Trace:
     n_units: int = 0
 
     @classmethod
-    def of(cls, recorder: Recorder, marks: _Marks | None = None, n_units: int = 0) -> Trace:
+    def of(cls, recorder: Recorder, marks: Marks | None = None, n_units: int = 0) -> Trace:
         return cls(np.array(recorder.flops), np.array(recorder.nbytes), np.array(recorder.dtypes, dtype=np.int8),
                    dict(marks.at) if marks else {}, list(marks.launches) if marks else [], n_units)
 
@@ -98,10 +98,10 @@ class Trace:
     def busy(self, gpu: GpuModel) -> float:
         return float(self.seconds(gpu).sum())
 
-    def marks_on(self, gpu: GpuModel) -> _Marks:
+    def marks_on(self, gpu: GpuModel) -> Marks:
         """The marks in busy seconds on ``gpu``, as the device's clock would have read them."""
         at = np.concatenate([[0.0], np.cumsum(self.seconds(gpu))])
-        marks = _Marks(None)
+        marks = Marks(None)
         marks.at = {k: float(at[i]) for k, i in self.marks.items()}
         marks.launches = [(op, nbytes, float(at[i])) for op, nbytes, i in self.launches]
         return marks
@@ -182,7 +182,7 @@ class Activations:
         return a2 + (m - 2) * (a3 - a2)
 
 
-class CountedMarks(_Marks):
+class CountedMarks(Marks):
     """The anatomy's marks on a :class:`CountingDevice`: each mark is the number of operators run before it."""
 
     def busy(self) -> int:

@@ -5,7 +5,7 @@ import warnings
 import pytest
 
 from poplar.launch import spawn
-from poplar.profile.anatomy import _Marks
+from poplar.profile.anatomy import Marks
 from poplar.profile.profile import StageProfile, StepAnatomy
 from tests.profile.workers import anatomy_at
 
@@ -47,10 +47,10 @@ def test_shares_between_the_measured_sizes_are_interpolated():
     assert StageProfile(max_micro_batch=1, state_bytes=0).anatomy_at(1) is None
 
 
-def _marks(launch_before_inputs: float) -> _Marks:
+def _marks(launch_before_inputs: float) -> Marks:
     """Marks of a step of two layers (1 then 2), each layer's gradient collective issued ``launch_before_inputs``
     seconds before its inputs' gradient is in (its parameters' gradients come first)."""
-    marks = _Marks(None)
+    marks = Marks(None)
     marks.at = {("forward", 1): 1.0, ("forward_end", 1): 2.0, ("forward", 2): 2.0, ("forward_end", 2): 3.0,
                 ("backward", 2): 4.0, ("backward_end", 2): 6.0, ("backward", 1): 6.0, ("backward_end", 1): 8.0}
     marks.launches = [("all_reduce", 16, 0.0),                          # the batch check, as the step starts
