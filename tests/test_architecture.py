@@ -102,6 +102,44 @@ def test_no_import_circle_between_parts():
     assert not circles, "\n".join(sorted(set(circles)))
 
 
+def module_imports() -> dict[str, set[str]]:
+    """Every poplar module's poplar modules imported, wherever in the module: ``from package import module`` is
+    the module's."""
+    modules = {_module(p) for p in ROOT.rglob("*.py")}
+    out: dict[str, set[str]] = collections.defaultdict(set)
+    for path in ROOT.rglob("*.py"):
+        me = _module(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("poplar"):
+                subs = {f"{node.module}.{a.name}" for a in node.names} & modules
+                out[me].update(subs or {node.module})
+            elif isinstance(node, ast.Import):
+                out[me].update(a.name for a in node.names if a.name in modules)
+    return out
+
+
+def test_no_import_circle_between_modules():
+    """Inside a part too: no module imports one that imports it back (a package's root left out: it gathers its
+    modules for those outside)."""
+    packages = {_module(p) for p in ROOT.rglob("__init__.py")}
+    graph = {me: {t for t in targets if t not in packages and t != me}
+             for me, targets in module_imports().items() if me not in packages}
+    circles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in graph.get(node, ()):
+            if nxt in path:
+                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in seen:
+                seen.add(nxt)
+                visit(nxt, path + [nxt])
+
+    for start in graph:
+        seen = {start}
+        visit(start, [start])
+    assert not circles, "\n".join(sorted(set(circles)))
+
+
 def test_no_part_imports_another_part_s_private_names():
     """A name with a leading underscore is its part's own: another part imports only what is public."""
     bad = []

@@ -52,7 +52,7 @@ def simulate(
     """Plan a model on a cluster from a simulated profile: the device model counted on fake tensors, not run."""
     from pydantic import ValidationError
 
-    from poplar.cli.main import BAD_INPUT_ERRORS, _check_writable, _error, stages_option
+    from poplar.cli.inputs import BAD_INPUT_ERRORS, _check_writable, _error, stages_option
     from poplar.cli.output import console as _console
     from poplar.cluster.spec import load_cluster
     from poplar.profile.options import ProfileOptions
