@@ -39,6 +39,7 @@ def _setup(tmp: Path, earlier_run: Path) -> None:
     (tmp / "speed.yaml").write_text("devices:\n  - kind: x\n    speed: 2.0\n")
     (tmp / "no-devices.yaml").write_text("devices: []\n")
     (tmp / "zero-count.yaml").write_text("devices:\n  - kind: x\n    gpu: T4-16GB\n    count: 0\n")
+    (tmp / "two-t4.yaml").write_text("devices:\n  - kind: t4\n    gpu: T4-16GB\n    count: 2\n")
     (tmp / "nan-tflops.yaml").write_text("devices:\n  - kind: x\n    memory_gb: 16\n    tflops: {fp32: .nan}\n"
                                          "    memory_bandwidth_gbs: 300\n")
     (tmp / "inf-bandwidth.yaml").write_text("devices:\n  - kind: x\n    memory_gb: 16\n    tflops: 10\n"
@@ -101,6 +102,8 @@ CASES = [
     ("a device count of 0", ["train", "--cluster", "{tmp}/zero-count.yaml", *TINY, "--out", "{tmp}/r"], "count", 2),
     ("a device's TFLOP/s not a number", ["profile", "--cluster", "{tmp}/nan-tflops.yaml", "--out", "{tmp}/p.json"],
      "devices.0.tflops", 2),
+    ("a model whose states the whole cluster cannot hold", ["simulate", "--cluster", "{tmp}/two-t4.yaml", "--model",
+     "llama-70b", "--global-batch", "64"], "more than the 2 devices of this cluster hold together", 2),
     ("a device's bandwidth infinite", ["bench", "--cluster", "{tmp}/inf-bandwidth.yaml"],
      "devices.0.memory_bandwidth_gbs", 2),
     ("a misspelt GPU name", ["train", "--cluster", "{tmp}/misspelt-gpu.yaml", *TINY, "--out", "{tmp}/r"],

@@ -23,6 +23,7 @@ from poplar.cluster.catalogue import peak_tflops
 from poplar.cluster.spec import ClusterSpec, DeviceGroup, parse_cluster
 from poplar.engine.config import EngineConfig
 from poplar.profile.cache import ProfileCache, cache_key, default_cache_dir
+from poplar.profile.fits import check_states_fit
 from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import largest_micro_batch
 from poplar.profile.profile import CommProfile, DeviceProfile, ModelInfo, Profile, StageProfile
@@ -66,6 +67,7 @@ def profile_cluster(workload: str | Workload, cluster: dict, options: ProfileOpt
         options = ProfileOptions(**{**options.model_dump(exclude_unset=True), **fields})
     config = (config or EngineConfig()).model_copy(update={"mixed_precision": options.precision})
     wl, spec = as_workload(workload), parse_cluster(cluster)
+    check_states_fit(wl, spec, options.precision)
     if spec.is_real and not distributed:
         raise ValueError("real CUDA devices are profiled by the ranks that run on them: call with distributed=True "
                          "in a running process group (poplar profile does so under torchrun, or on one GPU)")

@@ -29,6 +29,7 @@ from poplar.cluster.spec import ClusterSpec, DeviceGroup, parse_cluster
 from poplar.emulate.model import GpuModel
 from poplar.engine.config import EngineConfig
 from poplar.precision import cast_model, torch_dtype
+from poplar.profile.fits import check_states_fit
 from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import forward_backward, grow_then_bisect
 from poplar.profile.profile import DOES_NOT_FIT, FITS_WITH_LESS, Profile, StageProfile
@@ -47,6 +48,7 @@ def simulate_stages(workload: str | Workload, cluster, options: ProfileOptions |
     """Every kind's stage profiles, simulated: ``{(kind, stage): StageProfile}``."""
     options, config = _resolved(options, config)
     wl, spec = as_workload(workload), parse_cluster(cluster)
+    check_states_fit(wl, spec, options.precision)
     kinds: dict[str, DeviceGroup] = {}
     for d in spec.rank_devices():
         kinds.setdefault(d.kind, d)

@@ -1,0 +1,31 @@
+"""What arithmetic tells before anything is measured: a model whose states no cluster of these devices can hold.
+
+In ZeRO-3 the model states are one copy over the whole cluster, each rank holding its share
+(any share: :attr:`poplar.plan.Plan.shard_shares`), so whatever the stage, shape and
+shares, the devices together hold at least the stage's sharded bytes a parameter
+(:meth:`poplar.stages.ZeroStage.sharded_bytes_per_param`) times the parameters. A cluster
+whose memory is less than that is refused at once, before minutes of profiling or
+simulating find the same.
+"""
+
+from __future__ import annotations
+
+from poplar.cluster.spec import ClusterSpec
+from poplar.stages import stage as zero_stage
+from poplar.workload import Workload
+
+
+def check_states_fit(wl: Workload, spec: ClusterSpec, precision: str) -> None:
+    """Raise a one-line ``ValueError`` where the cluster's devices together cannot hold the model's states."""
+    per_param = zero_stage(3).sharded_bytes_per_param(precision)
+    need = per_param * wl.n_params()
+    held = sum(spec.memory_bytes(d) for d in spec.rank_devices())
+    if need > held:
+        raise ValueError(f"{wl.model} has {wl.n_params() / 1e9:.2f}B parameters: its model states take at least "
+                         f"{_gib(need)} in ZeRO-3 ({per_param} bytes a parameter in {precision}), more than the "
+                         f"{spec.world_size} device{'s' * (spec.world_size > 1)} of this cluster hold together "
+                         f"({_gib(held)}): add devices or larger ones, or choose a smaller model")
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
