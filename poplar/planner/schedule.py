@@ -227,7 +227,6 @@ def repeated(events: list, steps: int) -> list:
 
 
 FORWARD_SHARE = 1 / 3     # of a micro-step's compute: the backward does about twice the forward's FLOPs
-MAX_INFLIGHT = 2          # ZeRO-2/3 reductions in flight: the engine's default (max_inflight_reduces)
 STEADY_STEPS = 2          # steps followed where the ranks do not start a step together: the last is the steady one
 
 
@@ -274,6 +273,7 @@ class StepSchedule:
             else self.numels
         self.shares = [w / sum(weights) for w in weights]
         self.stage, self.shape = stage, shape
+        self.max_inflight, self.prefetch = profile.engine.max_inflight_reduces, profile.engine.prefetch
         comms = shape.inside if shape else [profile.comm]
         reduce_op = "all_reduce" if stage == 0 and not shape else "reduce_scatter"
         self.reduce_s = [[c.seconds(reduce_op, n) for n in self.numels] for c in comms]
@@ -336,7 +336,8 @@ class StepSchedule:
                                                                              reduce_s)]
             tag = f"{link}.{j if every else ''}."
             micro_events = micro_step_events(units, gathers=self.stage == 3, reduces=every or last,
-                                             max_inflight=MAX_INFLIGHT if every else None, tag=tag, link=link)
+                                             max_inflight=self.max_inflight if every else None, tag=tag, link=link,
+                                             prefetch=self.prefetch)
             events += self._sum_across(micro_events, tag, link, gather_s) if self.shape and last else micro_events
         anatomy = self._anatomy(kind_cost, micro[-1][0])
         before = (anatomy.before_loss_s, anatomy.before_norm_s) if anatomy else (0.0, 0.0)

@@ -213,6 +213,16 @@ class ModelInfo(BaseModel):
     dtype: str = "fp32"
 
 
+class EngineOptions(BaseModel):
+    """The engine's options a profile was measured with that change how a step runs (the cost model follows them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_inflight_reduces: int = Field(2, ge=1, description="ZeRO-2/3 gradient reductions in flight")
+    prefetch: bool = Field(True, description="ZeRO-3: the next unit gathered while one computes")
+    unit_numel: int = Field(1_000_000, gt=0, description="other modules with this many parameters become units")
+
+
 class Profile(BaseModel):
     """Profiles of every device kind of a cluster (ranks in order), and its collectives."""
 
@@ -222,6 +232,8 @@ class Profile(BaseModel):
     ranks: list[str] = Field(description="device kind of each rank, in rank order")
     devices: dict[str, DeviceProfile]
     comm: CommProfile | None = None
+    engine: EngineOptions = Field(default_factory=EngineOptions, description="the engine options it was measured "
+                                  "with (the defaults in profiles written before they were recorded)")
 
     @property
     def world_size(self) -> int:

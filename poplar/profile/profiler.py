@@ -26,7 +26,7 @@ from poplar.profile.cache import ProfileCache, cache_key, default_cache_dir
 from poplar.profile.fits import check_states_fit
 from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import largest_micro_batch
-from poplar.profile.profile import CommProfile, DeviceProfile, ModelInfo, Profile, StageProfile
+from poplar.profile.profile import CommProfile, DeviceProfile, EngineOptions, ModelInfo, Profile, StageProfile
 from poplar.profile.rank import RankProfile, profile_rank
 from poplar.profile.timing import point_sizes
 from poplar.profile.units import unit_flops, unit_numels
@@ -182,4 +182,6 @@ def assemble(wl: Workload, spec: ClusterSpec, precision: str, config: EngineConf
     info = ModelInfo(name=wl.model, n_params=sum(p.numel() for p in model.parameters()),
                      unit_numels=unit_numels(model, config), unit_flops=unit_flops(wl, config, model),
                      seq_len=wl.seq_len, dtype=precision)
-    return Profile(model=info, ranks=[d.kind for d in spec.rank_devices()], devices=devices, comm=comm)
+    engine = EngineOptions(**config.model_dump(include=set(EngineOptions.model_fields)))
+    return Profile(model=info, ranks=[d.kind for d in spec.rank_devices()], devices=devices, comm=comm,
+                   engine=engine)

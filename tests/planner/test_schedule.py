@@ -162,3 +162,42 @@ def test_zero0_the_ideal_bound_balances_the_update_too(global_batch):
         if a.plan is not None:
             assert a.predicted.samples_per_s <= stage.ideal_samples_per_s * (1 + 1e-9)
     assert result.predicted.samples_per_s >= 0.9 * stage.ideal_samples_per_s
+
+
+def test_the_schedule_follows_the_engine_options_the_profile_was_measured_with():
+    """With one reduction in flight a layer's backward waits for the one before's (ZeRO-2), with four none does;
+    ZeRO-3 without prefetch waits for every gather where it would have had it gathered already."""
+    from poplar.plan import Plan
+    from poplar.planner.cost import CostModel
+    from poplar.planner.schedule import Issue, Wait
+    from poplar.profile.profile import EngineOptions
+
+    base = _two_kinds_unlike_updates()
+
+    def events(stage: int, **options) -> list:
+        cost = CostModel(base.model_copy(update={"engine": EngineOptions(**options)}), stage)
+        return cost.schedule.rank_events([(8, float(cost.kinds["new"].g[8]))], cost.kinds["new"])
+
+    def waited_before_root_issued(**options) -> bool:     # the last layer's reduction, before the root's issued
+        keys = [(type(e).__name__, e.key) for e in events(2, **options) if isinstance(e, (Wait, Issue))]
+        return keys.index(("Wait", ".0.r2")) < keys.index(("Issue", ".0.r0"))
+
+    assert waited_before_root_issued(max_inflight_reduces=1) and not waited_before_root_issued(max_inflight_reduces=4)
+    assert events(3, prefetch=False) != events(3, prefetch=True)
+    slow = base.comm.model_copy(update={"all_gather_s": 0.05})
+    steps = [CostModel(base.model_copy(update={"comm": slow, "engine": EngineOptions(prefetch=p)}), 3).predict(
+        Plan.from_local_batches(3, [16, 8], [2, 2])).step_s for p in (False, True)]
+    assert steps[0] > steps[1]                                           # without prefetch none overlaps compute
+
+
+def test_a_profile_records_the_engine_options_it_was_measured_with():
+    from poplar.engine.config import EngineConfig
+    from poplar.profile.options import ProfileOptions
+    from poplar.simulate import simulate_profile
+
+    cluster = {"devices": [{"kind": "a", "gpu": "A100-40GB"}, {"kind": "b", "gpu": "T4-16GB"}], "memory_scale": 0.001}
+    options = ProfileOptions(stages=(0,), n_points=2, max_micro_batch=4)
+    assert simulate_profile("tiny", cluster, options).engine.max_inflight_reduces == 2
+    config = EngineConfig(max_inflight_reduces=3, prefetch=False)
+    recorded = simulate_profile("tiny", cluster, options, config).engine
+    assert (recorded.max_inflight_reduces, recorded.prefetch) == (3, False)
