@@ -26,6 +26,7 @@ import torch.distributed as dist
 import poplar
 from poplar.cluster.spec import parse_cluster
 from poplar.devices import rank_device
+from poplar.engine import initialize
 from poplar.peers import PeerFailed
 from poplar.workload import Workload, as_workload
 
@@ -75,7 +76,7 @@ def _measure(device, rank: int, wl: Workload, plans: list[dict], steps: int, war
     engines = []
     for p in plans:
         plan = poplar.Plan.from_dict(p)
-        engine = poplar.initialize(wl.build(), optimizer, plan, comm=device.comm)
+        engine = initialize(wl.build(), optimizer, plan, comm=device.comm)
         batch = wl.random_batch(plan.local_batch_size(rank), seed=rank)
         engines.append(engine)
         runs.append((lambda engine=engine, batch=batch: engine.train_batch(batch, wl.loss), engine.held_state))

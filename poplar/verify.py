@@ -15,6 +15,7 @@ import torch
 
 import poplar
 from poplar.data.synthetic import bigram_batches
+from poplar.engine import initialize
 from poplar.launch import spawn
 from poplar.models import TinyCausalLM, causal_lm_loss
 
@@ -36,7 +37,7 @@ def make_model(seed: int = 0) -> TinyCausalLM:
 
 def train_rank(rank: int, world_size: int, plan: poplar.Plan, steps: int) -> dict:
     """What every rank runs: the engine on this rank's slice of each global batch."""
-    engine = poplar.initialize(make_model(), OPTIMIZER, plan)
+    engine = initialize(make_model(), OPTIMIZER, plan)
     lo, hi = plan.sample_range(rank)
     batches = bigram_batches(steps, plan.global_batch_size, seq_len=MODEL["max_seq_len"],
                              vocab_size=MODEL["vocab_size"])

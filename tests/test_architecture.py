@@ -140,6 +140,28 @@ def test_no_import_circle_between_modules():
     assert not circles, "\n".join(sorted(set(circles)))
 
 
+def test_core_code_uses_the_engine_not_the_package_s_front_door():
+    """``poplar.initialize`` also reads DeepSpeed's arguments (and imports the integrations): the package's users'
+    door. Poplar's own code builds its engine with :func:`poplar.engine.initialize`; only the integrations and the
+    command line (which serve users) may import the integrations."""
+    front = {"poplar", "poplar.integrations", "poplar.cli"}
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        me = _module(path)
+        if _part(me) in front:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            called = isinstance(node, ast.Attribute) and node.attr == "initialize"
+            if called and getattr(node.value, "id", "") == "poplar":
+                bad.append(f"{me} calls poplar.initialize (line {node.lineno})")
+            elif isinstance(node, ast.ImportFrom) and node.module == "poplar" and any(
+                    a.name == "initialize" for a in node.names):
+                bad.append(f"{me} imports initialize from poplar")
+    bad += [f"{me} imports {t}" for me, targets in imports().items() if _part(me) not in front
+            for t in targets if _part(t) == "poplar.integrations"]
+    assert not bad, "\n".join(sorted(bad))
+
+
 def test_no_part_imports_another_part_s_private_names():
     """A name with a leading underscore is its part's own: another part imports only what is public."""
     bad = []

@@ -17,6 +17,7 @@ import poplar
 from poplar.cluster.spec import parse_cluster
 from poplar.devices.emulated import EmulatedDevice
 from poplar.emulate.model import WorkCounter
+from poplar.engine import initialize
 from poplar.workload import as_workload
 
 _OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-4)
@@ -35,7 +36,7 @@ def micro_steps(rank: int, world_size: int, cluster: dict, sizes: list[int], ste
     with EmulatedDevice(spec, rank, probe=lambda m: wl.loss(model, wl.random_batch(m)).backward()) as device:
         rows = []
         for m in sizes:
-            engine = poplar.initialize(wl.build(), _OPTIMIZER, poplar.Plan(0, [m] * world_size, 1), comm=device.comm)
+            engine = initialize(wl.build(), _OPTIMIZER, poplar.Plan(0, [m] * world_size, 1), comm=device.comm)
             batch = wl.random_batch(m, seed=rank)
             engine.train_batch(batch, wl.loss)
             with WorkCounter(device.gpu) as counter:      # not paced: no device step

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import poplar
 from poplar.devices.base import Device
+from poplar.engine import initialize
 from poplar.engine.config import EngineConfig
 from poplar.profile.profile import CommProfile
 from poplar.workload import Workload
@@ -59,7 +60,7 @@ class RankRun:
         device."""
         if self.shares is not None:
             plan = plan.with_shard_shares(self.shares)
-        return poplar.initialize(self.workload.build(), _adamw, plan, self.config, comm=self.comm or self.device.comm)
+        return initialize(self.workload.build(), _adamw, plan, self.config, comm=self.comm or self.device.comm)
 
     def note(self, stage: int, what: str) -> None:
         if self.progress is not None:

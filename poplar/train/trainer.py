@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import poplar
+from poplar.engine import initialize
 from poplar.engine.collectives import Comm
 from poplar.train.checkpointer import Checkpointer
 from poplar.train.config import TrainConfig
@@ -42,7 +43,7 @@ class Trainer:
         _, self.batches = prepare_data(cfg)
         model = wl.build(seed=cfg.seed)
         optimizer = lambda params: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # noqa: E731
-        self.engine = poplar.initialize(model, optimizer, plan, cfg.engine, comm=device.comm)
+        self.engine = initialize(model, optimizer, plan, cfg.engine, comm=device.comm)
         self.comm = Comm()   # the loop's own small collectives (SIGTERM agreed, figures gathered): unpaced
         self.faults = FaultInjector.for_rank(rank)
         self.callbacks = [self.faults.attach(model, device)] if self.faults else []
