@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from poplar.cluster.spec import ClusterSpec
 from poplar.devices.emulated import EmulatedDevice, _Launched
-from poplar.engine.collectives import ObservedComm, Work
+from poplar.engine.collectives import ObservedComm
 
 
 class Issued:
@@ -37,8 +37,18 @@ class SimulatedGroup:
     ranks: tuple[int, ...]
 
 
+class NoCollectives:
+    """Collectives that are not issued: each is done when waited for (what runs around them still runs)."""
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: Issued()
+
+
 class SimulatedComm(ObservedComm):
-    """Rank ``rank`` of ``world_size`` as the engine sees it; every collective is timed by the device, not run."""
+    """Rank ``rank`` of ``world_size`` as the engine sees it; every collective is timed by the device, not run
+    (the work around it, padding and copies, runs)."""
+
+    collectives = NoCollectives()
 
     def __init__(self, observer, rank: int, world_size: int, group=None):
         super().__init__(observer, group)
@@ -61,17 +71,9 @@ class SimulatedComm(ObservedComm):
 
     def agree(self, values: list[int], device) -> tuple[list[int], list[int]]:
         """The (min, max) across ranks of values every rank holds alike (this one stands for all): its own."""
-        self.run("all_reduce", 16 * len(values), lambda a: None, False)
+        self.run("all_reduce", 16 * len(values), lambda a: Issued(), False)
         return list(values), list(values)
 
-    def run(self, op: str, nbytes: int, issue: Callable[[bool], Any], async_op: bool, groups: int = 1):
-        local = getattr(issue, "__self__", None)   # a collective with local work around it runs that (unissued)
-        done = local.unissued() if hasattr(local, "unissued") else Issued()
-        work = Work(done, self.observer, self.observer.launch(op, nbytes, self._group, groups))
-        if async_op:
-            return work
-        work.wait()
-        return None
 
 
 class SimulatedDevice(EmulatedDevice):

@@ -46,6 +46,21 @@ reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.red
 SUM = dist.ReduceOp.SUM
 
 
+class TorchCollectives:
+    """The collectives themselves: torch.distributed's, looked up at each call (a wrapper a peer installs over
+    them is seen). A :class:`Comm` issues every collective through its ``collectives``; a comm that runs none
+    (the simulator's) gives its own, and everything around them runs as it does here."""
+
+    def __getattr__(self, name: str):
+        return getattr(dist, name)
+
+    all_gather_tensor = staticmethod(all_gather_tensor)
+    reduce_scatter_tensor = staticmethod(reduce_scatter_tensor)
+
+
+TORCH = TorchCollectives()
+
+
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -54,20 +69,12 @@ def _even(sizes: Sequence[int] | None) -> bool:
     return sizes is None or len(set(sizes)) <= 1
 
 
-class _Done:
-    def wait(self, *args, **kwargs) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
 class _UnevenGather:
     """An all-gather of shards of unlike sizes: each padded to the largest and gathered into a buffer of its
     own; every rank's part is copied into ``output`` when the gather is waited for."""
 
-    def __init__(self, output: torch.Tensor, input: torch.Tensor, sizes: list[int], group):
-        self.output, self.sizes, self.group = output, sizes, group
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, sizes: list[int], group, collectives=TORCH):
+        self.output, self.sizes, self.group, self.collectives = output, sizes, group, collectives
         self.largest = max(sizes)
         self.gathered = torch.empty(len(sizes) * self.largest, dtype=output.dtype, device=output.device)
         self.mine = torch.zeros(self.largest, dtype=output.dtype, device=output.device)
@@ -75,17 +82,11 @@ class _UnevenGather:
         self._work = None
 
     def issue(self, async_op: bool):
-        self._work = all_gather_tensor(self.gathered, self.mine, group=self.group, async_op=True)
+        self._work = self.collectives.all_gather_tensor(self.gathered, self.mine, group=self.group, async_op=True)
         if async_op:
             return self
         self.wait()
         return None
-
-    def unissued(self):
-        """The gather with its local work only (the padding, the copies out), as a comm that issues no
-        collective runs it (the simulator's): done when waited for."""
-        self._work = _Done()
-        return self
 
     def wait(self, *args, **kwargs) -> bool:
         if self._work is not None:
@@ -106,6 +107,8 @@ class Comm:
     Every method takes ``async_op``: when true it returns a work whose ``wait()``
     blocks until the collective is done, else it returns ``None`` once it is done.
     """
+
+    collectives = TORCH   # what issues the collectives themselves
 
     def __init__(self, group: dist.ProcessGroup | None = None):
         self._group = group
@@ -151,7 +154,7 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, op=SUM, async_op: bool = False):
         g = self._group
         return self.run("all_reduce", _bytes(tensor),
-                        lambda a: dist.all_reduce(tensor, op=op, group=g, async_op=a), async_op)
+                        lambda a: self.collectives.all_reduce(tensor, op=op, group=g, async_op=a), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
                        sizes: Sequence[int] | None = None):
@@ -160,10 +163,11 @@ class Comm:
         g = self._group
         if _even(sizes):
             return self.run("reduce_scatter", _bytes(input),
-                            lambda a: reduce_scatter_tensor(output, input, op=SUM, group=g, async_op=a), async_op)
+                            lambda a: self.collectives.reduce_scatter_tensor(output, input, op=SUM, group=g,
+                                                                                async_op=a), async_op)
         parts = list(input.split(list(sizes)))
         return self.run("reduce_scatter", _bytes(input),
-                        lambda a: dist.reduce_scatter(output, parts, op=SUM, group=g, async_op=a), async_op)
+                        lambda a: self.collectives.reduce_scatter(output, parts, op=SUM, group=g, async_op=a), async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
                    sizes: Sequence[int] | None = None):
@@ -172,8 +176,8 @@ class Comm:
         g = self._group
         if _even(sizes):
             return self.run("all_gather", _bytes(output),
-                            lambda a: all_gather_tensor(output, input, group=g, async_op=a), async_op)
-        gather = _UnevenGather(output, input, list(sizes), g)   # its slice padded: local work, before the issue
+                            lambda a: self.collectives.all_gather_tensor(output, input, group=g, async_op=a), async_op)
+        gather = _UnevenGather(output, input, list(sizes), g, self.collectives)   # its slice padded: local work, before the issue
         return self.run("all_gather", len(sizes) * gather.largest * output.element_size(), gather.issue, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
@@ -181,10 +185,10 @@ class Comm:
         g = self._group
         src = src if g is None else dist.get_global_rank(g, src)
         return self.run("broadcast", _bytes(tensor),
-                        lambda a: dist.broadcast(tensor, src=src, group=g, async_op=a), async_op)
+                        lambda a: self.collectives.broadcast(tensor, src=src, group=g, async_op=a), async_op)
 
     def barrier(self) -> None:
-        self.run("barrier", 0, lambda a: dist.barrier(group=self._group, async_op=a), False)
+        self.run("barrier", 0, lambda a: self.collectives.barrier(group=self._group, async_op=a), False)
 
     def agree(self, values: list[int], device: torch.device) -> tuple[list[int], list[int]]:
         """Element-wise (min, max) of integer ``values`` across ranks: one small all-reduce."""

@@ -148,7 +148,7 @@ class ShardLayout:
         send = [overlap(me, j) for j in range(len(held))]          # all of mine, in the order ranks hold it
         receive = [overlap(i, me) for i in range(len(held))]       # all of what I am to hold, in order
         # priced as the unit's all-gather: every element moves at most once
-        self.shard_comm.run("all_gather", out.element_size() * sum(held), lambda a: dist.all_to_all_single(
+        self.shard_comm.run("all_gather", out.element_size() * sum(held), lambda a: self.shard_comm.collectives.all_to_all_single(
             out, mine.contiguous(), receive, send, group=self.shard_comm.group, async_op=a), False)
         return out
 
@@ -184,8 +184,8 @@ class ShardLayout:
         def issue(_async):
             sendbuf = torch.cat([mine[a:a + n] for a, n in ex.send]) if ex.send else mine[:0].clone()
             recvbuf = torch.empty(sum(ex.sizes), dtype=shard.dtype, device=shard.device)
-            work = dist.all_to_all_single(recvbuf, sendbuf, ex.sizes, ex.sizes, group=self.comm.group,
-                                          async_op=True)
+            work = self.comm.collectives.all_to_all_single(recvbuf, sendbuf, ex.sizes, ex.sizes,
+                                                           group=self.comm.group, async_op=True)
             return SumAcross(work, recvbuf, mine, ex.parts, self.group_index)
 
         return self.comm.run("reduce_across", numel * shard.element_size(), issue, async_op, groups=self.replicas)
