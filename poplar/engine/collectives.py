@@ -167,7 +167,8 @@ class Comm:
                                                                                 async_op=a), async_op)
         parts = list(input.split(list(sizes)))
         return self.run("reduce_scatter", _bytes(input),
-                        lambda a: self.collectives.reduce_scatter(output, parts, op=SUM, group=g, async_op=a), async_op)
+                        lambda a: self.collectives.reduce_scatter(output, parts, op=SUM, group=g, async_op=a),
+                        async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
                    sizes: Sequence[int] | None = None):

@@ -148,8 +148,9 @@ class ShardLayout:
         send = [overlap(me, j) for j in range(len(held))]          # all of mine, in the order ranks hold it
         receive = [overlap(i, me) for i in range(len(held))]       # all of what I am to hold, in order
         # priced as the unit's all-gather: every element moves at most once
-        self.shard_comm.run("all_gather", out.element_size() * sum(held), lambda a: self.shard_comm.collectives.all_to_all_single(
-            out, mine.contiguous(), receive, send, group=self.shard_comm.group, async_op=a), False)
+        comm = self.shard_comm
+        comm.run("all_gather", out.element_size() * sum(held), lambda a: comm.collectives.all_to_all_single(
+            out, mine.contiguous(), receive, send, group=comm.group, async_op=a), False)
         return out
 
     # -- the sum across groups ----------------------------------------------------------
