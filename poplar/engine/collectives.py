@@ -177,8 +177,9 @@ class Comm:
         g = self._group
         if _even(sizes):
             return self.run("all_gather", _bytes(output),
-                            lambda a: self.collectives.all_gather_tensor(output, input, group=g, async_op=a), async_op)
-        gather = _UnevenGather(output, input, list(sizes), g, self.collectives)   # its slice padded: local work, before the issue
+                            lambda a: self.collectives.all_gather_tensor(output, input, group=g, async_op=a),
+                            async_op)
+        gather = _UnevenGather(output, input, list(sizes), g, self.collectives)   # padded here, before the issue
         return self.run("all_gather", len(sizes) * gather.largest * output.element_size(), gather.issue, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
