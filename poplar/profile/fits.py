@@ -21,11 +21,15 @@ def check_states_fit(wl: Workload, spec: ClusterSpec, precision: str) -> None:
     need = per_param * wl.n_params()
     held = sum(spec.memory_bytes(d) for d in spec.rank_devices())
     if need > held:
-        raise ValueError(f"{wl.model} has {wl.n_params() / 1e9:.2f}B parameters: its model states take at least "
-                         f"{_gib(need)} in ZeRO-3 ({per_param} bytes a parameter in {precision}), more than the "
+        raise ValueError(f"{wl.model} has {_count(wl.n_params())} parameters: its model states take at least "
+                         f"{_size(need)} in ZeRO-3 ({per_param} bytes a parameter in {precision}), more than the "
                          f"{spec.world_size} device{'s' * (spec.world_size > 1)} of this cluster hold together "
-                         f"({_gib(held)}): add devices or larger ones, or choose a smaller model")
+                         f"({_size(held)}): add devices or larger ones, or choose a smaller model")
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.1f} GiB"
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"

@@ -52,11 +52,21 @@ def test_a_cluster_file_of_an_unknown_gpu_or_no_devices_is_refused(tmp_path):
 
 def test_a_model_that_fits_no_device_in_any_stage_names_what_it_needs(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("memory_scale: 0.00001\ndevices:\n  - {kind: t4, gpu: T4-16GB, count: 2}\n")
+    # 1 MiB a card: together they hold ZeRO-3's states (1.83 MiB), neither holds a share and a sample beside it
+    path.write_text("memory_scale: 0.000061\ndevices:\n  - {kind: t4, gpu: T4-16GB, count: 2}\n")
     run = _simulate("--cluster", str(path), "--model", "tiny", "--global-batch", "8", "--points", "2")
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert "no stage can run this job" in run.stdout and "The least it needs is ZeRO-" in run.stdout
-    assert "MiB a device, plus a sample's activations (the largest device here has 0.2 MiB)" in run.stdout
+    assert "MiB a device, plus a sample's activations (the largest device here has 1.0 MiB)" in run.stdout
+
+
+def test_a_model_whose_states_the_whole_cluster_cannot_hold_is_refused_before_it_is_simulated(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("memory_scale: 0.00001\ndevices:\n  - {kind: t4, gpu: T4-16GB, count: 2}\n")
+    run = _simulate("--cluster", str(path), "--model", "tiny", "--global-batch", "8", "--points", "2")
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert ("tiny has 120,064 parameters: its model states take at least 1.83 MiB in ZeRO-3" in run.stdout
+            and "more than the 2 devices of this cluster hold together (0.33 MiB)" in run.stdout)
 
 
 def test_a_token_batch_the_baselines_each_kind_alone_and_the_figures_as_json(tmp_path):
