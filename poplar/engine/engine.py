@@ -41,6 +41,7 @@ from poplar.engine.flat_unit import FlatUnit
 from poplar.engine.grad_reduce import GradReducer
 from poplar.engine.layout import ShardLayout
 from poplar.engine.memory import ModelStateMemory
+from poplar.engine.phase import StepPhase
 from poplar.engine.state_dict import EngineState
 from poplar.engine.units import build_units
 from poplar.engine.unshard import Unsharder
@@ -77,11 +78,10 @@ class Engine:
         self.device = init_distributed().device
         self.comm = comm if comm is not None else Comm()
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        plan.check_world_size(self.world_size)
-        self.plan, self.config = plan, config
+        self.config = config
+        self._adopt(plan)
         self.zero_stage = plan.zero_stage
         self.stage = stage(plan.zero_stage)
-        self.accum_steps = plan.accum_steps[self.rank]
         self.compute_dtype = config.compute_dtype
 
         if any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):
@@ -101,8 +101,6 @@ class Engine:
                                compute_dtype=self.compute_dtype, device=self.device)
                       for i, s in enumerate(specs)]
 
-        self._batch_check = BatchCheck(plan, self.rank, self.world_size, self.device, self.comm,
-                                       enabled=config.check_batches)
         self._reducer = GradReducer(self.units, self.stage, config.max_inflight_reduces,
                                     before_launch=lambda: self._batch_check.confirm())
         self._hooks = self._reducer.register_hooks()
@@ -119,7 +117,7 @@ class Engine:
         self._memory = ModelStateMemory(self.units, self.optimizer, self.compute_dtype, self._reducer, self._unsharder)
         self.global_steps = 0
         self.skipped_steps = 0
-        self._micro_done, self._loss_sum = 0, torch.zeros(())
+        self._loss_sum = torch.zeros(())
         self.last_grad_norm: float | None = None
 
     @property
@@ -158,15 +156,12 @@ class Engine:
     def begin_step(self) -> None:
         """Start an optimizer step: clean gradient state, no micro-step taken."""
         self._reset_step_state()
-        self._micro_done = 0
+        self._phase.begin_step()
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
 
     def begin_micro_step(self) -> None:
         """Before the forward of this rank's next micro-batch of the step."""
-        if self._micro_done >= self.accum_steps:
-            raise RuntimeError(f"rank {self.rank} has run its {self.accum_steps} micro-batches of the step: end "
-                               "the step before the next forward")
-        last = self._micro_done == self.accum_steps - 1
+        last = self._phase.begin_micro_step()
         self._begin_micro_step(sync=self.stage.reduces_every_micro_step or last, last=last)
 
     def backward(self, loss: torch.Tensor, n_samples: int) -> None:
@@ -180,13 +175,11 @@ class Engine:
         (loss.reshape(()) * weight).backward()
         self._end_micro_step()
         self._loss_sum += loss.detach().float().reshape(()) * weight
-        self._micro_done += 1
+        self._phase.end_micro_step()
 
     def end_step(self) -> float:
         """Reduce what is left and apply the update; the mean loss over the global batch, the same on every rank."""
-        if self._micro_done != self.accum_steps:
-            raise RuntimeError(f"rank {self.rank} ran {self._micro_done} of its {self.accum_steps} micro-batches: "
-                               "run them all before the step")
+        self._phase.end_step()
         loss_sum = self._loss_sum
         local_finite = bool(torch.isfinite(loss_sum))
         loss_work = self.comm.all_reduce(loss_sum, async_op=True)
@@ -220,13 +213,19 @@ class Engine:
         a batch-size schedule), on the same world, stage and shape."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a poplar.Plan, got {type(plan).__name__}")
-        plan.check_world_size(self.world_size)
         if (plan.zero_stage, plan.shard_groups, plan.shard_shares) != (self.zero_stage, self.plan.shard_groups,
                                                                        self.plan.shard_shares):
             raise ValueError(f"set_plan keeps the ZeRO stage ({self.zero_stage}), the shape ({self.plan.shape}) and "
                              f"the shares of the states; got {plan}: build a new engine for another")
+        self._adopt(plan)
+
+    def _adopt(self, plan: Plan) -> None:
+        """``plan`` for the steps from now on (checked against the world): this rank's micro-steps, the batch
+        check."""
+        plan.check_world_size(self.world_size)
         self.plan = plan
         self.accum_steps = plan.accum_steps[self.rank]
+        self._phase = StepPhase(self.accum_steps)
         self._batch_check = BatchCheck(plan, self.rank, self.world_size, self.device, self.comm,
                                        enabled=self.config.check_batches)
 
