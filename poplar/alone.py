@@ -16,8 +16,8 @@ that dies without its answers is warned of, with the last line it wrote to stder
 jobs are run here: nothing waits on a process that is gone.
 
 Not ``concurrent.futures.ProcessPoolExecutor``: its spawn and forkserver workers import the
-caller's main module again (a script without a ``__main__`` guard would run once more in
-each; ``poplar evaluate`` is called from such scripts), its fork workers copy this process's
+caller's main module again (a user's script without a ``__main__`` guard that evaluates a
+cluster would run once more in each), its fork workers copy this process's
 counted steps and caches (gigabytes for a 4,096-GPU cluster), and a worker that dies breaks
 the whole pool, every other worker's answers with it.
 """
