@@ -56,7 +56,7 @@ def plan_cluster(cluster: str, workload: Workload, global_batch: int, use_cache:
     """
     spec = load_cluster(cluster)
     spec.check_global_batch(global_batch)
-    profile, _ = profile_cluster(workload, spec.model_dump(), use_cache=use_cache, progress=progress,
+    profile, _ = profile_cluster(workload, spec, use_cache=use_cache, progress=progress,
                                  max_micro_batch=min(256, global_batch), stages=stages)
     return spec, make_plan(profile, global_batch, stages)
 

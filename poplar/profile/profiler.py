@@ -36,7 +36,7 @@ __all__ = ["ProfileOptions", "cache_key", "default_cache_dir", "largest_micro_ba
            "point_sizes", "profile_cluster", "profile_rank", "unit_numels"]
 
 
-def profile_cluster(workload: str | Workload, cluster: dict, options: ProfileOptions | None = None, *,
+def profile_cluster(workload: str | Workload, cluster: dict | ClusterSpec, options: ProfileOptions | None = None, *,
                     config: EngineConfig | None = None, progress=None, on_poll=None, distributed: bool = False,
                     **fields) -> tuple[Profile, dict]:
     """Profile ``workload`` (a model name, or a :class:`Workload`) on ``cluster``, launching its ranks.

@@ -51,12 +51,12 @@ def run_profile(workload: Workload, spec: ClusterSpec, options: ProfileOptions, 
     ``progress``: where this process shows the ranks' ``(kind, stage, what)`` events (``put``).
     """
     if "WORLD_SIZE" not in os.environ and not spec.is_real:   # the emulated ranks are this process's to spawn
-        return profile_cluster(workload, spec.model_dump(), options, config=config, progress=progress)
+        return profile_cluster(workload, spec, options, config=config, progress=progress)
     # this process is a rank: torchrun's, or the one GPU's here (a GPU is profiled by the rank that runs on it)
     from poplar.engine.dist import init_distributed, shutdown
 
     ctx = init_distributed()
     spec.check_world_size(ctx.world_size)
-    result = profile_cluster(workload, spec.model_dump(), options, config=config, progress=progress, distributed=True)
+    result = profile_cluster(workload, spec, options, config=config, progress=progress, distributed=True)
     shutdown()
     return result if ctx.rank == 0 else None

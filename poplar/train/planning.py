@@ -88,7 +88,7 @@ def profile_and_plan(wl: Workload, spec, global_batch: int, stages, config, dist
     options = ProfileOptions(stages=tuple(stages), use_cache=use_cache, max_micro_batch=min(256, global_batch),
                              precision=config.mixed_precision)
     with progress(title) if progress is not None else contextlib.nullcontext() as events:
-        profile, _ = profile_cluster(wl, spec.model_dump(), options, config=config, distributed=distributed,
+        profile, _ = profile_cluster(wl, spec, options, config=config, distributed=distributed,
                                      progress=events)
     return make_plan(profile, global_batch, list(stages))
 
