@@ -16,13 +16,15 @@ without them), and said so.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
-from poplar.plan import Plan, shaped_name
+from poplar.plan import Plan
 from poplar.planner.bound import ideal_samples_per_s
-from poplar.planner.cost import CostModel, Prediction
+from poplar.planner.cost import CostModel
+from poplar.planner.result import (BASELINES, EVEN_SHARES, MEMORY_SHARES, Allocation, PlanningError,  # noqa: F401
+                                   PlanResult, StagePlan)
 from poplar.planner.search import Infeasible, allocate, measured_proportional, proportional, uniform
 from poplar.planner.shape import node_shape
 from poplar.planner.shares import (POWERS, PROPORTIONAL, fractions, gather_buffer_bytes, room_shares, stage_at_share,
@@ -32,118 +34,8 @@ from poplar.stages import parse_stages
 
 ALLOCATIONS = {"poplar": allocate, "uniform": uniform, "proportional": proportional,
                "measured-peak": measured_proportional}
-BASELINES = ("uniform", "proportional", "measured-peak")
-EVEN_SHARES, MEMORY_SHARES = "even-shares", "memory-shares"   # Poplar's split with even / memory-proportional shares
 TIE = 0.01   # predicted gains below this are not worth a split other than a baseline's (see plan_stage)
-
-
-class PlanningError(ValueError):
-    """No plan can be made; the message says what to change."""
-
-
-@dataclass
-class Allocation:
-    name: str
-    plan: Plan | None
-    predicted: Prediction | None
-    why_not: str = ""          # when plan is None
-
-
-@dataclass
-class StagePlan:
-    stage: int
-    ranks: list[int]                                   # profile ranks the plans are for
-    allocations: dict[str, Allocation] = field(default_factory=dict)
-    ideal_samples_per_s: float = 0.0
-    excluded: str = ""                                 # why this stage was left out
-    shaped: bool = False                               # hybrid over the nodes (two-level in stage 0)
-
-    @property
-    def label(self) -> str:
-        return f"stage {self.stage} {shaped_name(self.stage)}" if self.shaped else f"stage {self.stage}"
-
-    @property
-    def poplar(self) -> Allocation:
-        return self.allocations["poplar"]
-
-
-@dataclass
-class PlanResult:
-    """The chosen plan and everything the planner predicted on the way."""
-
-    plan: Plan
-    stage: int
-    predicted: Prediction
-    stages: dict[int, StagePlan]
-    ranks: list[int]                                   # profile rank of each plan entry
-    reason: str
-    excluded_ranks: list[int] = field(default_factory=list)
-    profile: Profile | None = None
-    shaped: dict[int, StagePlan] = field(default_factory=dict)   # every stage shaped to the nodes (several nodes)
-
-    @property
-    def chosen(self) -> StagePlan:
-        """The stage plan the chosen plan comes from (shaped or flat)."""
-        return self.shaped[self.stage] if self.plan.shard_groups else self.stages[self.stage]
-
-    def allocations(self) -> dict[str, Allocation]:
-        """The chosen plan as ``poplar``, beside the chosen stage's baselines (flat, as other systems run them) and,
-        where it has shares, its split with even and memory-proportional ones. Where the chosen stage runs only with
-        uneven shares, each baseline (and even shares: Poplar's plan without them) is its best stage's."""
-        shares = {n: a for n, a in self.chosen.allocations.items() if n in (EVEN_SHARES, MEMORY_SHARES)}
-        if EVEN_SHARES in shares and shares[EVEN_SHARES].plan is None:
-            evens = [sp.allocations.get(EVEN_SHARES) or sp.allocations.get("poplar") for sp in self.stages.values()]
-            evens = [a for a in evens if a is not None and a.plan is not None and not a.plan.shard_shares]
-            if evens:
-                shares[EVEN_SHARES] = replace(max(evens, key=lambda a: a.predicted.samples_per_s), name=EVEN_SHARES)
-        return {"poplar": self.chosen.poplar, **{n: self._best(n) for n in BASELINES}, **shares}
-
-    def _best(self, name: str) -> Allocation:
-        """Allocation ``name`` at the chosen stage, or where it has none there, at the flat stage it runs fastest."""
-        here = self.stages[self.stage].allocations.get(name)
-        if here is not None and here.plan is not None:
-            return here
-        found = [a for sp in self.stages.values() if (a := sp.allocations.get(name)) is not None and a.plan is not None]
-        return max(found, key=lambda a: a.predicted.samples_per_s,
-                   default=here or Allocation(name, None, None, why_not="no stage has a plan for it"))
-
-    @property
-    def ideal_samples_per_s(self) -> float:
-        """The ideal bound: the highest of every stage's and shape's planned (what any plan could approach)."""
-        return max(sp.ideal_samples_per_s for sp in [*self.stages.values(), *self.shaped.values()] if not sp.excluded)
-
-    def to_dict(self) -> dict:
-        """plan.json: the plan, what it is predicted to do, and how the alternatives compare."""
-        d = self.plan.to_dict()
-        d["predicted"] = self.predicted.to_dict()
-        d["meta"] = {
-            "model": ({"name": self.profile.model.name, "seq_len": self.profile.model.seq_len}
-                      if self.profile else None),
-            "reason": self.reason,
-            "ranks": self.ranks,
-            "excluded_ranks": self.excluded_ranks,
-            "device_kinds": [self.profile.ranks[r] for r in self.ranks] if self.profile else [],
-            "stages": {s: _stage_dict(sp) for s, sp in self.stages.items()},
-        }
-        if self.shaped:
-            d["meta"]["shaped_stages"] = {s: _stage_dict(sp) for s, sp in self.shaped.items()}
-        return d
-
-    def save(self, path) -> None:
-        import json
-        from pathlib import Path
-
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-
-
-def _stage_dict(sp: StagePlan) -> dict:
-    if sp.excluded:
-        return {"excluded": sp.excluded}
-    return {"ideal_samples_per_s": sp.ideal_samples_per_s,
-            **{name: ({"plan": a.plan.to_dict(), "samples_per_s": a.predicted.samples_per_s,
-                       "step_s": a.predicted.step_s} if a.plan else {"infeasible": a.why_not})
-               for name, a in sp.allocations.items()}}
+SLOW_SHARE = 0.5   # a kind whose step of one sample is this much of the plan's step: planned without it too
 
 
 def _rank_list(ranks: list[int]) -> str:
@@ -313,16 +205,7 @@ def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanR
             f"least {world} (or, better, a few samples per rank), or launch fewer ranks")
     every = list(range(world))
     results = {s: plan_stage(profile, s, global_batch, every) for s in stages}
-    excluded_ranks: list[int] = []
-    # devices that hold the model in no stage at an even share: planned without too, where nothing else runs or
-    # where they run only with uneven shares (leaving them out may still be faster)
-    never = [r for r in every if all(sp.max_micro_batch == 0 for s, sp in
-                                     profile.devices[profile.ranks[r]].stages.items() if s in stages)]
-    if never and len(never) < world and global_batch >= world - len(never):
-        rest = [r for r in every if r not in never]
-        without = {s: plan_stage(profile, s, global_batch, rest) for s in stages}
-        if _best_speed(without) > (with_them := _best_speed(results)):
-            results, excluded_ranks = without, never
+    results, excluded_ranks, why_out = _leaving_out(profile, stages, global_batch, results)
     if all(r.excluded for r in results.values()):
         why = "; ".join(f"stage {s}: {r.excluded}" for s, r in results.items())
         raise PlanningError(f"no stage can run this job: {why}. {_smallest_need(profile, stages)}Use a smaller "
@@ -345,14 +228,47 @@ def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanR
     reason += _coarse_hybrid_note(profile, shaped)
     if excluded_ranks:
         kinds = sorted({profile.ranks[r] for r in excluded_ranks})
-        verb = "holds" if len(excluded_ranks) == 1 else "hold"
-        how = (f"{verb} the model only with uneven shares, {with_them:.3g} samples/s predicted with them"
-               if with_them else "cannot hold the model and a sample in any stage profiled, even with no share of "
-                                 "the states")
-        reason += (f". Rank {_rank_list(excluded_ranks)} ({', '.join(kinds)}) {how}: this plan is for rank "
+        reason += (f". Rank {_rank_list(excluded_ranks)} ({', '.join(kinds)}) {why_out}: this plan is for rank "
                    f"{_rank_list(ranks)} (poplar train and bench run it there, the others sitting out)")
     return PlanResult(plan=best.poplar.plan, stage=best.stage, predicted=pred, stages=results, ranks=best.ranks,
                       reason=reason, excluded_ranks=excluded_ranks, profile=profile, shaped=shaped)
+
+
+def _leaving_out(profile: Profile, stages: list[int], global_batch: int,
+                 results: dict[int, StagePlan]) -> tuple[dict[int, StagePlan], list[int], str]:
+    """The stages planned without some ranks where that is faster: those whose devices hold the model in no stage
+    at an even share (where nothing else runs, or where they run only with uneven shares), and a kind whose step
+    of one sample takes longer than the others' whole step (it holds every rank back). The plans, the ranks left
+    out and why ("" where none)."""
+    every = list(range(profile.world_size))
+    with_them = _best_speed(results)
+    never = [r for r in every if all(sp.max_micro_batch == 0 for s, sp in
+                                     profile.devices[profile.ranks[r]].stages.items() if s in stages)]
+    tries = []
+    if never:
+        how = (f"{'holds' if len(never) == 1 else 'hold'} the model only with uneven shares, {with_them:.3g} "
+               "samples/s predicted with them" if with_them else "cannot hold the model and a sample in any stage "
+               "profiled, even with no share of the states")
+        tries.append((never, how, 0.0))
+    if with_them and len(set(profile.ranks)) > 1:
+        step = global_batch / with_them
+        for kind in dict.fromkeys(profile.ranks):
+            sps = [sp for s, sp in profile.devices[kind].stages.items() if s in stages and sp.points]
+            one = min((sp.time(1) for sp in sps), default=0.0)
+            if one >= SLOW_SHARE * step:    # worth a try: its least step is much of the whole plan's
+                out = sorted({*never, *(r for r in every if profile.ranks[r] == kind)})
+                tries.append((out, f"takes {1000 * one:.2f} ms for a step of one sample, "
+                                   f"{one / step:.0%} of the plan's step with it ({1000 * step:.2f} ms)", TIE))
+    best = (results, [], "")
+    for out, how, margin in tries:
+        rest = [r for r in every if r not in out]
+        if not rest or global_batch < len(rest):
+            continue
+        without = {s: plan_stage(profile, s, global_batch, rest) for s in stages}
+        if _best_speed(without) > _best_speed(best[0]) * (1 + margin):
+            best = (without, out, how + f", {_best_speed(without) / with_them:.2f}x as fast without"
+                    if with_them else how)
+    return best
 
 
 def _best_speed(results: dict[int, StagePlan]) -> float:

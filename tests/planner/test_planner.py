@@ -126,3 +126,22 @@ def test_a_gain_within_the_cost_models_error_keeps_the_simpler_split(stage, monk
     assert kept["poplar"].predicted.step_s == kept["uniform"].predicted.step_s
     # 5% slower: the same move gains 1.8%, and Poplar keeps its own split
     assert list(plans(1.05)["poplar"].plan.local_batch_sizes) == [49, 47]
+
+
+@pytest.mark.parametrize("old_fixed_ms, left_out", [(9.0, True), (4.0, False), (1.0, False)])
+def test_a_kind_whose_one_sample_holds_every_rank_back_is_planned_without(old_fixed_ms, left_out):
+    """Two fast cards (1 ms a step, 0.05 ms a sample) and an old one with a large fixed cost a step: where its one
+    sample takes most of the step the fast ones need for the whole batch, the plan is theirs alone (the bound
+    with it), said in the reason; where it still helps, it stays."""
+    from tests.planner.profiles import make_profile
+
+    profile = make_profile({"fast": (2, 0.001, 0.00005, 128), "old": (1, old_fixed_ms / 1000, 0.0002, 64)},
+                           stages=(0,))
+    result = make_plan(profile, 128, [0])
+    if left_out:
+        assert result.excluded_ranks == [2] and result.ranks == [0, 1]
+        assert "Rank 2 (old) takes 9.20 ms for a step of one sample" in result.reason
+        assert "as fast without: this plan is for rank 0, 1" in result.reason
+        assert result.predicted.samples_per_s >= 0.99 * result.ideal_samples_per_s
+    else:
+        assert result.excluded_ranks == [] and result.ranks == [0, 1, 2]
