@@ -20,6 +20,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from scipy.interpolate import CubicSpline
 
+from poplar.engine.config import EngineConfig
+
 
 class StepAnatomy(BaseModel):
     """Where one step's compute falls between its collectives, measured on a step of one micro-batch.
@@ -213,14 +215,20 @@ class ModelInfo(BaseModel):
     dtype: str = "fp32"
 
 
+_ENGINE = EngineConfig.model_fields   # the engine's defaults, not a copy of them
+
+
 class EngineOptions(BaseModel):
     """The engine's options a profile was measured with that change how a step runs (the cost model follows them)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_inflight_reduces: int = Field(2, ge=1, description="ZeRO-2/3 gradient reductions in flight")
-    prefetch: bool = Field(True, description="ZeRO-3: the next unit gathered while one computes")
-    unit_numel: int = Field(1_000_000, gt=0, description="other modules with this many parameters become units")
+    max_inflight_reduces: int = Field(_ENGINE["max_inflight_reduces"].default, ge=1,
+                                      description="ZeRO-2/3 gradient reductions in flight")
+    prefetch: bool = Field(_ENGINE["prefetch"].default, description="ZeRO-3: the next unit gathered while one "
+                           "computes")
+    unit_numel: int = Field(_ENGINE["unit_numel"].default, gt=0, description="other modules with this many "
+                            "parameters become units")
 
 
 class Profile(BaseModel):

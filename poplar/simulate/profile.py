@@ -127,16 +127,19 @@ def _share_steps(run: RankRun, stage: int, recording: _Recording, timed: dict[st
     vectors = skewed_shares([capacity[k] for k in rank_kinds])
     engine = recording.engine
     units, sharded = [u.numel for u in engine.units], shard_bytes(engine, stage, precision)
+    # a rank's figures depend on its kind and its weight only: one rank stands for those alike
+    alike = [(v, r, k) for v in vectors for (k, _), r in {(k, v[r]): r for r, k in enumerate(rank_kinds)}.items()]
     if any(_largest(saved, held_at_shares(recording.most, sharded, units, stage, v, r, precision) + headroom[k],
-                    capacity[k], 1) < 1 for v in vectors for r, k in enumerate(rank_kinds)):
+                    capacity[k], 1) < 1 for v, r, k in alike):
         return {}
     out: dict[str, dict[float, float]] = {}
-    for r, k in enumerate(rank_kinds):
-        gpu, micro_step = GpuModel.of(kinds[k]), timed[k].points[0][1] - timed[k].per_step_s
-        for v in vectors:    # rank r's shares, moved to the first rank (slices of one size cost alike anywhere)
-            first = [v[r]] + [w for q, w in enumerate(v) if q != r]
-            trace = _Recording.of(run, stage, first).trace(1, 1)
-            out.setdefault(k, {})[fraction_held(v, r)] = max(0.0, trace.busy(gpu) - micro_step)
+    traces: dict[tuple, Trace] = {}
+    for v, r, k in alike:    # rank r's shares, moved to the first rank (slices of one size cost alike anywhere)
+        first = (v[r], *(w for q, w in enumerate(v) if q != r))
+        if first not in traces:
+            traces[first] = _Recording.of(run, stage, list(first)).trace(1, 1)
+        micro_step = timed[k].points[0][1] - timed[k].per_step_s
+        out.setdefault(k, {})[fraction_held(v, r)] = max(0.0, traces[first].busy(GpuModel.of(kinds[k])) - micro_step)
     return {k: sorted(points.items()) for k, points in out.items()}
 
 
