@@ -44,11 +44,11 @@ offsets: :meth:`StepSchedule.run` follows two steps and takes the second.
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 from poplar.plan import near_equal
+from poplar.planner.events import Compute, Issue, Wait, follow_ranks, repeated, run_ranks
 
 
 @dataclass(frozen=True)
@@ -60,28 +60,6 @@ class UnitTimes:
     gather_s: float = 0.0    # ZeRO-3: all-gather of its parameters
     reduce_s: float = 0.0    # its gradient collective (all-reduce, or reduce-scatter)
     middle_s: float = 0.0    # the root's: between the last layer's forward and its backward
-
-
-@dataclass(frozen=True)
-class Compute:
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Issue:
-    key: str                 # names the collective (the same on every rank of its group)
-    seconds: float           # its time on the link once started
-    link: str = ""           # its group's link ("": the world's)
-
-
-@dataclass(frozen=True)
-class Wait:
-    key: str
-
-
-@dataclass(frozen=True)
-class StepEnd:
-    """The rank's step ends here; the events after it are its next step, begun at once."""
 
 
 def micro_step_events(units: list[UnitTimes], *, gathers: bool, reduces: bool, prefetch: bool = True,
@@ -134,96 +112,6 @@ def _reduce(ev: list, pending: list[str], issue: Issue, max_inflight: int | None
     pending.append(issue.key)
     while max_inflight is not None and len(pending) > max_inflight:
         ev.append(Wait(pending.pop(0)))
-
-
-def run_ranks(ranks: list[list]) -> tuple[float, list[float]]:
-    """Follow every rank's events together: the step's end and each rank's busy (compute) time.
-
-    A collective starts when every rank that issues it has, and its link is free.
-    """
-    end, busy, _ = follow_ranks(ranks)
-    return end, busy
-
-
-def _issuers(ranks: list[list]) -> dict[str, list[int]]:
-    """The ranks that issue each collective; every rank on a link must issue the same sequence on it."""
-    issuers: dict[str, list[int]] = {}
-    on_link: dict[str, tuple[int, list[str]]] = {}   # per link: the first rank on it, and its sequence
-    for r, events in enumerate(ranks):
-        for e in events:
-            if isinstance(e, Issue):
-                issuers.setdefault(e.key, []).append(r)
-        for link in dict.fromkeys(e.link for e in events if isinstance(e, Issue)):
-            seq = [e.key for e in events if isinstance(e, Issue) and e.link == link]
-            first, expected = on_link.setdefault(link, (r, seq))
-            if seq != expected:
-                raise ValueError(f"rank {r} issues other collectives than rank {first} on link {link or 'world'}: "
-                                 "the ranks of a group must run the same sequence")
-    return issuers
-
-
-def follow_ranks(ranks: list[list]) -> tuple[float, list[float], list[list[float]]]:
-    """:func:`run_ranks`, and each rank's clock at each of its :class:`StepEnd`.
-
-    >>> a = [Compute(1.0), Issue("x", 0.5), Compute(3.0), Wait("x"), StepEnd()]
-    >>> b = [Compute(2.0), Issue("x", 0.5), Compute(1.0), Wait("x"), StepEnd()]
-    >>> follow_ranks([a, b])    # x runs 2-2.5: a ends at 4, b at 3
-    (4.0, [4.0, 3.0], [[4.0], [3.0]])
-    """
-    issuers = _issuers(ranks)
-    clock, busy, pos = [0.0] * len(ranks), [0.0] * len(ranks), [0] * len(ranks)
-    ends: list[list[float]] = [[] for _ in ranks]
-    done: dict[str, float] = {}
-    link_free: dict[str, float] = {}
-
-    def advance(r: int) -> Issue | str | None:
-        """Run rank ``r`` until it issues a collective not started yet (returned), waits for one, or ends."""
-        events = ranks[r]
-        while pos[r] < len(events):
-            e = events[pos[r]]
-            if isinstance(e, Compute):
-                clock[r] += e.seconds
-                busy[r] += e.seconds
-            elif isinstance(e, Wait):
-                if e.key not in done:
-                    return e.key
-                clock[r] = max(clock[r], done[e.key])
-            elif isinstance(e, StepEnd):
-                ends[r].append(clock[r])
-            else:
-                return e
-            pos[r] += 1
-        return None
-
-    at = [advance(r) for r in range(len(ranks))]
-    while True:
-        waiting = Counter(e.key for e in at if isinstance(e, Issue))   # ranks at each collective, not started
-        ready = {e.key: e for e in at if isinstance(e, Issue) and waiting[e.key] == len(issuers[e.key])}
-        if not ready:
-            if any(a is not None for a in at):
-                raise ValueError("the ranks' collectives cannot all start: ranks of a group must issue the same "
-                                 "sequence on it")
-            return max(clock), busy, ends
-        moved = set()
-        for key, e in ready.items():
-            start = max(max(clock[q] for q in issuers[key]), link_free.get(e.link, 0.0))
-            done[key] = link_free[e.link] = start + e.seconds
-            for q in issuers[key]:
-                pos[q] += 1
-            moved.update(issuers[key])
-        for r, a in enumerate(at):    # only a rank that issued, or waits for what is done now, goes on
-            if r in moved or (isinstance(a, str) and a in done):
-                at[r] = advance(r)
-
-
-def repeated(events: list, steps: int) -> list:
-    """``steps`` of a rank's step one after another, each ended by a :class:`StepEnd`, its collectives named
-    apart (alike on every rank)."""
-    out: list = []
-    for k in range(steps):
-        out += [replace(e, key=f"{k}:{e.key}") if isinstance(e, (Issue, Wait)) else e for e in events]
-        out.append(StepEnd())
-    return out
 
 
 FORWARD_SHARE = 1 / 3     # of a micro-step's compute: the backward does about twice the forward's FLOPs
@@ -340,8 +228,7 @@ class StepSchedule:
                                              prefetch=self.prefetch)
             events += self._sum_across(micro_events, tag, link, gather_s) if self.shape and last else micro_events
         anatomy = self._anatomy(kind_cost, micro[-1][0])
-        before = (anatomy.before_loss_s, anatomy.before_norm_s) if anatomy else (0.0, 0.0)
-        return self._step_ends(self._checked(events), kind_cost.per_step_s, before, link, gather_s)
+        return self._step_ends(self._checked(events), kind_cost.per_step_s, anatomy, link, gather_s)
 
     def _anatomy(self, kind_cost, m: float):
         anatomy = kind_cost.anatomy(m)
@@ -363,20 +250,35 @@ class StepSchedule:
         first = next(i for i, e in enumerate(events) if isinstance(e, Issue))
         return [Issue("check", self.small_s), *events[:first], Wait("check"), *events[first:]]
 
-    def _step_ends(self, events: list, per_step_s: float, before: tuple[float, float], link: str,
-                   gather_s: list[float]) -> list:
+    def _step_ends(self, events: list, per_step_s: float, anatomy, link: str, gather_s: list[float]) -> list:
         """After the micro-steps: the loss all-reduced (waited for last), in ZeRO-1-3 the squared norm (waited
-        for before the update), the update, and in ZeRO-1/2 the parameters gathered after it. ``before``: the
-        step's own work before the loss's all-reduce and before the norm's, out of ``per_step_s``."""
-        before_loss, before_norm = before
+        for before the update), the update, and in ZeRO-1/2 the parameters gathered after it. The ``anatomy``
+        (None: none measured) places the step's own work out of ``per_step_s``: before the loss's all-reduce,
+        before the norm's, and around the gathers."""
+        before_loss, before_norm = (anatomy.before_loss_s, anatomy.before_norm_s) if anatomy else (0.0, 0.0)
+        gathering = self.stage in (1, 2)
+        issue, copy = (anatomy.gather_issue_s, anatomy.gather_copy_s) if anatomy and gathering else (0.0, 0.0)
         events = [*events, Compute(before_loss), Issue("loss", self.small_s), Compute(before_norm)]
         if self.stage >= 1:
             events += [Issue("norm", self.small_s), Wait("norm")]
-        events.append(Compute(max(0.0, per_step_s - before_loss - before_norm)))
-        if self.stage in (1, 2):
-            events += [Issue(f"{link}.p{i}", s, link) for i, s in enumerate(gather_s)]
-            events += [Wait(f"{link}.p{i}") for i in range(len(gather_s))]
+        events.append(Compute(max(0.0, per_step_s - before_loss - before_norm - issue - copy)))
+        if gathering:
+            events += self._gathers(link, gather_s, issue, copy)
         return [*events, Wait("loss")]
+
+    def _gathers(self, link: str, gather_s: list[float], issue: float, copy: float) -> list:
+        """ZeRO-1/2's parameters gathered after the update, unit by unit as the engine issues them: each one's
+        slice made ready before its launch (the first's with the update), each copied out once it is waited for;
+        ``issue`` and ``copy``: those seconds in all, shared by the units' sizes."""
+        later, whole = sum(self.numels[1:]), sum(self.numels)
+        out: list = []
+        for i, s in enumerate(gather_s):
+            if i and later:
+                out.append(Compute(issue * self.numels[i] / later))
+            out.append(Issue(f"{link}.p{i}", s, link))
+        for i in range(len(gather_s)):
+            out += [Wait(f"{link}.p{i}"), Compute(copy * self.numels[i] / whole)]
+        return out
 
     def _sum_across(self, events: list, tag: str, link: str, gather_s: list[float]) -> list:
         """The last micro-step's events with each unit's sum across groups issued once its reduce is waited for."""

@@ -82,7 +82,8 @@ def stage_at_share(sp: StageProfile, *, stage: int, precision: str, n_params: in
         (ma, ta), (mb, tb) = (points[-2] if len(points) > 1 else (0, shift + sp.per_step_s)), points[-1]
         points.append((largest, tb + (tb - ta) / (mb - ma) * (largest - mb)))
     return sp.model_copy(update={"state_bytes": int(math.ceil(state)), "max_micro_batch": largest,
-                                 "points": points, "per_step_s": per_step})
+                                 "points": points, "per_step_s": per_step,
+                                 "anatomy": _gathers_at(sp, fraction, uneven)})
 
 
 def _per_step_at(sp: StageProfile, fraction: float, even: float, full: StageProfile | None, uneven: bool) -> float:
@@ -90,13 +91,28 @@ def _per_step_at(sp: StageProfile, fraction: float, even: float, full: StageProf
     shares where the shares are unlike and it was timed so; else on the line from the even share's to ZeRO-0's
     (the whole model's update), where the kind has one; else the even share's."""
     if uneven and len({f for f, _ in sp.share_steps}) >= 2:
-        f, t = np.array(sp.share_steps, dtype=float).T
-        slope, _ = np.polyfit(f, t, 1)
-        slope = max(0.0, slope)           # holding more never costs less: a falling line is noise
-        return max(0.0, float(np.mean(t) + slope * (fraction - np.mean(f))))
+        return _on_line(sp.share_steps, fraction)
     if full is not None and even < 1:
         return max(0.0, sp.per_step_s + (full.per_step_s - sp.per_step_s) * (fraction - even) / (1 - even))
     return sp.per_step_s
+
+
+def _on_line(points: list[tuple[float, float]], fraction: float) -> float:
+    """The seconds at ``fraction`` on the line fit through ``points`` ((fraction, seconds); two fractions or more),
+    never falling: holding more never costs less, and a falling line is noise."""
+    f, t = np.array(points, dtype=float).T
+    slope = max(0.0, np.polyfit(f, t, 1)[0])
+    return max(0.0, float(np.mean(t) + slope * (fraction - np.mean(f))))
+
+
+def _gathers_at(sp: StageProfile, fraction: float, uneven: bool) -> list | None:
+    """``sp``'s anatomy with the parameter all-gathers' own work (stages 1-2) at ``fraction``, where the shares
+    are unlike and it was measured so (:attr:`~poplar.profile.profile.StageProfile.share_gathers`)."""
+    if not (uneven and sp.anatomy and len({f for f, *_ in sp.share_gathers}) >= 2):
+        return sp.anatomy
+    issue = _on_line([(f, i) for f, i, _ in sp.share_gathers], fraction)
+    copy = _on_line([(f, c) for f, _, c in sp.share_gathers], fraction)
+    return [a.model_copy(update={"gather_issue_s": issue, "gather_copy_s": copy}) for a in sp.anatomy]
 
 
 def room_shares(profile: Profile, stage: int, kinds: list[str]) -> dict[int, list[float]]:

@@ -100,10 +100,26 @@ class Marks:
         loss_t = self.launches[loss][2]
         forward, backward, middle = self._shares(n_units, grads, end)
         total = max(end, 1e-12)
+        issue, copy = self.gather_phase()
         return StepAnatomy(micro_batch=micro_batch, forward=[max(0.0, f / total) for f in forward],
                            backward=[max(0.0, b / total) for b in backward], root_middle=max(0.0, middle / total),
                            before_loss_s=max(0.0, loss_t - end),
-                           before_norm_s=0.0 if norm is None else max(0.0, self.launches[norm][2] - loss_t))
+                           before_norm_s=0.0 if norm is None else max(0.0, self.launches[norm][2] - loss_t),
+                           gather_issue_s=issue, gather_copy_s=copy)
+
+    def gather_phase(self) -> tuple[float, float]:
+        """Busy seconds of the parameter all-gathers after the update (stages 1-2): between the first's launch and
+        the last's (each later one's slice made ready: cast, padded), and after the last's launch to the step's
+        end (unlike slices copied out as each is waited for). (0, 0) where the step gathers nothing after the
+        norm's all-reduce, or where its end was not marked."""
+        small = [t for op, nbytes, t in self.launches if op == "all_reduce" and nbytes <= SMALL_BYTES]
+        if not small or ("end", 0) not in self.at:
+            return 0.0, 0.0
+        gathers = [t for op, nbytes, t in self.launches if op == "all_gather" and nbytes > SMALL_BYTES
+                   and t >= small[-1]]
+        if not gathers:
+            return 0.0, 0.0
+        return max(0.0, gathers[-1] - gathers[0]), max(0.0, self.at[("end", 0)] - gathers[-1])
 
     def _shares(self, n_units: int, grads: list[float], end: float) -> tuple[list[float], list[float], float]:
         """Busy seconds of each unit's forward and backward, and the root's middle. A unit's backward ends where the
@@ -134,7 +150,13 @@ class Marks:
 def measure_anatomy(run: RankRun, stage: int, sizes: list[int]) -> StepAnatomy | None:
     """This rank's step anatomy at ``sizes`` (every rank's micro-batch; every rank calls it at once); None where
     the model's layers give no marks to read it from."""
-    plan = poplar.Plan(stage, sizes, 1)
+    marks, n_units = marked_step(run, poplar.Plan(stage, sizes, 1))
+    return marks.anatomy(n_units, sizes[run.rank])
+
+
+def marked_step(run: RankRun, plan: poplar.Plan) -> tuple[Marks, int]:
+    """One step of ``plan`` with its marks, after warm-up steps (every rank calls it at once), and the engine's
+    number of units."""
     engine = run.engine(plan)
     wl = run.workload
     batch = wl.random_batch(plan.local_batch_size(run.rank))
@@ -144,6 +166,7 @@ def measure_anatomy(run: RankRun, stage: int, sizes: list[int]) -> StepAnatomy |
     with marks.watch(engine), run.device.step(engine.held_state):
         marks.start()
         engine.train_batch(batch, wl.loss)
+        marks.mark("end", 0)
     n_units = len(engine.units)
     engine.close()
-    return marks.anatomy(n_units, sizes[run.rank])
+    return marks, n_units

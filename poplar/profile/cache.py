@@ -28,8 +28,9 @@ from poplar.workload import Workload, as_workload
 # others (clipping, checks) cost the same whatever the plan, so profiles are shared across them.
 KEYED_ENGINE_OPTIONS = ("unit_classes", "unit_numel", "max_inflight_reduces", "prefetch")
 # what a profile holds and how it is read off the run: raised when that changes (profiles cached before
-# are then measured again). 2: a unit's backward ends where its gradient's collective is issued.
-MEASURES = 2
+# are then measured again). 2: a unit's backward ends where its gradient's collective is issued; 3: the
+# parameter gathers' own work after the update.
+MEASURES = 3
 
 
 def default_cache_dir() -> Path:

@@ -32,7 +32,9 @@ class StepAnatomy(BaseModel):
     last layer's backward (the embeddings' gradient), and ``root_middle`` what runs
     between the last layer's forward and its backward (the head and the loss). The step's
     once-per-step work before the loss's all-reduce and between it and the gradient
-    norm's (stages 1-3) is in seconds; the rest of ``per_step_s`` follows the norm.
+    norm's (stages 1-3) is in seconds; the rest of ``per_step_s`` follows the norm: the update,
+    and in stages 1-2 the parameters' all-gathers, whose own work (each one's slice made
+    ready before its launch, copied out after its wait) is in seconds too.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -43,6 +45,10 @@ class StepAnatomy(BaseModel):
     root_middle: float = Field(ge=0, description="share between the last layer's forward and its backward")
     before_loss_s: float = Field(ge=0, description="seconds after the micro-steps, before the loss's all-reduce")
     before_norm_s: float = Field(ge=0, description="seconds between the loss's and the norm's all-reduce")
+    gather_issue_s: float = Field(0.0, ge=0, description="seconds between the first and the last parameter "
+                                  "all-gather's launch after the update (stages 1-2)")
+    gather_copy_s: float = Field(0.0, ge=0, description="seconds after the last parameter all-gather's launch to "
+                                 "the step's end (stages 1-2: unlike slices copied out)")
 
 
 # What a stage profile's note says where a device holds no sample beside an even share of the states (the
@@ -73,6 +79,10 @@ class StageProfile(BaseModel):
     share_steps: list[tuple[float, float]] = Field(default_factory=list, description="(fraction of the sharded "
                                                    "states held, per_step_s) measured with the ranks holding unlike "
                                                    "shares (stages 1-3; empty where not measured)")
+    share_gathers: list[tuple[float, float, float]] = Field(default_factory=list, description="(fraction of the "
+                                                            "sharded states held, gather_issue_s, gather_copy_s) "
+                                                            "measured beside share_steps (stages 1-2; see "
+                                                            "StepAnatomy)")
 
     def time(self, micro_batch):
         """Seconds of a step with one micro-batch of this size (spline through the points); arrays allowed."""
@@ -104,7 +114,9 @@ class StageProfile(BaseModel):
                            backward=[mix(a, b) for a, b in zip(lo.backward, hi.backward)],
                            root_middle=mix(lo.root_middle, hi.root_middle),
                            before_loss_s=mix(lo.before_loss_s, hi.before_loss_s),
-                           before_norm_s=mix(lo.before_norm_s, hi.before_norm_s))
+                           before_norm_s=mix(lo.before_norm_s, hi.before_norm_s),
+                           gather_issue_s=mix(lo.gather_issue_s, hi.gather_issue_s),
+                           gather_copy_s=mix(lo.gather_copy_s, hi.gather_copy_s))
 
     def max_micro_batch_at(self, state_bytes: float, capacity: float) -> int:
         """The largest micro-batch beside ``state_bytes`` of model states on a device of ``capacity`` bytes.

@@ -137,7 +137,8 @@ def merge_stage(entries: list[StageProfile]) -> StageProfile:
                         points=_merge_points([m.points for m in entries]),
                         per_step_s=statistics.median(m.per_step_s for m in entries),
                         note=entries[0].note, anatomy=entries[0].anatomy, memory_points=_merge_memory(entries),
-                        share_steps=_merge_points([m.share_steps for m in entries], float))
+                        share_steps=_merge_points([m.share_steps for m in entries], float),
+                        share_gathers=_merge_points([m.share_gathers for m in entries], float))
 
 
 def _merge_memory(entries: list[StageProfile]) -> list[tuple[int, int]]:
@@ -148,13 +149,14 @@ def _merge_memory(entries: list[StageProfile]) -> list[tuple[int, int]]:
     return [(max(p[i][0] for p in lists), min(p[i][1] for p in lists)) for i in range(len(lists[0]))]
 
 
-def _merge_points(point_lists: list[list[tuple[int, float]]], at=int) -> list[tuple[int, float]]:
-    """Identical devices share one profile: the median time at each micro-batch size (or share: ``at``)."""
+def _merge_points(point_lists: list[list[tuple]], at=int) -> list[tuple]:
+    """Identical devices share one profile: at each micro-batch size (or share: ``at``), the median of each
+    figure timed there."""
     by_size: dict = {}
     for points in point_lists:
-        for m, t in points:
-            by_size.setdefault(at(m), []).append(float(t))
-    return [(m, statistics.median(ts)) for m, ts in sorted(by_size.items())]
+        for m, *figures in points:
+            by_size.setdefault(at(m), []).append([float(f) for f in figures])
+    return [(m, *(statistics.median(column) for column in zip(*rows))) for m, rows in sorted(by_size.items())]
 
 
 def _rated_tflops(kind: DeviceGroup, precision: str) -> float | None:

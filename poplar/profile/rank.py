@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 import poplar
 from poplar.cluster.spec import parse_cluster
 from poplar.engine.config import EngineConfig
-from poplar.profile.anatomy import measure_anatomy
+from poplar.profile.anatomy import marked_step, measure_anatomy
 from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import grow_then_bisect, largest_micro_batch
 from poplar.profile.profile import (AT_LARGER_SHARE, DOES_NOT_FIT, FITS_WITH_LESS, NOT_TIMED, CommProfile,
@@ -132,26 +132,28 @@ def _timed_stage(run: RankRun, stage: int, options: ProfileOptions, states: _Sta
                                                      limit=options.max_micro_batch, precision=options.precision)))
     sizes = run.agree_sizes(point_sizes(limit, options.n_points))
     points, per_step = time_points(run, stage, sizes)
-    share_steps = _share_steps(run, stage, states, options, sizes[0], points[0][1] - per_step)
+    share_steps, share_gathers = _share_steps(run, stage, states, options, sizes[0], points[0][1] - per_step)
     run.note(stage, "anatomy")
     rows = sorted({len(sizes) // 2, len(sizes) - 1})     # a middle size and the largest
     measured = [measure_anatomy(run, stage, sizes[i]) for i in rows]
     anatomy = sorted((a for a in measured if a is not None), key=lambda a: a.micro_batch)
     run.note(stage, "done")
     return StageProfile(max_micro_batch=limit, state_bytes=state, points=points, per_step_s=per_step,
-                        anatomy=anatomy, memory_points=memory, share_steps=share_steps)
+                        anatomy=anatomy, memory_points=memory, share_steps=share_steps,
+                        share_gathers=share_gathers)
 
 
 def _share_steps(run: RankRun, stage: int, states: _States, options: ProfileOptions, row: list[int],
-                 micro_step: float) -> list[tuple[float, float]]:
+                 micro_step: float) -> tuple[list, list]:
     """The once-per-step part where the ranks hold unlike shares of the states (stages 1-3): its update grows with
     the share held, and unlike slices are gathered padded and copied out. Timed at the smallest sizes (``row``;
     this rank's micro-step there takes ``micro_step`` seconds) at two skews of the shares
     (:func:`~poplar.profile.timing.skewed_shares`), where every rank holds its sample beside its share of both.
-    Not where the run is already at other shares or among some ranks only."""
+    Not where the run is already at other shares or among some ranks only. Returns
+    :attr:`~poplar.profile.profile.StageProfile.share_steps` and ``share_gathers``."""
     n = run.world_size
     if stage == 0 or n < 2 or run.shares is not None or run.group is not None:
-        return []
+        return [], []
     vectors = skewed_shares(run.agree_sizes([int(run.device.capacity)])[0])
     headroom = int(run.device.probe_headroom * run.device.capacity)
     held = [held_at_shares(states.most, states.sharded, states.units, stage, v, run.rank, options.precision)
@@ -159,14 +161,18 @@ def _share_steps(run: RankRun, stage: int, states: _States, options: ProfileOpti
     fits = all(largest_micro_batch(run.device, run.workload, h + headroom, limit=row[run.rank],
                                    precision=options.precision) >= row[run.rank] for h in held)
     if not run.everyone(fits):
-        return []
-    out = []
+        return [], []
+    steps, gathers = [], []
     for shares in vectors:
         times: list[list[float]] = [[]]
-        _time_group(run, stage, {0: poplar.Plan(stage, row, 1, shard_shares=shares)}, times)
+        plan = poplar.Plan(stage, row, 1, shard_shares=shares)
+        _time_group(run, stage, {0: plan}, times)
+        marks, _ = marked_step(run, plan)
         run.device.free_memory()
-        out.append((fraction_held(shares, run.rank), max(0.0, statistics.median(times[0]) - micro_step)))
-    return out
+        fraction = fraction_held(shares, run.rank)
+        steps.append((fraction, max(0.0, statistics.median(times[0]) - micro_step)))
+        gathers.append((fraction, *marks.gather_phase()))
+    return steps, gathers
 
 
 def held_at_shares(most: int, sharded: int, units, stage: int, shares: list[float], rank: int,

@@ -110,8 +110,8 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
             out[k] = StageProfile(max_micro_batch=0, state_bytes=most if fits else before, note=DOES_NOT_FIT)
             continue
         out[k] = out[k].model_copy(update={"memory_points": memory})
-    for k, share_steps in _share_steps(run, stage, recording, out, capacity, headroom, saved, kinds).items():
-        out[k] = out[k].model_copy(update={"share_steps": share_steps})
+    for k, (steps, gathers) in _share_steps(run, stage, recording, out, capacity, headroom, saved, kinds).items():
+        out[k] = out[k].model_copy(update={"share_steps": steps, "share_gathers": gathers})
     return out
 
 
@@ -119,7 +119,8 @@ def _share_steps(run: RankRun, stage: int, recording: _Recording, timed: dict[st
                  headroom: dict, saved: Activations, kinds: dict[str, DeviceGroup]) -> dict[str, list]:
     """The once-per-step part at unlike shares, as the profiler times it (:func:`poplar.profile.rank._share_steps`:
     where every kind is timed at an even share and every rank holds a sample beside its states at both skews):
-    each kind's ranks' shares, each priced from a step recorded on the first rank with the same shares as its."""
+    each kind's ranks' shares, each priced from a step recorded on the first rank with the same shares as its:
+    ``{kind: (share_steps, share_gathers)}``."""
     n, precision = run.world_size, run.config.mixed_precision
     if stage == 0 or n < 2 or any(not timed[k].max_micro_batch for k in kinds):
         return {}
@@ -132,15 +133,18 @@ def _share_steps(run: RankRun, stage: int, recording: _Recording, timed: dict[st
     if any(_largest(saved, held_at_shares(recording.most, sharded, units, stage, v, r, precision) + headroom[k],
                     capacity[k], 1) < 1 for v, r, k in alike):
         return {}
-    out: dict[str, dict[float, float]] = {}
+    out: dict[str, dict[float, tuple]] = {}
     traces: dict[tuple, Trace] = {}
     for v, r, k in alike:    # rank r's shares, moved to the first rank (slices of one size cost alike anywhere)
         first = (v[r], *(w for q, w in enumerate(v) if q != r))
         if first not in traces:
             traces[first] = _Recording.of(run, stage, list(first)).trace(1, 1)
         micro_step = timed[k].points[0][1] - timed[k].per_step_s
-        out.setdefault(k, {})[fraction_held(v, r)] = max(0.0, traces[first].busy(GpuModel.of(kinds[k])) - micro_step)
-    return {k: sorted(points.items()) for k, points in out.items()}
+        gpu = GpuModel.of(kinds[k])
+        out.setdefault(k, {})[fraction_held(v, r)] = (max(0.0, traces[first].busy(gpu) - micro_step),
+                                                      traces[first].marks_on(gpu).gather_phase())
+    return {k: ([(f, step) for f, (step, _) in sorted(points.items())],
+                [(f, *phase) for f, (_, phase) in sorted(points.items())]) for k, points in out.items()}
 
 
 # A kind is simulated alone: it is timed even where another kind does not fit (the planner then plans around the
@@ -215,6 +219,7 @@ class _Recording:
         marks = CountedMarks(run.device)
         with marks.watch(engine), run.device.step(engine.held_state):
             engine.train_batch(batch, wl.loss)
+            marks.mark("end", 0)
         if (m, accumulation) == (1, 2):
             self.most = engine.model_state_bytes()
         return Trace.of(run.device.recorder, marks, len(engine.units))

@@ -57,6 +57,26 @@ def test_with_unlike_shares_the_update_is_on_the_line_timed_at_unlike_shares(tim
     assert at(0.75, False).per_step_s == pytest.approx(0.1 + 0.2 * 0.5)
 
 
+def test_with_unlike_shares_the_gathers_own_work_is_on_the_line_measured_at_unlike_shares():
+    """The parameter gathers' own work after the update (the slices cast and padded, copied out) at a share: on the
+    lines through the figures measured at unlike shares; at alike shares, the even share's anatomy as measured."""
+    from poplar.profile.profile import StepAnatomy
+
+    anatomy = StepAnatomy(micro_batch=1, forward=[0.5], backward=[0.5], root_middle=0.0, before_loss_s=0.0,
+                          before_norm_s=0.0, gather_issue_s=0.01, gather_copy_s=0.0)
+    sp = StageProfile(max_micro_batch=2, state_bytes=STATE, per_step_s=0.1, points=[(1, 1.1), (2, 1.2)],
+                      memory_points=[(STATE - COPY // 2, 8), (STATE, 2)], anatomy=[anatomy],
+                      share_steps=[(0.6, 0.25), (2 / 3, 0.27)], share_gathers=[(0.6, 0.012, 0.02), (2 / 3, 0.014, 0.02)])
+
+    def at(fraction: float, uneven: bool) -> StepAnatomy:
+        shared = stage_at_share(sp, stage=2, precision="fp32", n_params=N_PARAMS, world=2, fraction=fraction,
+                                capacity=10 * STATE, uneven=uneven)
+        return shared.anatomy_at(1)
+    got = at(0.25, True)
+    assert (got.gather_issue_s, got.gather_copy_s) == pytest.approx((0.012 + 0.03 * (0.25 - 0.6), 0.02))
+    assert (at(0.25, False).gather_issue_s, at(0.25, False).gather_copy_s) == (0.01, 0.0)
+
+
 def _profile(memory_points: bool = True, memory=(2.0, 1.0)):
     """Stage 2 (every rank the same micro-steps) on a big card and a small one that holds one sample at an even
     share and eight holding none, each timed up to eight samples; large fixed costs a micro-step, so fewer

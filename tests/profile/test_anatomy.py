@@ -13,7 +13,7 @@ CLUSTER = {"devices": [{"kind": "a100", "gpu": "A100-80GB"}, {"kind": "t4", "gpu
 SLOW = 40   # a pace (declared time x this) at which this host keeps up with these steps when quiet
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [0, 1, 3])
 def test_a_step_s_compute_is_placed_unit_by_unit(stage):
     for dilation in (None, 2 * SLOW, 4 * SLOW):   # a run the host made late (overruns) measures the host: again,
         results = spawn(anatomy_at, 2, CLUSTER, stage, [8, 4], dilation, timeout_s=240)   # at a slower pace
@@ -32,6 +32,8 @@ def test_a_step_s_compute_is_placed_unit_by_unit(stage):
         assert a.before_loss_s > 0
         # the gradient norm's all-reduce comes only where the gradients are sharded
         assert (a.before_norm_s > 0) == (stage > 0)
+        # only ZeRO-1/2 gather the parameters after the update, each later unit's slice cast before its launch
+        assert (a.gather_issue_s > 0) == (stage == 1) and a.gather_copy_s >= 0
     # the T4 is the slower device: the same work takes it longer, in seconds
     assert ranks[1].before_loss_s > ranks[0].before_loss_s
 
@@ -57,7 +59,9 @@ def _marks(launch_before_inputs: float) -> Marks:
                       ("reduce_scatter", 4096, 6.0 - launch_before_inputs),
                       ("reduce_scatter", 4096, 8.0 - launch_before_inputs),
                       ("reduce_scatter", 2048, 9.0),                    # the root's, after its own backward
-                      ("all_reduce", 4, 9.5), ("all_reduce", 4, 9.75)]   # the loss, the norm
+                      ("all_reduce", 4, 9.5), ("all_reduce", 4, 9.75),   # the loss, the norm
+                      ("all_gather", 4096, 10.0), ("all_gather", 4096, 10.25), ("all_gather", 2048, 10.75)]
+    marks.at[("end", 0)] = 11.5
     return marks
 
 
@@ -69,3 +73,15 @@ def test_a_unit_s_backward_ends_where_its_gradient_collective_is_issued(early):
     assert seconds == pytest.approx([1.0 + early, 2.0, 2.0 - early])
     assert sum(a.forward) + sum(a.backward) + a.root_middle == pytest.approx(1.0)
     assert (a.before_loss_s, a.before_norm_s) == pytest.approx((0.5, 0.25))
+
+
+def test_the_parameter_gathers_own_work_is_read_between_their_launches_and_after_the_last():
+    marks = _marks(0.0)
+    assert marks.gather_phase() == pytest.approx((0.75, 0.75))   # the gathers launched 10-10.75, the end at 11.5
+    a = marks.anatomy(3, 4)
+    assert (a.gather_issue_s, a.gather_copy_s) == pytest.approx((0.75, 0.75))
+    del marks.at[("end", 0)]       # a step whose end was not marked: nothing read
+    assert marks.gather_phase() == (0.0, 0.0)
+    marks = _marks(0.0)
+    marks.launches = [op for op in marks.launches if op[0] != "all_gather"]   # ZeRO-0/3: no gathers after the norm
+    assert marks.gather_phase() == (0.0, 0.0)

@@ -312,6 +312,11 @@ def test_the_once_per_step_part_is_timed_at_unlike_shares_where_every_card_has_r
         assert [f for f, _ in sim.share_steps] == pytest.approx(fractions)
         # the padded gathers' copies and the share's update: about the even share's part, not another size
         assert all(0.5 * got.per_step_s < t < 3 * got.per_step_s for _, t in got.share_steps), kind
+        # beside each, the gathers' own work after the update: the later slices cast and padded before their
+        # launches, every rank's copied out of the padded buffer after each wait
+        for measured in (got, sim):
+            assert [f for f, *_ in measured.share_gathers] == pytest.approx(fractions)
+            assert all(issue > 0 and copy > 0 for _, issue, copy in measured.share_gathers), kind
 
 
 def test_a_card_that_holds_no_sample_with_any_share_is_left_out_and_the_plan_is_for_the_others(tmp_path):
