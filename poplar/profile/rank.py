@@ -19,8 +19,6 @@ much memory it leaves free, whether engines of several sizes may be alive at onc
 from __future__ import annotations
 
 import statistics
-from typing import NamedTuple
-
 from pydantic import BaseModel, ConfigDict
 
 import poplar
@@ -28,10 +26,10 @@ from poplar.cluster.spec import parse_cluster
 from poplar.engine.config import EngineConfig
 from poplar.profile.anatomy import marked_step, measure_anatomy
 from poplar.profile.options import ProfileOptions
-from poplar.profile.probe import grow_then_bisect, largest_micro_batch
-from poplar.profile.profile import (AT_LARGER_SHARE, DOES_NOT_FIT, FITS_WITH_LESS, NOT_TIMED, CommProfile,
-                                    StageProfile)
-from poplar.profile.timing import (RankRun, _time_group, fraction_held, point_sizes, skewed_shares, time_collectives,
+from poplar.profile.probe import largest_micro_batch
+from poplar.profile.procedure import States, at_even_share, timed_stage, with_less
+from poplar.profile.profile import DOES_NOT_FIT, NOT_TIMED, CommProfile, StageProfile
+from poplar.profile.timing import (RankRun, _time_group, fraction_held, skewed_shares, time_collectives,
                                    time_points, timed_step)
 from poplar.stages import OPTIMIZER_BYTES_PER_MASTER_BYTE
 from poplar.stages import stage as zero_stage
@@ -77,7 +75,7 @@ def profile_stage(run: RankRun, stage: int, options: ProfileOptions) -> StagePro
     even share of the model states over the run's ranks.
 
     Where some rank holds no sample beside an even share, the ranks that do are given the sharded states (stages
-    1-3) and the others timed beside none of them (:data:`FITS_WITH_LESS`); where a rank holds no sample even so,
+    1-3) and the others timed beside none of them (:data:`~poplar.profile.profile.FITS_WITH_LESS`); where a rank holds no sample even so,
     or in stage 0, the ranks that do are timed among themselves and it is left out (:data:`DOES_NOT_FIT`). A
     profile timed at another share is written as at the even one (the planner takes it to any share).
     """
@@ -90,17 +88,15 @@ def _profile(run: RankRun, stage: int, options: ProfileOptions) -> tuple[StagePr
     even = _model_states(run, stage, options.precision)
     run.device.free_memory()   # the engine died with that frame: the probe holds the states itself
     if even.most is not None:
-        return _timed_stage(run, stage, options, even), even.sharded
+        return _timed(run, stage, options, even), even.sharded
     fits = run.each(even.fits_one)
     if stage and any(fits):
         shared = run.with_shares([1.0 if f else 0.0 for f in fits])
         states = _model_states(shared, stage, options.precision)
         run.device.free_memory()
         if states.most is not None:
-            sp = _timed_stage(shared, stage, options, states)
-            if not fits[run.rank]:
-                sp = _with_less(run, sp, options.precision)
-            return _at_even_share(run, sp, states.sharded, even.sharded), even.sharded
+            sp = _timed(shared, stage, options, states, fits[run.rank])
+            return at_even_share(sp, states.sharded, even.sharded, run.device.capacity), even.sharded
     members = [r for r, f in enumerate(fits) if f]
     if not members:
         run.note(stage, "done")
@@ -110,40 +106,49 @@ def _profile(run: RankRun, stage: int, options: ProfileOptions) -> tuple[StagePr
         run.note(stage, "done")
         return StageProfile(max_micro_batch=0, state_bytes=even.before, note=DOES_NOT_FIT), 0
     sp, theirs = _profile(among, stage, options)
-    return _at_even_share(run, sp, theirs, even.sharded), even.sharded
+    return at_even_share(sp, theirs, even.sharded, run.device.capacity), even.sharded
 
 
-def _timed_stage(run: RankRun, stage: int, options: ProfileOptions, states: _States) -> StageProfile:
-    """The stage timed on every rank of ``run``, beside ``states`` (every rank holds a sample there)."""
-    device = run.device
-    state = states.most
-    # some capacity kept free: the whole local batch sits on the device during a step
-    # (the engine moves it there at once), more than the probe's single micro-batch
-    headroom = int(device.probe_headroom * device.capacity)
-    limit = largest_micro_batch(device, run.workload, state + headroom, limit=options.max_micro_batch,
-                                precision=options.precision)
-    if not run.everyone(limit > 0):   # the headroom left no room for a sample on some rank
-        run.note(stage, "done")
-        return StageProfile(max_micro_batch=min(limit, 1), state_bytes=state, note=NOT_TIMED)
-    memory = [(state, limit)]
-    if states.sharded and limit < options.max_micro_batch:   # beside none of the sharded states: how it grows
-        fewer = state - states.sharded
-        memory.insert(0, (fewer, largest_micro_batch(device, run.workload, fewer + headroom,
-                                                     limit=options.max_micro_batch, precision=options.precision)))
-    sizes = run.agree_sizes(point_sizes(limit, options.n_points))
-    points, per_step = time_points(run, stage, sizes)
-    share_steps, share_gathers = _share_steps(run, stage, states, options, sizes[0], points[0][1] - per_step)
-    run.note(stage, "anatomy")
-    rows = sorted({len(sizes) // 2, len(sizes) - 1})     # a middle size and the largest
-    measured = [measure_anatomy(run, stage, sizes[i]) for i in rows]
-    anatomy = sorted((a for a in measured if a is not None), key=lambda a: a.micro_batch)
-    run.note(stage, "done")
-    return StageProfile(max_micro_batch=limit, state_bytes=state, points=points, per_step_s=per_step,
-                        anatomy=anatomy, memory_points=memory, share_steps=share_steps,
-                        share_gathers=share_gathers)
+class _RankMeasure:
+    """The procedure's answers on this rank (:class:`~poplar.profile.procedure.Measure`): engines on its device,
+    sizes and verdicts agreed with the other ranks of ``run``."""
+
+    def __init__(self, run: RankRun, stage: int, options: ProfileOptions, states: States):
+        self.run, self.stage, self.options, self.states = run, stage, options, states
+        self.headroom = int(run.device.probe_headroom * run.device.capacity)
+
+    def largest(self, held: int, limit: int) -> int:
+        return largest_micro_batch(self.run.device, self.run.workload, held, limit=limit,
+                                   precision=self.options.precision)
+
+    def everyone(self, flag: bool) -> bool:
+        return self.run.everyone(flag)
+
+    def agree_sizes(self, mine: list[int]) -> list[list[int]]:
+        return self.run.agree_sizes(mine)
+
+    def time_points(self, rows: list[list[int]]) -> tuple[list[tuple[int, float]], float]:
+        return time_points(self.run, self.stage, rows)
+
+    def share_steps(self, row: list[int], micro_step: float) -> tuple[list, list]:
+        return _share_steps(self.run, self.stage, self.states, self.options, row, micro_step)
+
+    def anatomy(self, row: list[int]):
+        return measure_anatomy(self.run, self.stage, row)
+
+    def note(self, what: str) -> None:
+        self.run.note(self.stage, what)
 
 
-def _share_steps(run: RankRun, stage: int, states: _States, options: ProfileOptions, row: list[int],
+def _timed(run: RankRun, stage: int, options: ProfileOptions, states: States, fits: bool = True) -> StageProfile:
+    """The procedure on this rank beside ``states`` (:func:`~poplar.profile.procedure.timed_stage`); ``fits``:
+    whether this rank holds a sample beside an even share (else timed beside none of the sharded states)."""
+    measure = _RankMeasure(run, stage, options, states)
+    sp = timed_stage(measure, states, options.n_points, options.max_micro_batch)
+    return sp if fits else with_less(measure, sp, run.device.capacity)
+
+
+def _share_steps(run: RankRun, stage: int, states: States, options: ProfileOptions, row: list[int],
                  micro_step: float) -> tuple[list, list]:
     """The once-per-step part where the ranks hold unlike shares of the states (stages 1-3): its update grows with
     the share held, and unlike slices are gathered padded and copied out. Timed at the smallest sizes (``row``;
@@ -184,40 +189,7 @@ def held_at_shares(most: int, sharded: int, units, stage: int, shares: list[floa
                + zero_stage(stage).uneven_gather_bytes(fractions, list(units), precision))
 
 
-def _with_less(run: RankRun, sp: StageProfile, precision: str) -> StageProfile:
-    """A rank timed beside none of the sharded states: its second memory point the most states beside which one
-    sample fits (none fits beside its even share), so the planner can read any share between."""
-    device, headroom = run.device, int(run.device.probe_headroom * run.device.capacity)
-    chunk = max(1, (device.capacity - sp.state_bytes) // 1024)
-
-    def fits(m: int) -> bool:
-        return largest_micro_batch(device, run.workload, sp.state_bytes + m * chunk + headroom, limit=1,
-                                   precision=precision) == 1
-    most = sp.state_bytes + grow_then_bisect(fits, limit=1024) * chunk
-    return sp.model_copy(update={"note": FITS_WITH_LESS, "memory_points": [(sp.state_bytes, sp.max_micro_batch),
-                                                                            (most, 1)]})
-
-
-def _at_even_share(run: RankRun, sp: StageProfile, sharded: int, even: int) -> StageProfile:
-    """``sp``, timed holding ``sharded`` bytes of the sharded states, as at an even share of them over ``run``'s
-    ranks (``even`` bytes): its states shifted by the difference, its largest micro-batch read off its memory
-    points there."""
-    if sharded == even or not sp.points:
-        return sp
-    state = sp.state_bytes - sharded + even
-    return sp.model_copy(update={"state_bytes": state, "note": sp.note or AT_LARGER_SHARE,
-                                 "max_micro_batch": sp.max_micro_batch_at(state, run.device.capacity)})
-
-
-class _States(NamedTuple):
-    fits_one: bool      # micro-batch 1 fits this rank's device
-    before: int         # model-state bytes before any step, the optimizer's to come included
-    most: int | None    # at their most, after two steps; None: a rank's device does not fit micro-batch 1
-    sharded: int = 0    # bytes of them this rank holds only as its share (none in stage 0)
-    units: tuple[int, ...] = ()   # the engine's units' parameters
-
-
-def _model_states(run: RankRun, stage: int, precision: str) -> _States:
+def _model_states(run: RankRun, stage: int, precision: str) -> States:
     """The stage's model states, and whether every rank fits micro-batch 1 beside them."""
     # two micro-steps of one sample: the states held between micro-steps (accumulated
     # gradients) count too, as they will in any plan that accumulates
@@ -235,7 +207,7 @@ def _model_states(run: RankRun, stage: int, precision: str) -> _States:
     sharded = shard_bytes(engine, stage, precision)
     units = tuple(u.numel for u in engine.units)
     engine.close()
-    return _States(fits, before, most, sharded, units)
+    return States(fits, before, most, sharded, units)
 
 
 def shard_bytes(engine, stage: int, precision: str) -> int:

@@ -32,14 +32,14 @@ from poplar.precision import cast_model, torch_dtype
 from poplar.profile.fits import check_states_fit
 from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import forward_backward, grow_then_bisect
-from poplar.profile.profile import DOES_NOT_FIT, FITS_WITH_LESS, Profile, StageProfile
+from poplar.profile.procedure import States, at_even_share, timed_stage, with_less
+from poplar.profile.profile import DOES_NOT_FIT, Profile, StageProfile
 from poplar.profile.profiler import merge_stage
 from poplar.profile.rank import optimizer_states_to_come, held_at_shares, shard_bytes
-from poplar.profile.timing import RankRun, fraction_held, point_sizes, skewed_shares, timed_step
+from poplar.profile.timing import RankRun, fraction_held, skewed_shares, timed_step
 from poplar.simulate.comm import simulated_comm
 from poplar.simulate.fake import fake_tensors
 from poplar.simulate.trace import Activations, CountedMarks, CountingDevice, Steps, Trace
-from poplar.stages import stage as zero_stage
 from poplar.workload import Workload, as_workload
 
 
@@ -83,68 +83,111 @@ def _saved_bytes(device: CountingDevice, wl: Workload, precision: str):
 
 def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, DeviceGroup],
            saved: Activations) -> dict[str, StageProfile]:
-    """Every kind's profile of ``stage`` (as :func:`poplar.profile.rank.profile_stage` decides, kind by kind)."""
+    """Every kind's profile of ``stage``: the profiler's procedure (:mod:`poplar.profile.procedure`) for each kind
+    alone, on the stage's counted steps priced on its roofline."""
     spec: ClusterSpec = run.device.cluster
     steps, recording = _counted(run, stage)
-    before, most = recording.before, recording.most
-    capacity = {k: spec.memory_bytes(d) for k, d in kinds.items()}
-    headroom = {k: int(run.device.probe_headroom * capacity[k]) for k in kinds}
-    sharded = shard_bytes(recording.engine, stage, options.precision)
+    engine = recording.engine
+    states = States(True, recording.before, recording.most, shard_bytes(engine, stage, options.precision),
+                    tuple(u.numel for u in engine.units))
+    measures = {k: _KindMeasure(steps, GpuModel.of(d), saved, spec.memory_bytes(d), run.device.probe_headroom)
+                for k, d in kinds.items()}
+    fits_one = {k: states.before + saved.exact(1) <= m.capacity for k, m in measures.items()}
+    fits = {k: fits_one[k] and m.largest(states.most + m.headroom, options.max_micro_batch) > 0
+            for k, m in measures.items()}
+    shares = _Shares(run, stage, recording, measures, kinds) if stage and all(fits.values()) else None
     out = {}
-    for k in kinds:
-        fits = before + saved.exact(1) <= capacity[k]
-        n = _largest(saved, most + headroom[k], capacity[k], options.max_micro_batch) if fits else 0
-        memory = [(most, n)]
-        if sharded and n < options.max_micro_batch:   # as the profiler measures: beside none of the sharded states
-            fewer = most - sharded
-            memory.insert(0, (fewer, _largest(saved, fewer + headroom[k], capacity[k], options.max_micro_batch)))
-        if n:   # timed as far as a smaller share lets it go (the planner may give it one), its limit kept
-            timed = _timed(steps, GpuModel.of(kinds[k]), max(n, memory[0][1]), most, options.n_points)
-            out[k] = timed.model_copy(update={"max_micro_batch": n})
-        elif memory[0][1]:   # holds a sample only with a smaller share of the states: timed up to that
-            # and the most states beside which one sample fits, in place of the even share's (none fits there)
-            memory[1] = (capacity[k] - headroom[k] - saved.exact(1), 1)
-            timed = _timed(steps, GpuModel.of(kinds[k]), memory[0][1], most, options.n_points)
-            out[k] = timed.model_copy(update={"max_micro_batch": 0, "note": FITS_WITH_LESS})
-        else:
-            out[k] = StageProfile(max_micro_batch=0, state_bytes=most if fits else before, note=DOES_NOT_FIT)
-            continue
-        out[k] = out[k].model_copy(update={"memory_points": memory})
-    for k, (steps, gathers) in _share_steps(run, stage, recording, out, capacity, headroom, saved, kinds).items():
-        out[k] = out[k].model_copy(update={"share_steps": steps, "share_gathers": gathers})
+    for k, m in measures.items():
+        m.shares = (lambda micro_step, k=k: shares.of(k, micro_step)) if shares else None
+        out[k] = merge_stage([_kind_stage(m, states._replace(fits_one=fits_one[k]), options, fits[k])])
     return out
 
 
-def _share_steps(run: RankRun, stage: int, recording: _Recording, timed: dict[str, StageProfile], capacity: dict,
-                 headroom: dict, saved: Activations, kinds: dict[str, DeviceGroup]) -> dict[str, list]:
+def _kind_stage(m: _KindMeasure, states: States, options: ProfileOptions, fits: bool) -> StageProfile:
+    """One kind, as a rank of the profiler: timed beside an even share where it holds a sample there; else beside
+    none of the sharded states, where it holds one there (:data:`~poplar.profile.profile.FITS_WITH_LESS`); else not at all."""
+    if fits:
+        return timed_stage(m, states, options.n_points, options.max_micro_batch)
+    fewer = states.most - states.sharded
+    if states.sharded and m.largest(fewer + m.headroom, 1):
+        sp = timed_stage(m, states._replace(most=fewer, sharded=0), options.n_points, options.max_micro_batch)
+        return at_even_share(with_less(m, sp, m.capacity), 0, states.sharded, m.capacity)
+    return StageProfile(max_micro_batch=0, state_bytes=states.most if states.fits_one else states.before,
+                        note=DOES_NOT_FIT)
+
+
+class _KindMeasure:
+    """The procedure's answers for one device kind (:class:`~poplar.profile.procedure.Measure`): the stage's
+    counted steps priced on its roofline, its memory against its capacity; a kind is measured alone."""
+
+    def __init__(self, steps: Steps, gpu: GpuModel, saved: Activations, capacity: int, headroom: float):
+        self.steps, self.gpu, self.saved, self.capacity = steps, gpu, saved, capacity
+        self.headroom = int(headroom * capacity)
+        self.shares: Callable[[float], tuple[list, list]] | None = None   # the kind's share steps, where measured
+
+    def largest(self, held: int, limit: int) -> int:
+        return _largest(self.saved, held, self.capacity, limit)
+
+    def everyone(self, flag: bool) -> bool:
+        return flag
+
+    def agree_sizes(self, mine: list[int]) -> list[list[int]]:
+        return [[m] for m in mine]
+
+    def time_points(self, rows: list[list[int]]) -> tuple[list[tuple[int, float]], float]:
+        """As :func:`poplar.profile.timing.time_points`: the once-per-step part from two steps of one sample
+        against one of two (a counted step's second micro-batch adds exactly the first's operators and the
+        gradients' sum, whatever its size: the smallest size gives the profiler's median)."""
+        sizes = [row[0] for row in rows]
+        per_step = max(0.0, 2 * self.steps.at(1, 1).busy(self.gpu) - self.steps.at(1, 2).busy(self.gpu))
+        return [(m, self.steps.at(m, 1).busy(self.gpu)) for m in sizes], per_step
+
+    def share_steps(self, row: list[int], micro_step: float) -> tuple[list, list]:
+        return self.shares(micro_step) if self.shares else ([], [])
+
+    def anatomy(self, row: list[int]):
+        trace = self.steps.at(row[0], 1)
+        return trace.marks_on(self.gpu).anatomy(trace.n_units, row[0])
+
+    def note(self, what: str) -> None:
+        pass
+
+
+class _Shares:
     """The once-per-step part at unlike shares, as the profiler times it (:func:`poplar.profile.rank._share_steps`:
-    where every kind is timed at an even share and every rank holds a sample beside its states at both skews):
-    each kind's ranks' shares, each priced from a step recorded on the first rank with the same shares as its:
-    ``{kind: (share_steps, share_gathers)}``."""
-    n, precision = run.world_size, run.config.mixed_precision
-    if stage == 0 or n < 2 or any(not timed[k].max_micro_batch for k in kinds):
-        return {}
-    rank_kinds = [d.kind for d in run.device.cluster.rank_devices()]
-    vectors = skewed_shares([capacity[k] for k in rank_kinds])
-    engine = recording.engine
-    units, sharded = [u.numel for u in engine.units], shard_bytes(engine, stage, precision)
-    # a rank's figures depend on its kind and its weight only: one rank stands for those alike
-    alike = [(v, r, k) for v in vectors for (k, _), r in {(k, v[r]): r for r, k in enumerate(rank_kinds)}.items()]
-    if any(_largest(saved, held_at_shares(recording.most, sharded, units, stage, v, r, precision) + headroom[k],
-                    capacity[k], 1) < 1 for v, r, k in alike):
-        return {}
-    out: dict[str, dict[float, tuple]] = {}
-    traces: dict[tuple, Trace] = {}
-    for v, r, k in alike:    # rank r's shares, moved to the first rank (slices of one size cost alike anywhere)
-        first = (v[r], *(w for q, w in enumerate(v) if q != r))
-        if first not in traces:
-            traces[first] = _Recording.of(run, stage, list(first)).trace(1, 1)
-        micro_step = timed[k].points[0][1] - timed[k].per_step_s
-        gpu = GpuModel.of(kinds[k])
-        out.setdefault(k, {})[fraction_held(v, r)] = (max(0.0, traces[first].busy(gpu) - micro_step),
-                                                      traces[first].marks_on(gpu).gather_phase())
-    return {k: ([(f, step) for f, (step, _) in sorted(points.items())],
-                [(f, *phase) for f, (_, phase) in sorted(points.items())]) for k, points in out.items()}
+    where every kind holds a sample at an even share and every rank beside its states at both skews): each kind's
+    ranks' shares, each priced from a step recorded on the first rank with the same shares as its."""
+
+    def __init__(self, run: RankRun, stage: int, recording: _Recording, measures: dict[str, _KindMeasure],
+                 kinds: dict[str, DeviceGroup]):
+        self.run, self.stage, self.measures, self.kinds = run, stage, measures, kinds
+        rank_kinds = [d.kind for d in run.device.cluster.rank_devices()]
+        vectors = skewed_shares([measures[k].capacity for k in rank_kinds])
+        units = [u.numel for u in recording.engine.units]
+        sharded = shard_bytes(recording.engine, stage, run.config.mixed_precision)
+        # a rank's figures depend on its kind and its weight only: one rank stands for those alike
+        self.alike = [(v, r, k) for v in vectors for (k, _), r in {(k, v[r]): r for r, k in enumerate(rank_kinds)}.items()]
+        self.held = all(measures[k].largest(held_at_shares(recording.most, sharded, units, stage, v, r,
+                                                           run.config.mixed_precision) + measures[k].headroom, 1) >= 1
+                        for v, r, k in self.alike)
+        self.traces: dict[tuple, Trace] = {}
+
+    def of(self, kind: str, micro_step: float) -> tuple[list, list]:
+        """``kind``'s share steps and share gathers (:class:`~poplar.profile.profile.StageProfile`)."""
+        if not self.held or self.run.world_size < 2:
+            return [], []
+        points: dict[float, tuple] = {}
+        gpu = self.measures[kind].gpu
+        for v, r, k in self.alike:    # rank r's shares, moved to the first rank (slices of one size cost alike)
+            if k != kind:
+                continue
+            first = (v[r], *(w for q, w in enumerate(v) if q != r))
+            if first not in self.traces:
+                self.traces[first] = _Recording.of(self.run, self.stage, list(first)).trace(1, 1)
+            trace = self.traces[first]
+            points[fraction_held(v, r)] = (max(0.0, trace.busy(gpu) - micro_step), trace.marks_on(gpu).gather_phase())
+        return ([(f, step) for f, (step, _) in sorted(points.items())],
+                [(f, *phase) for f, (_, phase) in sorted(points.items())])
 
 
 # A kind is simulated alone: it is timed even where another kind does not fit (the planner then plans around the
@@ -235,26 +278,6 @@ def _largest(saved: Activations, held: int, capacity: int, limit: int) -> int:
     if (found == 0 or fits(found)) and (found >= limit or not fits(found + 1)):
         return found     # read from the line, and measured: it fits, one more does not
     return grow_then_bisect(fits, limit)
-
-
-def _timed(steps: Steps, gpu: GpuModel, limit: int, state: int, n_points: int) -> StageProfile:
-    """A kind's points, once-per-step part and anatomy, priced from the stage's traces (as
-    :func:`poplar.profile.timing.time_points` and :func:`poplar.profile.anatomy.measure_anatomy` measure)."""
-    sizes = point_sizes(limit, n_points)
-    one = [steps.at(m, 1).busy(gpu) for m in sizes]
-    # the profiler's median over its smallest sizes of two steps of one against one of two: a counted step's
-    # second micro-batch adds exactly the first's operators and the gradients' sum, whatever its size, so the
-    # smallest size (recorded anyway, for the states) gives the same part without recording the others
-    per_step = max(0.0, 2 * steps.at(1, 1).busy(gpu) - steps.at(1, 2).busy(gpu))
-    anatomy = []
-    for i in sorted({len(sizes) // 2, len(sizes) - 1}):     # a middle size and the largest
-        trace = steps.at(sizes[i], 1)
-        a = trace.marks_on(gpu).anatomy(trace.n_units, sizes[i])
-        if a is not None:
-            anatomy.append(a)
-    timed = StageProfile(max_micro_batch=limit, state_bytes=state, points=list(zip(sizes, one)), per_step_s=per_step,
-                         anatomy=sorted(anatomy, key=lambda a: a.micro_batch))
-    return merge_stage([timed])     # as the profiler's: a size timed twice (a small limit) is one point
 
 
 def simulate_profile(workload: str | Workload, cluster, options: ProfileOptions | None = None,

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-import poplar
 from poplar.engine import initialize
 from poplar.engine.collectives import Comm
 from poplar.train.checkpointer import Checkpointer

@@ -91,3 +91,18 @@ def anatomy_at(rank, world_size, cluster: dict, stage: int, sizes: list[int], di
     with rank_device(parse_cluster(cluster), rank, wl) as device:   # the pace chosen from the host, as profiling
         run = RankRun(device, rank, world_size, wl, EngineConfig(), warmup=1, repeats=1)
         return {"anatomy": measure_anatomy(run, stage, sizes).model_dump(), "overruns": device.overruns}
+
+
+def profiled_anatomy_sizes(rank, world_size, cluster: dict, patched: bool):
+    """The micro-batches rank ``rank``'s profile of stage 0 measured its anatomy at; ``patched``: with the
+    procedure's choice of sizes changed to the smallest only (as a test changes it in the simulator's process)."""
+    from poplar.engine.config import EngineConfig
+    from poplar.profile import procedure
+    from poplar.profile.options import ProfileOptions
+    from poplar.profile.rank import profile_rank
+
+    if patched:
+        procedure.anatomy_rows = lambda n: [0]
+    options = ProfileOptions(stages=(0,), n_points=3, repeats=1, max_micro_batch=8)
+    profile = profile_rank(rank, world_size, "tiny", cluster, options, EngineConfig())
+    return [a.micro_batch for a in profile.stages[0].anatomy]
