@@ -25,6 +25,23 @@ def rank_device(cluster, rank: int, workload=None) -> Device:
     return EmulatedDevice(cluster, rank, probe=None if workload is None else _workload_probe(workload))
 
 
+def rank_device_of(cluster, rank: int, workload=None, cuda: bool | None = None) -> Device:
+    """The device rank ``rank`` computes on, for every loop that runs one (``poplar train``'s ranks, the
+    integrations'): ``cluster``'s (:func:`rank_device`) where one is given; else its own GPU where ``cuda``
+    (None: where the process group runs over NCCL), else this host's CPU."""
+    if cluster is not None:
+        return rank_device(cluster, rank, workload)
+    if cuda is None:
+        import torch.distributed as dist
+
+        cuda = dist.is_initialized() and dist.get_backend() == "nccl"
+    if cuda:
+        from poplar.devices.cuda import CudaDevice
+
+        return CudaDevice()
+    return Device()
+
+
 def _workload_probe(workload):
     """A step of ``workload``'s own model at ``m`` samples, for the dilation's probes."""
     model = workload.build()
@@ -35,4 +52,4 @@ def _workload_probe(workload):
     return probe
 
 
-__all__ = ["Device", "rank_device"]
+__all__ = ["Device", "rank_device", "rank_device_of"]

@@ -6,8 +6,9 @@ Every integration does the same four things, here once:
 2. decide the plan (:func:`resolve_plan`): one given (a :class:`~poplar.Plan`, its dict or a
    ``plan.json``), or profiled and planned on a cluster (a cluster file or preset, and the
    :class:`~poplar.workload.Workload` that names the model, as ``poplar train`` does);
-3. take the rank's device (:func:`rank_device_of`): the emulated GPU of a cluster file, the
-   GPU it runs on, or this host's CPU, which times (and, emulated, paces) every step;
+3. take the rank's device (:func:`poplar.devices.rank_device_of`, as ``poplar train``'s ranks): the
+   emulated GPU of a cluster file, the GPU it runs on, or this host's CPU, which times (and,
+   emulated, paces) every step;
 4. build the engine with the user's optimizer (:func:`optimizer_factory`) and run steps in
    the device's step (:meth:`Runtime.train_batch`); save and load the same resharding
    checkpoints as ``poplar train`` (:meth:`Runtime.save`, :meth:`Runtime.load`).
@@ -15,18 +16,17 @@ Every integration does the same four things, here once:
 
 from __future__ import annotations
 
-import contextlib
 import os
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from poplar.engine import initialize
+from poplar.devices import rank_device_of
 from poplar.engine.config import EngineConfig
 from poplar.plan import Plan
+from poplar.train.rank import RankRuntime
 
 
 def load_plan(plan: Plan | dict | str | Path) -> Plan:
@@ -115,19 +115,6 @@ def from_environment(plan, cluster, workload, global_batch) -> tuple:
             workload if workload is not None else env.get("POPLAR_WORKLOAD") or None, global_batch)
 
 
-def rank_device_of(cluster, rank: int):
-    """``rank``'s device: the emulated (or real) device of ``cluster``; without one, its GPU or this CPU."""
-    from poplar.devices import Device, rank_device
-
-    if cluster is not None:
-        return rank_device(cluster_spec(cluster), rank)
-    if torch.distributed.get_backend() == "nccl":
-        from poplar.devices.cuda import CudaDevice
-
-        return CudaDevice()
-    return Device()
-
-
 def optimizer_factory(optimizer):
     """What the engine builds its optimizer with, from a factory (as is) or an optimizer built on the model.
 
@@ -156,8 +143,9 @@ def optimizer_factory(optimizer):
     return rebind
 
 
-class Runtime:
-    """This rank's process group, device and engine; steps timed (and paced) by the device.
+class Runtime(RankRuntime):
+    """This rank's process group, device and engine (:class:`~poplar.train.rank.RankRuntime`, as ``poplar train``'s
+    ranks); steps timed (and paced) by the device.
 
     Enter nothing by hand: the device starts here (on every rank at once) and stops in :meth:`close`.
     """
@@ -172,29 +160,9 @@ class Runtime:
         cluster = cluster_spec(cluster)
         if cluster is not None:
             cluster.check_world_size(self.world_size)
-        self.device = rank_device_of(cluster, self.rank)
-        self.device.__enter__()
-        self.engine = initialize(model, optimizer_factory(optimizer), plan, config, comm=self.device.comm)
-        self.steps_s: list[float] = []     # each step's time on the device's clock
-        self.step_walls: list[tuple[float, float]] = []   # when each began and ended on this host (perf_counter)
-
-    @property
-    def plan(self) -> Plan:
-        return self.engine.plan
-
-    def train_batch(self, local_batch, loss_fn) -> float:
-        """One optimizer step on this rank's slice (``loss_fn(model, micro_batch)``); the global mean loss."""
-        with self.step():
-            return self.engine.train_batch(local_batch, loss_fn)
-
-    @contextlib.contextmanager
-    def step(self):
-        """The context one optimizer step runs in (for loops that drive the micro-steps themselves)."""
-        start = time.perf_counter()
-        with self.device.step(self.engine.held_state) as device:
-            yield device
-        self.steps_s.append(self.device.step_s)
-        self.step_walls.append((start, time.perf_counter()))
+        device = rank_device_of(cluster, self.rank)
+        device.__enter__()
+        super().__init__(device, model, optimizer_factory(optimizer), plan, config)
 
     def save(self, path: str | Path, meta: dict[str, Any], extras=None, keep: int = 1) -> Path:
         """Every rank: a sharded, atomic checkpoint under directory ``path`` (any world size reads it).
@@ -219,5 +187,5 @@ class Runtime:
         return {**meta, "extras": read_extras(found), "path": str(found)}
 
     def close(self) -> None:
-        self.engine.close()
+        super().close()
         self.device.__exit__(None, None, None)

@@ -36,29 +36,37 @@ class Launch:
     devices: Devices      # the emulated cluster's GPUs, real CUDA devices, or this host's CPU
     restarted: bool       # torchrun restarted the group after a failure: the run resumes by itself
 
-    def device(self, cfg: TrainConfig, rank: int, workload):
-        """This rank's device, which times its steps (and, emulated, paces them and caps their memory)."""
-        from poplar.devices import Device
-        from poplar.devices.cuda import CudaDevice
+    def device(self, rank: int, workload, cluster=None):
+        """This rank's device, which times its steps (and, emulated, paces them and caps their memory);
+        ``cluster``: the emulated cluster's :class:`~poplar.cluster.spec.ClusterSpec`."""
+        from poplar.devices import rank_device_of
 
-        if self.devices == "emulated":
-            from poplar.cluster.spec import load_cluster
-            from poplar.devices import rank_device
+        return rank_device_of(cluster if self.devices == "emulated" else None, rank, workload,
+                              cuda=self.devices == "cuda")
 
-            return rank_device(load_cluster(cfg.cluster), rank, workload)
-        return CudaDevice() if self.devices == "cuda" else Device()
+
+def cluster_of(cfg: TrainConfig):
+    """The run's cluster file or preset, read (None: none given). Read once, at the edge, and handed on."""
+    if not cfg.cluster:
+        return None
+    from poplar.cluster.spec import load_cluster
+
+    return load_cluster(cfg.cluster)
 
 
 def resolve_launch(cfg: TrainConfig, nproc: int | None = None, env: Mapping[str, str] | None = None,
-                   gpus: int | None = None) -> Launch:
-    """The :class:`Launch` of ``cfg`` here; refuses (``ValueError``, one line) a launch that cannot work."""
+                   gpus: int | None = None, cluster=None) -> Launch:
+    """The :class:`Launch` of ``cfg`` here; refuses (``ValueError``, one line) a launch that cannot work.
+    ``cluster``: ``cfg``'s cluster, read (:func:`cluster_of`; read here where not given)."""
     env = os.environ if env is None else env
     if gpus is None:
         from poplar.profile.discover import cuda_devices_here
 
         gpus = cuda_devices_here()
     restarted = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-    world = _cluster_world(cfg)
+    if cluster is None:
+        cluster = cluster_of(cfg)
+    world = None if cluster is None else cluster.world_size
     if "WORLD_SIZE" in env:
         ranks = int(env["WORLD_SIZE"])
         if world is not None and world != ranks:
@@ -81,23 +89,15 @@ def resolve_launch(cfg: TrainConfig, nproc: int | None = None, env: Mapping[str,
                      "emulated cluster), or --nproc with --plan (plain CPU ranks), or launch under torchrun")
 
 
-def on_planned_ranks(cfg: TrainConfig, launch: Launch, plan, ranks: list[int] | None,
-                     out_dir: Path) -> tuple[TrainConfig, Launch]:
+def on_planned_ranks(cfg: TrainConfig, launch: Launch, plan, ranks: list[int] | None, out_dir: Path,
+                     cluster) -> tuple[TrainConfig, Launch, object]:
     """Where the plan is for some of the emulated cluster's devices only (``ranks``: the planner left the others
     out, as none of their shares lets them hold the model, or as it is faster without them), the run's cluster is
-    those devices (``cluster.yaml`` in the run directory) and only their ranks are launched."""
+    those devices (``cluster.yaml`` in the run directory) and only their ranks are launched: the run's
+    configuration, launch and cluster."""
     if launch.devices != "emulated" or launch.in_process or ranks is None or plan.world_size == launch.world_size:
-        return cfg, launch
-    from poplar.cluster.spec import load_cluster
-
+        return cfg, launch, cluster
     path = out_dir / "cluster.yaml"
-    path.write_text(load_cluster(cfg.cluster).subset(ranks).to_yaml())
-    return cfg.model_copy(update={"cluster": str(path)}), replace(launch, world_size=len(ranks))
-
-
-def _cluster_world(cfg: TrainConfig) -> int | None:
-    if not cfg.cluster:
-        return None
-    from poplar.cluster.spec import load_cluster
-
-    return load_cluster(cfg.cluster).world_size
+    cluster = cluster.subset(ranks)
+    path.write_text(cluster.to_yaml())
+    return cfg.model_copy(update={"cluster": str(path)}), replace(launch, world_size=len(ranks)), cluster

@@ -13,51 +13,45 @@ from poplar.train.run_dir import same_cluster
 from poplar.workload import Workload
 
 
-def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, distributed: bool = False, progress=None):
-    """The plan to train with, and the planner's result (None with --plan or when resuming).
+def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, given, cluster, distributed: bool = False,
+             progress=None):
+    """The plan to train with, and the planner's result (None where one is ``given``: :func:`given_plan`);
+    ``cluster``: the run's, read (None: none given).
 
     ``progress(title)``: a context that hears of the profiling's progress
     (:class:`poplar.cli.output.Progress`).
     """
     from poplar.engine.agreement import check_plans_before_launch
 
-    given = given_plan(cfg, wl, world_size)
     if given is not None:
         check_plans_before_launch([given], wl.build, cfg.engine)
         return given, None
     check_global_batch(cfg.global_batch, world_size)
-    spec = _cluster_spec(cfg, distributed)
+    spec = cluster if cluster is not None else _discovered(distributed)
     spec.check_world_size(world_size)
     plan, result = plan_on(cfg, wl, spec, distributed, progress)
     check_plans_before_launch([plan], wl.build, cfg.engine)
     return plan, result
 
 
-def given_plan(cfg: TrainConfig, wl: Workload, world_size: int):
-    """The plan the run is given (``--plan``, or its own on a resume on the same cluster); None: it plans."""
+def given_plan(cfg: TrainConfig, wl: Workload, world_size: int, cluster):
+    """The plan the run is given (``--plan``, or its own on a resume on the same ``cluster``); None: it plans.
+    Read once a process: what it returns is handed on."""
     if cfg.plan:
         plan = load_plan_for(cfg, wl)
         plan.check_world_size(world_size)
         return plan
     previous = Path(cfg.out) / "plan.json"
-    if cfg.resume and previous.exists() and same_cluster(cfg, world_size):   # the run's own plan, as it was
+    if cfg.resume and previous.exists() and same_cluster(cfg, world_size, cluster):   # the run's own, as it was
         return poplar.Plan.load(previous)
     return None
 
 
-def global_batch_of(cfg: TrainConfig, wl: Workload, world_size: int) -> int:
-    """The global batch the run trains with, known before anything is profiled."""
-    given = given_plan(cfg, wl, world_size)
-    return cfg.global_batch if given is None else given.global_batch_size
-
-
-def _cluster_spec(cfg: TrainConfig, distributed: bool):
-    from poplar.cluster.spec import load_cluster
+def _discovered(distributed: bool):
+    """Without a cluster file: the ranks' own GPUs, discovered."""
     from poplar.profile.discover import discover_cluster
 
-    if cfg.cluster:
-        return load_cluster(cfg.cluster)
-    if distributed and _on_cuda():   # no cluster file: the ranks' own GPUs
+    if distributed and _on_cuda():
         return discover_cluster()
     raise ValueError("without a cluster file only real CUDA ranks are profiled (torchrun's on GPUs, or the one "
                      "GPU here), and these are plain CPU ranks: give --plan, or --cluster FILE|PRESET for an "

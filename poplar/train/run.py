@@ -23,25 +23,27 @@ import poplar
 from poplar.train.checkpointer import check_resume
 from poplar.train.config import TrainConfig
 from poplar.train.dataset import prepare_data, workload_of
-from poplar.train.launching import Launch, on_planned_ranks, resolve_launch
 from poplar.plan import check_global_batch
-from poplar.train.planning import get_plan, global_batch_of
+from poplar.train.launching import Launch, cluster_of, on_planned_ranks, resolve_launch
+from poplar.train.planning import get_plan, given_plan
 from poplar.train.run_dir import check_out, write_run_files
 from poplar.workload import Workload
 
 
 def train_rank(rank: int, world_size: int, cfg: TrainConfig, launch: Launch, plan_dict: dict, wl_dict: dict,
-               return_state: bool = False) -> dict:
-    """One rank: its device, its :class:`~poplar.train.trainer.Trainer`, the loop."""
+               cluster=None, return_state: bool = False) -> dict:
+    """One rank: its device (``cluster``'s, read by the launcher), its :class:`~poplar.train.trainer.Trainer`, the
+    loop; rank 0's figures and the plan it ended with (lowered where a rank ran out of memory)."""
     from poplar.train.trainer import Trainer
 
     wl = Workload(**wl_dict)
-    with launch.device(cfg, rank, wl) as device:
+    with launch.device(rank, wl, cluster) as device:
         trainer = Trainer(cfg, poplar.Plan.from_dict(plan_dict), wl, device, rank, world_size)
         out = trainer.train()
         state = trainer.engine.full_state_dict() if return_state else None
+        plan = trainer.engine.plan.to_dict()
         trainer.close()
-    return {**out, "state": state if rank == 0 else None}
+    return {**out, "state": state if rank == 0 else None, "plan": plan}
 
 
 def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float = 3600,
@@ -51,31 +53,33 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     Under ``torchrun`` this process is one rank (every rank calls this). Otherwise it
     launches the ranks itself: one per device of ``cfg.cluster``, or ``nproc`` plain
     CPU ranks with ``cfg.plan``. ``progress`` hears of the profiling, if any
-    (:class:`poplar.cli.output.Progress` shows it).
+    (:class:`poplar.cli.output.Progress` shows it). The cluster file and the plan given
+    are read once, here, and handed on.
     """
-    launch = resolve_launch(cfg, nproc)
+    cluster = cluster_of(cfg)
+    launch = resolve_launch(cfg, nproc, cluster=cluster)
     if not cfg.plan:   # everything the command line tells is checked before data, profile or processes
         check_global_batch(cfg.global_batch, launch.world_size)
     if launch.restarted:   # torchrun restarted the group after a failure: continue from the newest checkpoint
         cfg = cfg.model_copy(update={"resume": True})
     if launch.in_process:
-        return _run_in_process(cfg, launch, return_state, progress)
+        return _run_in_process(cfg, launch, cluster, return_state, progress)
     from poplar.launch import spawn
 
     out_dir = check_out(cfg)
     wl = workload_of(cfg)
-    check_resume(cfg, wl, global_batch_of(cfg, wl, launch.world_size))
-    plan, result = get_plan(cfg, wl, launch.world_size, progress=progress)
+    given = given_plan(cfg, wl, launch.world_size, cluster)
+    check_resume(cfg, wl, cfg.global_batch if given is None else given.global_batch_size)
+    plan, result = get_plan(cfg, wl, launch.world_size, given, cluster, progress=progress)
     out_dir.mkdir(parents=True, exist_ok=True)     # only now: a run refused writes nothing
-    cfg, launch = on_planned_ranks(cfg, launch, plan, result.ranks if result else None, out_dir)
-    write_run_files(cfg, out_dir, plan, result)
-    ranks = spawn(train_rank, launch.world_size, cfg, launch, plan.to_dict(), wl.model_dump(), return_state,
+    cfg, launch, cluster = on_planned_ranks(cfg, launch, plan, result.ranks if result else None, out_dir, cluster)
+    write_run_files(cfg, out_dir, plan, result, cluster)
+    ranks = spawn(train_rank, launch.world_size, cfg, launch, plan.to_dict(), wl.model_dump(), cluster, return_state,
                   timeout_s=timeout_s)
-    plan = poplar.Plan.load(out_dir / "plan.json")    # the ranks lower it when one runs out of memory
-    return _finish(cfg, out_dir, plan, result, ranks[0])
+    return _finish(cfg, out_dir, poplar.Plan.from_dict(ranks[0]["plan"]), result, ranks[0])
 
 
-def _run_in_process(cfg: TrainConfig, launch: Launch, return_state: bool, progress=None) -> dict:
+def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: bool, progress=None) -> dict:
     """This process is one rank: torchrun's, or a group of one here (``init_distributed`` makes it)."""
     import torch.distributed as dist
 
@@ -90,13 +94,16 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, return_state: bool, progre
             prepare_data(cfg)                   # trains and caches the tokenizer once
         dist.barrier()
         wl = workload_of(cfg)
-        check_resume(cfg, wl, global_batch_of(cfg, wl, launch.world_size))
-        plan, result = get_plan(cfg, wl, launch.world_size, distributed=True, progress=progress)
+        given = given_plan(cfg, wl, launch.world_size, cluster)
+        check_resume(cfg, wl, cfg.global_batch if given is None else given.global_batch_size)
+        plan, result = get_plan(cfg, wl, launch.world_size, given, cluster, distributed=True, progress=progress)
         if rank == 0:
-            write_run_files(cfg, out_dir, plan, result)
+            write_run_files(cfg, out_dir, plan, result, cluster)
         dist.barrier()
-        mine = train_rank(rank, launch.world_size, cfg, launch, plan.to_dict(), wl.model_dump(), return_state)
-        return _finish(cfg, out_dir, plan, result, mine) if rank == 0 else {"plan": plan, **mine}
+        mine = train_rank(rank, launch.world_size, cfg, launch, plan.to_dict(), wl.model_dump(), cluster,
+                          return_state)
+        plan = poplar.Plan.from_dict(mine["plan"])
+        return _finish(cfg, out_dir, plan, result, mine) if rank == 0 else {**mine, "plan": plan}
     finally:
         shutdown()
 
@@ -106,4 +113,4 @@ def _finish(cfg: TrainConfig, out_dir: Path, plan, result, mine: dict) -> dict:
 
     records = read_log(out_dir / "log.jsonl")
     report = plot_runs({cfg.baseline: records}, out_dir / "report.png", title=f"{cfg.model}, {plan}")
-    return {"plan": plan, "planning": result, "summary": summarize(records), "report": report, **mine}
+    return {**mine, "plan": plan, "planning": result, "summary": summarize(records), "report": report}

@@ -32,19 +32,16 @@ def check_out(cfg: TrainConfig, restarted: bool = False) -> Path:
     return out_dir
 
 
-def cluster_record(cfg: TrainConfig, world_size: int) -> dict:
-    """What the run's cluster was, to tell on resume whether it changed (a changed one is planned anew)."""
-    if cfg.cluster:
-        from poplar.cluster.spec import load_cluster
-
-        return {"world_size": world_size, "cluster": load_cluster(cfg.cluster).model_dump(mode="json")}
-    return {"world_size": world_size, "cluster": None}
+def cluster_record(cluster, world_size: int) -> dict:
+    """What the run's cluster was (``cluster``: its spec, None without one), to tell on resume whether it changed
+    (a changed one is planned anew)."""
+    return {"world_size": world_size, "cluster": None if cluster is None else cluster.model_dump(mode="json")}
 
 
-def same_cluster(cfg: TrainConfig, world_size: int) -> bool:
+def same_cluster(cfg: TrainConfig, world_size: int, cluster) -> bool:
     recorded = Path(cfg.out) / "cluster.json"
     try:
-        return json.loads(recorded.read_text()) == cluster_record(cfg, world_size)
+        return json.loads(recorded.read_text()) == cluster_record(cluster, world_size)
     except (OSError, ValueError):
         return False
 
@@ -69,13 +66,13 @@ def write_plan(out_dir: Path, plan, result=None, allocation: str = "poplar") -> 
     path.write_text(json.dumps(plan_record(plan, result, allocation), indent=2) + "\n")
 
 
-def write_run_files(cfg: TrainConfig, out_dir: Path, plan, result) -> None:
+def write_run_files(cfg: TrainConfig, out_dir: Path, plan, result, cluster) -> None:
     import yaml
 
     write_plan(out_dir, plan, result, cfg.baseline)
     keep_aside(out_dir / "config.yaml")
     (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    (out_dir / "cluster.json").write_text(json.dumps(cluster_record(cfg, plan.world_size), indent=2) + "\n")
+    (out_dir / "cluster.json").write_text(json.dumps(cluster_record(cluster, plan.world_size), indent=2) + "\n")
 
 
 def keep_aside(path: Path) -> None:

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from poplar.engine import initialize
 from poplar.engine.collectives import Comm
 from poplar.train.checkpointer import Checkpointer
 from poplar.train.config import TrainConfig
@@ -28,6 +27,7 @@ from poplar.train.dataset import prepare_data
 from poplar.train.faults import FaultInjector
 from poplar.train.metrics import StepLog, flops_per_token, learning_rate
 from poplar.train.preemption import Preemption
+from poplar.train.rank import RankRuntime
 from poplar.train.recovery import StepRecovery
 from poplar.train.run_dir import keep_log_before, write_plan
 from poplar.train.watchdog import Watchdog, lost_peer, store_address
@@ -42,7 +42,8 @@ class Trainer:
         _, self.batches = prepare_data(cfg)
         model = wl.build(seed=cfg.seed)
         optimizer = lambda params: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # noqa: E731
-        self.engine = initialize(model, optimizer, plan, cfg.engine, comm=device.comm)
+        self.runtime = RankRuntime(device, model, optimizer, plan, cfg.engine)   # as the integrations' ranks
+        self.engine = self.runtime.engine
         self.comm = Comm()   # the loop's own small collectives (SIGTERM agreed, figures gathered): unpaced
         self.faults = FaultInjector.for_rank(rank)
         self.callbacks = [self.faults.attach(model, device)] if self.faults else []
@@ -68,8 +69,7 @@ class Trainer:
 
         def attempt() -> float:
             local = self.batches.local(step, self.engine.plan, self.rank)
-            with self.device.step(self.engine.held_state):   # waits for the other ranks included
-                return self.engine.train_batch(local, self.wl.loss)
+            return self.runtime.train_batch(local, self.wl.loss)   # waits for the other ranks included
         return self.recovery.run(step, attempt)
 
     def train(self) -> dict:
@@ -127,6 +127,6 @@ class Trainer:
         """Remove the engine's and the components' hooks; tell the watch this rank is done."""
         if self.faults is not None:
             self.faults.close()
-        self.engine.close()
+        self.runtime.close()
         if self.watchdog is not None:
             self.watchdog.finished()

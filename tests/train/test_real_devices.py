@@ -26,7 +26,7 @@ def test_without_a_cluster_file_or_cuda_it_says_what_to_give(tmp_path):
     assert not (tmp_path / "run").exists()
     # plain CPU ranks (--nproc) are not profiled: they train with a given plan
     with pytest.raises(ValueError, match=r"plain CPU ranks: give --plan, or --cluster FILE\|PRESET"):
-        get_plan(cfg, Workload(model="llama-tiny", seq_len=32, vocab_size=512), 2)
+        get_plan(cfg, Workload(model="llama-tiny", seq_len=32, vocab_size=512), 2, None, None)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

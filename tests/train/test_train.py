@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -33,9 +34,18 @@ def config(tmp_path, name, plan: poplar.Plan, **kw):
     return load_config(None, {**fields, **kw})
 
 
-def test_tiny_llama_on_three_uneven_ranks_learns(tmp_path):
+def test_tiny_llama_on_three_uneven_ranks_learns(tmp_path, monkeypatch):
     plan = poplar.Plan.from_local_batches(1, [10, 4, 3], [2, 1, 1])      # 17 samples, near-equal micro-batches
-    result = run_training(config(tmp_path, "run", plan))
+    cfg = config(tmp_path, "run", plan)
+    reads, read_text = Counter(), Path.read_text
+
+    def counted(path, *args, **kwargs):
+        reads[Path(path).resolve()] += 1
+        return read_text(path, *args, **kwargs)
+    monkeypatch.setattr(Path, "read_text", counted)
+    result = run_training(cfg)
+    # the cluster file and the plan are read once, at the launch, and handed on (the ranks read neither)
+    assert reads[Path(CLUSTER).resolve()] == 1 and reads[(tmp_path / "run-plan.json").resolve()] == 1, reads
     losses = result["losses"]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, losses
     records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
@@ -148,7 +158,7 @@ def test_the_run_keeps_the_plan_it_trains_with(tmp_path, allocation):
     alloc = result.stages[result.stage].allocations[allocation]
     cfg = load_config(None, {"model": "llama-tiny", "global_batch": 48, "baseline": allocation,
                              "out": str(tmp_path)})
-    write_run_files(cfg, tmp_path, alloc.plan, result)
+    write_run_files(cfg, tmp_path, alloc.plan, result, None)
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert poplar.Plan.load(tmp_path / "plan.json") == alloc.plan
     assert saved["predicted"]["samples_per_s"] == pytest.approx(alloc.predicted.samples_per_s)

@@ -1,0 +1,47 @@
+"""One rank's runtime, for every loop that trains with Poplar: :class:`RankRuntime`.
+
+``poplar train``'s :class:`~poplar.train.trainer.Trainer` and the integrations'
+:class:`~poplar.integrations.runtime.Runtime` both build their rank here: the engine on
+the rank's device (its collectives seen by the device, ``comm=device.comm``), and each
+optimizer step run inside the device's step, which times it (and, emulated, paces it
+and caps its memory). How the device was chosen and entered is the caller's
+(:func:`poplar.devices.rank_device_of`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from poplar.engine import initialize
+
+
+class RankRuntime:
+    """This rank's engine on its ``device`` (entered), ``optimizer`` a factory of the engine's optimizer."""
+
+    def __init__(self, device, model, optimizer, plan, config=None):
+        self.device = device
+        self.engine = initialize(model, optimizer, plan, config, comm=device.comm)
+        self.steps_s: list[float] = []     # each step's time on the device's clock
+        self.step_walls: list[tuple[float, float]] = []   # when each began and ended on this host (perf_counter)
+
+    @property
+    def plan(self):
+        return self.engine.plan
+
+    def train_batch(self, local_batch, loss_fn) -> float:
+        """One optimizer step on this rank's slice (``loss_fn(model, micro_batch)``); the global mean loss."""
+        with self.step():
+            return self.engine.train_batch(local_batch, loss_fn)
+
+    @contextlib.contextmanager
+    def step(self):
+        """The context one optimizer step runs in (for loops that drive the micro-steps themselves)."""
+        start = time.perf_counter()
+        with self.device.step(self.engine.held_state) as device:
+            yield device
+        self.steps_s.append(self.device.step_s)
+        self.step_walls.append((start, time.perf_counter()))
+
+    def close(self) -> None:
+        self.engine.close()
