@@ -150,7 +150,7 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
         if same_as[alloc.name] != alloc.name:
             rows[alloc.name]["same_plan_as"] = same_as[alloc.name]
     ideal = result.ideal_samples_per_s
-    out = {"cluster": cluster, "model": workload.model, "seq_len": workload.seq_len, "global_batch": global_batch,
+    out = {"cluster": cluster, "model": workload.name, "seq_len": workload.seq_len, "global_batch": global_batch,
            "zero_stage": result.stage, "shape": result.plan.shape, "reason": result.reason, "ideal_samples_per_s": ideal,
            "ideal_tokens_per_s": ideal * workload.seq_len, "allocations": rows, "peers": notes}
     pop = rows["poplar"].get("samples_per_s")

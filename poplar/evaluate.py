@@ -103,7 +103,7 @@ def evaluate(workload: Workload, spec: ClusterSpec, global_batch: int, options: 
         result = faster[1]
     pred = result.predicted
     evaluation = Evaluation(
-        model=workload.model, cluster=spec.describe(), world_size=spec.world_size, global_batch=global_batch,
+        model=workload.name, cluster=spec.describe(), world_size=spec.world_size, global_batch=global_batch,
         seq_len=profile.model.seq_len, label=label, reason=reason,
         samples_per_s=pred.samples_per_s, tokens_per_s=pred.tokens_per_s,
         tflops=per_device_tflops(global_batch, sum(profile.model.unit_flops), pred.step_s),

@@ -27,6 +27,7 @@ import poplar
 from poplar.cluster.spec import parse_cluster
 from poplar.devices import rank_device
 from poplar.engine import initialize
+from poplar.engine.config import EngineConfig
 from poplar.peers import PeerFailed
 from poplar.workload import Workload, as_workload
 
@@ -57,15 +58,15 @@ class _Peer:
         return self.peer.held_state()
 
 
-def _measure_rank(rank: int, world_size: int, workload: dict, cluster: dict, plans: list[dict], steps: int,
-                  warmup: int, rounds: int, peers: list = ()) -> list[dict]:
+def _measure_rank(rank: int, world_size: int, workload, cluster: dict, plans: list[dict], steps: int,
+                  warmup: int, rounds: int, peers: list = (), config: EngineConfig | None = None) -> list[dict]:
     wl = as_workload(workload)
     with rank_device(parse_cluster(cluster), rank, wl) as device:
-        return _measure(device, rank, wl, plans, steps, warmup, rounds, peers)
+        return _measure(device, rank, wl, plans, steps, warmup, rounds, peers, config)
 
 
 def _measure(device, rank: int, wl: Workload, plans: list[dict], steps: int, warmup: int, rounds: int,
-             peers) -> list[dict]:
+             peers, config: EngineConfig | None = None) -> list[dict]:
     started = [_Peer(setup, wl, rank, device.comm) for setup in peers]
     runs: list[tuple[Callable[[], float], Callable]] = []   # one step of each contender, and what it holds
     for peer in started:     # warm-up, before Poplar's engines exist
@@ -76,7 +77,7 @@ def _measure(device, rank: int, wl: Workload, plans: list[dict], steps: int, war
     engines = []
     for p in plans:
         plan = poplar.Plan.from_dict(p)
-        engine = initialize(wl.build(), optimizer, plan, comm=device.comm)
+        engine = initialize(wl.build(), optimizer, plan, config, comm=device.comm)
         batch = wl.random_batch(plan.local_batch_size(rank), seed=rank)
         engines.append(engine)
         runs.append((lambda engine=engine, batch=batch: engine.train_batch(batch, wl.loss), engine.held_state))
@@ -110,7 +111,8 @@ def _measure(device, rank: int, wl: Workload, plans: list[dict], steps: int, war
 
 
 def measure_plans(workload: str | Workload, cluster: dict, plans: list[poplar.Plan], steps: int = 12, warmup: int = 2,
-                  rounds: int = 3, timeout_s: float = 900, peers: list = ()) -> list[dict]:
+                  rounds: int = 3, timeout_s: float = 900, peers: list = (),
+                  config: EngineConfig | None = None) -> list[dict]:
     """Train each plan, then each peer (a :mod:`poplar.peers` setup), on the emulated ``cluster`` and measure it.
 
     Returns, per plan and then per peer: ``step_s`` (median time of a step on the
@@ -119,13 +121,13 @@ def measure_plans(workload: str | Workload, cluster: dict, plans: list[poplar.Pl
     :class:`poplar.peers.PeerFailed` when a peer cannot run. Where a plan cannot run
     (out of memory, say) in the shared launch, each is measured again in a launch of
     its own, so that the others' figures are kept; the one that fails alone is
-    ``{"failed": its one line}``.
+    ``{"failed": its one line}``. ``config``: the engine's options (default: its defaults), as training's.
     """
     from poplar.engine.agreement import check_plans_before_launch
     from poplar.launch import RankFailed
 
-    check_plans_before_launch(plans, as_workload(workload).build)
-    args = (workload, cluster, steps, warmup, rounds, timeout_s)
+    check_plans_before_launch(plans, as_workload(workload).build, config)
+    args = (workload, cluster, steps, warmup, rounds, timeout_s, config)
     try:
         return _launch(*args, plans, peers)
     except RankFailed as e:
@@ -144,15 +146,15 @@ def measure_plans(workload: str | Workload, cluster: dict, plans: list[poplar.Pl
     return out + (_launch(*args, [], peers) if peers else [])
 
 
-def _launch(workload, cluster: dict, steps: int, warmup: int, rounds: int, timeout_s: float, plans: list,
+def _launch(workload, cluster: dict, steps: int, warmup: int, rounds: int, timeout_s: float, config, plans: list,
             peers) -> list[dict]:
     """One launch measuring ``plans`` and ``peers`` (see :func:`measure_plans`)."""
     from poplar.launch import RankFailed, spawn
 
     spec = parse_cluster(cluster)
     try:
-        ranks = spawn(_measure_rank, spec.world_size, as_workload(workload).model_dump(), cluster,
-                      [p.to_dict() for p in plans], steps, warmup, rounds, list(peers), timeout_s=timeout_s)
+        ranks = spawn(_measure_rank, spec.world_size, as_workload(workload), cluster,
+                      [p.to_dict() for p in plans], steps, warmup, rounds, list(peers), config, timeout_s=timeout_s)
     except RankFailed as e:
         if e.error != PeerFailed.__name__:
             raise

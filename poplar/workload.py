@@ -1,12 +1,14 @@
-"""A workload: which model, at which sequence length and vocabulary, with which loss.
+"""A workload: what Poplar needs of a model to profile, plan and train it (:class:`ModelSource`).
 
-The profiler, the measurements and training all need the same three things of a model:
-build it, feed it a batch of the right shape, and compute its loss. A :class:`Workload`
-names them in a small, picklable value (so it crosses into spawned ranks), and
-:meth:`Workload.cache_dict` says everything that changes a profile.
+The profiler, the simulator, the planner, the measurements and training all need the
+same things of a model, and nothing else: build it (seeded; on real, meta or fake
+tensors), a batch of ``n`` samples, the loss of a micro-batch, its parameter count, a
+stable identity for the caches, and a name to say. A :class:`ModelSource` is that
+interface; a value that implements it and pickles crosses into spawned ranks as it is.
 
-Models: the built-in ``TinyCausalLM`` presets (``tiny``, ``small``, ``base``) and the
-Hugging Face presets of :mod:`poplar.models.hf` (``llama-tiny`` ... ``bert-base``).
+:class:`Workload` is the presets' implementation: the built-in ``TinyCausalLM`` presets
+(``tiny``, ``small``, ``base``) and the Hugging Face presets of :mod:`poplar.models.hf`
+(``llama-tiny`` ... ``bert-base``), named in a small, frozen value.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import math
 import os
 
 import torch
+from typing import Callable, Protocol, runtime_checkable
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from poplar.models import checkpointing
@@ -28,7 +32,44 @@ HF_DEFAULT_VOCAB = 2048
 MASK_ID = 1     # the tokenizer's second special token (poplar.data.text.MASK)
 
 
+@runtime_checkable
+class ModelSource(Protocol):
+    """What a model source implements: all that Poplar's profiler, simulator, planner and trainer ask of a model.
+
+    It must pickle (spawned ranks get it as it is) and build the same model in every
+    process from the same ``seed``.
+    """
+
+    seq_len: int    # tokens per sample (what throughput in tokens counts)
+
+    @property
+    def name(self) -> str:
+        """What messages, profiles and plans call the model."""
+
+    def build(self, seed: int = 0) -> torch.nn.Module:
+        """The model, initialised from ``seed``; under ``torch.device("meta")`` or fake tensors, of any size."""
+
+    @property
+    def loss(self) -> Callable:
+        """``loss(model, micro_batch)``: the scalar loss of a micro-batch (a batch as :meth:`random_batch` gives)."""
+
+    def random_batch(self, n: int, seed: int = 0):
+        """A batch of ``n`` samples of the right shapes: enough to time and size a step."""
+
+    def n_params(self) -> int:
+        """The model's parameters (without building it where that can be avoided)."""
+
+    def cache_dict(self) -> dict:
+        """Everything about the model that changes a device's profile (the profile cache's key)."""
+
+    def identity(self) -> dict:
+        """A stable identity in JSON values: equal for sources that build the same model with the same batches and
+        loss (checkpoints record it, caches are keyed on it)."""
+
+
 class Workload(BaseModel):
+    """The presets' :class:`ModelSource`."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field("tiny", description="model preset: " + ", ".join([*MODEL_PRESETS, *HF_PRESETS]))
@@ -55,6 +96,13 @@ class Workload(BaseModel):
             limit = HF_PRESETS[self.model][1]["max_position_embeddings"]
             if self.seq_len > limit:
                 raise ValueError(f"seq_len = {self.seq_len}: {self.model} has {limit} positions")
+
+    @property
+    def name(self) -> str:
+        return self.model
+
+    def identity(self) -> dict:
+        return self.model_dump(mode="json")
 
     @property
     def family(self) -> str:
@@ -129,9 +177,13 @@ def _check_buildable(wl: Workload) -> None:
                          f"plan it with `poplar simulate`, which does not build it")
 
 
-def as_workload(x: str | Workload | dict) -> Workload:
-    if isinstance(x, Workload):
-        return x
+def as_workload(x: str | dict | ModelSource) -> ModelSource:
+    """A model source: itself, or a preset's :class:`Workload` from its name or its fields."""
     if isinstance(x, dict):
         return Workload(**x)
-    return Workload(model=x)
+    if isinstance(x, str):
+        return Workload(model=x)
+    if isinstance(x, ModelSource):
+        return x
+    raise TypeError(f"a workload is a preset's name, its fields or a poplar.workload.ModelSource, got "
+                    f"{type(x).__name__}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
@@ -97,3 +98,43 @@ def reference_train(batches, clip: float | None = None, optimizer=OPTIMIZER, mod
         if after_step is not None:
             after_step(step, model)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def _regression_loss(model: nn.Module, batch) -> torch.Tensor:
+    features, target = batch
+    return F.mse_loss(model(features), target)
+
+
+@dataclass(frozen=True)
+class RegressionSource:
+    """A model source that is no preset (:class:`poplar.workload.ModelSource`): an MLP regressing the sum of 8
+    features, two blocks wide enough to be units of their own."""
+
+    width: int = 384
+    seq_len: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"regression-{self.width}"
+
+    def build(self, seed: int = 0) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, self.width), Block(self.width, 4 * self.width), Block(self.width, 4 * self.width),
+                             nn.Linear(self.width, 1))
+
+    @property
+    def loss(self):
+        return _regression_loss
+
+    def random_batch(self, n: int, seed: int = 0):
+        features = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+        return features, features.sum(dim=1, keepdim=True)
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.build().parameters())
+
+    def cache_dict(self) -> dict:
+        return {"source": "regression", "width": self.width}
+
+    def identity(self) -> dict:
+        return self.cache_dict()

@@ -77,3 +77,30 @@ def test_a_checkpointed_model_trains_on_the_engine_as_the_plain_one():
         assert ck_losses == pytest.approx(losses, abs=1e-6) and ck_state.keys() == state.keys()
         for name, value in state.items():
             torch.testing.assert_close(ck_state[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_model_source_that_is_no_preset_is_profiled_planned_and_trained(tmp_path, monkeypatch):
+    """The interface alone (poplar.workload.ModelSource) is what the profiler, the planner and the ranks use: a
+    source of the test's own, crossing into the spawned ranks as it is."""
+    from poplar.cluster.spec import parse_cluster
+    from poplar.measure import measure_plans
+    from poplar.planner import make_plan
+    from poplar.profile.profiler import profile_cluster
+    from poplar.workload import ModelSource, as_workload
+    from tests.models import RegressionSource
+
+    monkeypatch.setenv("POPLAR_DILATION", "20")   # a fixed pace: this host keeps up with these steps when quiet
+    source = RegressionSource()
+    assert isinstance(source, ModelSource) and as_workload(source) is source
+    cluster = {"devices": [{"kind": "a100", "gpu": "A100-80GB"}, {"kind": "t4", "gpu": "T4-16GB"}]}
+    profile, _ = profile_cluster(source, cluster, stages=(0, 2), cache_dir=tmp_path, timeout_s=300, n_points=2,
+                                 repeats=1)
+    assert profile.model.name == "regression-384" and profile.model.n_params == source.n_params()
+    assert len(profile.model.unit_numels) == 3        # the root, and each block a unit of its own
+    result = make_plan(profile, 64, [0, 2])
+    predicted = result.allocations()["poplar"].predicted.step_s
+    on = parse_cluster(cluster).subset(result.ranks) if result.ranks else parse_cluster(cluster)   # cards left out
+    measured = measure_plans(source, on.model_dump(), [result.plan], steps=3)[0]
+    assert measured["overruns"] > 0 or measured["step_s"] == pytest.approx(predicted, rel=0.1)
+    with pytest.raises(TypeError, match="a workload is a preset's name, its fields or a poplar.workload.ModelSource"):
+        as_workload(object())

@@ -78,7 +78,7 @@ def _check_workload_is(model: torch.nn.Module, workload) -> None:
     wl = as_workload(workload)
     n = sum(p.numel() for p in model.parameters())
     if n != wl.n_params():
-        raise ValueError(f"workload {wl.model} has {wl.n_params():,} parameters, the model trained has {n:,}: "
+        raise ValueError(f"workload {wl.name} has {wl.n_params():,} parameters, the model trained has {n:,}: "
                          "profile the workload this model is (its preset, seq_len and vocab_size), or give a plan")
 
 

@@ -21,7 +21,7 @@ def check_states_fit(wl: Workload, spec: ClusterSpec, precision: str) -> None:
     need = per_param * wl.n_params()
     held = sum(spec.memory_bytes(d) for d in spec.rank_devices())
     if need > held:
-        raise ValueError(f"{wl.model} has {_count(wl.n_params())} parameters: its model states take at least "
+        raise ValueError(f"{wl.name} has {_count(wl.n_params())} parameters: its model states take at least "
                          f"{_size(need)} in ZeRO-3 ({per_param} bytes a parameter in {precision}), more than the "
                          f"{spec.world_size} device{'s' * (spec.world_size > 1)} of this cluster hold together "
                          f"({_size(held)}): add devices or larger ones, or choose a smaller model")

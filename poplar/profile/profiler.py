@@ -108,7 +108,7 @@ def _from_cache(cache: ProfileCache, spec: ClusterSpec) -> tuple[dict, CommProfi
 def _run_ranks(wl: Workload, spec: ClusterSpec, options: ProfileOptions, config: EngineConfig, progress, on_poll,
                distributed: bool) -> list[RankProfile]:
     """Every rank's figures: this process's and the group's (``distributed``), or from spawned ranks."""
-    args = (wl.model_dump(), spec.model_dump(), options, config)
+    args = (wl, spec.model_dump(), options, config)
     if distributed:
         mine = profile_rank(dist.get_rank(), spec.world_size, *args, progress)
         ranks: list = [None] * spec.world_size
@@ -181,7 +181,7 @@ def assemble(wl: Workload, spec: ClusterSpec, precision: str, config: EngineConf
                                 stages={s: sp for (kk, s), sp in sorted(stages.items()) if kk == k})
                for k, d in kinds.items()}
     model = wl.build()
-    info = ModelInfo(name=wl.model, n_params=sum(p.numel() for p in model.parameters()),
+    info = ModelInfo(name=wl.name, n_params=sum(p.numel() for p in model.parameters()),
                      unit_numels=unit_numels(model, config), unit_flops=unit_flops(wl, config, model),
                      seq_len=wl.seq_len, dtype=precision)
     engine = EngineOptions(**config.model_dump(include=set(EngineOptions.model_fields)))

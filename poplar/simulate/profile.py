@@ -21,6 +21,7 @@ fake tensor cannot say (a value: the loss, the gradient norm) reads as
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -40,7 +41,7 @@ from poplar.profile.timing import RankRun, fraction_held, skewed_shares, timed_s
 from poplar.simulate.comm import simulated_comm
 from poplar.simulate.fake import fake_tensors
 from poplar.simulate.trace import Activations, CountedMarks, CountingDevice, Steps, Trace
-from poplar.workload import Workload, as_workload
+from poplar.workload import ModelSource, Workload, as_workload
 
 
 def simulate_stages(workload: str | Workload, cluster, options: ProfileOptions | None = None,
@@ -58,7 +59,7 @@ def simulate_stages(workload: str | Workload, cluster, options: ProfileOptions |
         device = CountingDevice(spec, 0)
         with device:
             run = RankRun(device, 0, spec.world_size, wl, config, warmup=1, repeats=1)
-            saved = _SAVED.get_or((wl.model_dump_json(), options.precision),
+            saved = _SAVED.get_or((_key(wl), options.precision),
                                   lambda: Activations(_saved_bytes(device, wl, options.precision)))
             for stage in options.stages:
                 for kind, sp in _stage(run, stage, options, kinds, saved).items():
@@ -221,7 +222,7 @@ _SAVED = _Kept(most=4)
 
 def _counted(run: RankRun, stage: int) -> tuple[Steps, _Recording]:
     """The stage's step traces for ``run``'s workload and world, and the recording (its states)."""
-    step = (run.workload.model_dump_json(), stage, run.config.model_dump_json())
+    step = (_key(run.workload), stage, run.config.model_dump_json())
 
     def record() -> tuple[Steps, _Recording]:
         recording = _Recording(run, stage)
@@ -248,7 +249,7 @@ class _Recording:
     @classmethod
     def of(cls, run: RankRun, stage: int, shares: list[float]) -> _Recording:
         """The stage's recording with ``shares`` of the states, made once a process (as the even one's steps)."""
-        key = (run.workload.model_dump_json(), stage, run.config.model_dump_json(), run.world_size, tuple(shares))
+        key = (_key(run.workload), stage, run.config.model_dump_json(), run.world_size, tuple(shares))
         return _SHARED.get_or(key, lambda: cls(run, stage, tuple(shares)))
 
     def _plan(self, m: int, accumulation: int) -> poplar.Plan:
@@ -266,6 +267,11 @@ class _Recording:
         if (m, accumulation) == (1, 2):
             self.most = engine.model_state_bytes()
         return Trace.of(run.device.recorder, marks, len(engine.units))
+
+
+def _key(wl: ModelSource) -> str:
+    """The model source's identity, as a key of the process's memos."""
+    return json.dumps(wl.identity(), sort_keys=True)
 
 
 def _largest(saved: Activations, held: int, capacity: int, limit: int) -> int:

@@ -20,7 +20,7 @@ from poplar.workload import Workload
 
 def expected_meta(cfg: TrainConfig, wl: Workload, global_batch: int) -> dict:
     """What a checkpoint must share with the run that resumes it; world, plan and stage may change."""
-    return {"workload": wl.model_dump(), "global_batch": global_batch, "seed": cfg.seed, "data": cfg.data}
+    return {"workload": wl.identity(), "global_batch": global_batch, "seed": cfg.seed, "data": cfg.data}
 
 
 def check_resume(cfg: TrainConfig, wl: Workload, global_batch: int) -> None:

@@ -60,7 +60,7 @@ def _discovered(distributed: bool):
 
 def plan_on(cfg: TrainConfig, wl: Workload, spec, distributed: bool, progress=None):
     """Profile (or read the cache) on ``spec`` and plan; the chosen allocation's plan and the planner's result."""
-    title = f"{cfg.cluster or 'the GPUs here'}: profiling {wl.model} (cached after the first run)"
+    title = f"{cfg.cluster or 'the GPUs here'}: profiling {wl.name} (cached after the first run)"
     result = profile_and_plan(wl, spec, cfg.global_batch, cfg.stages, cfg.engine, distributed,
                               use_cache=cfg.profile_cache, progress=progress, title=title)
     if cfg.baseline == "poplar":
@@ -93,9 +93,9 @@ def load_plan_for(cfg: TrainConfig, wl: Workload):
     data = read_json(path, f"--plan {path}", "give a plan.json written by `poplar plan` or by hand",
                      "write it again with `poplar plan`")
     planned = (data.get("meta") or {}).get("model") if isinstance(data, dict) else None
-    if planned and (planned.get("name"), planned.get("seq_len")) != (wl.model, wl.seq_len):
+    if planned and (planned.get("name"), planned.get("seq_len")) != (wl.name, wl.seq_len):
         raise ValueError(f"--plan {path} was planned for {planned.get('name')} at {planned.get('seq_len')} tokens "
-                         f"per sample, this run trains {wl.model} at {wl.seq_len}: plan for this model "
+                         f"per sample, this run trains {wl.name} at {wl.seq_len}: plan for this model "
                          "(`poplar profile` then `poplar plan`), or leave --plan out")
     try:
         plan = poplar.Plan.from_dict(data)

@@ -27,16 +27,15 @@ from poplar.plan import check_global_batch
 from poplar.train.launching import Launch, cluster_of, on_planned_ranks, resolve_launch
 from poplar.train.planning import get_plan, given_plan
 from poplar.train.run_dir import check_out, write_run_files
-from poplar.workload import Workload
+from poplar.workload import ModelSource
 
 
-def train_rank(rank: int, world_size: int, cfg: TrainConfig, launch: Launch, plan_dict: dict, wl_dict: dict,
+def train_rank(rank: int, world_size: int, cfg: TrainConfig, launch: Launch, plan_dict: dict, wl: ModelSource,
                cluster=None, return_state: bool = False) -> dict:
     """One rank: its device (``cluster``'s, read by the launcher), its :class:`~poplar.train.trainer.Trainer`, the
     loop; rank 0's figures and the plan it ended with (lowered where a rank ran out of memory)."""
     from poplar.train.trainer import Trainer
 
-    wl = Workload(**wl_dict)
     with launch.device(rank, wl, cluster) as device:
         trainer = Trainer(cfg, poplar.Plan.from_dict(plan_dict), wl, device, rank, world_size)
         out = trainer.train()
@@ -74,7 +73,7 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     out_dir.mkdir(parents=True, exist_ok=True)     # only now: a run refused writes nothing
     cfg, launch, cluster = on_planned_ranks(cfg, launch, plan, result.ranks if result else None, out_dir, cluster)
     write_run_files(cfg, out_dir, plan, result, cluster)
-    ranks = spawn(train_rank, launch.world_size, cfg, launch, plan.to_dict(), wl.model_dump(), cluster, return_state,
+    ranks = spawn(train_rank, launch.world_size, cfg, launch, plan.to_dict(), wl, cluster, return_state,
                   timeout_s=timeout_s)
     return _finish(cfg, out_dir, poplar.Plan.from_dict(ranks[0]["plan"]), result, ranks[0])
 
@@ -100,7 +99,7 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
         if rank == 0:
             write_run_files(cfg, out_dir, plan, result, cluster)
         dist.barrier()
-        mine = train_rank(rank, launch.world_size, cfg, launch, plan.to_dict(), wl.model_dump(), cluster,
+        mine = train_rank(rank, launch.world_size, cfg, launch, plan.to_dict(), wl, cluster,
                           return_state)
         plan = poplar.Plan.from_dict(mine["plan"])
         return _finish(cfg, out_dir, plan, result, mine) if rank == 0 else {**mine, "plan": plan}
