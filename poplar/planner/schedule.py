@@ -218,6 +218,7 @@ class StepSchedule:
         link = f"n{group}" if self.shape else ""
         gather_s, reduce_s = self.gather_s[group], self.reduce_s[group]
         events: list = []
+        placed = 0.0     # of the step's work before the loss's all-reduce, what the last micro-step's end holds
         for j, (m, c) in enumerate(micro):
             last = j == len(micro) - 1
             units = [UnitTimes(f, b, g, r, mid) for (f, b, mid), g, r in zip(self._split(kind_cost, m, c), gather_s,
@@ -226,9 +227,28 @@ class StepSchedule:
             micro_events = micro_step_events(units, gathers=self.stage == 3, reduces=every or last,
                                              max_inflight=self.max_inflight if every else None, tag=tag, link=link,
                                              prefetch=self.prefetch)
+            if last:
+                micro_events, placed = self._finishing(micro_events, tag, self._anatomy(kind_cost, m))
             events += self._sum_across(micro_events, tag, link, gather_s) if self.shape and last else micro_events
         anatomy = self._anatomy(kind_cost, micro[-1][0])
-        return self._step_ends(self._checked(events), kind_cost.per_step_s, anatomy, link, gather_s)
+        return self._step_ends(self._checked(events), kind_cost.per_step_s, anatomy, link, gather_s, placed)
+
+    def _finishing(self, events: list, tag: str, anatomy) -> tuple[list, float]:
+        """The last micro-step's end as the engine runs it: after the root's gradient collective, the work before
+        the first wait for one, then each reduced unit's own work once it is waited for (the later ones in flight
+        meanwhile), shared by the units' sizes (the measured seconds: ``anatomy``; None: none placed); the
+        events, and the seconds placed."""
+        root = next((i for i, e in enumerate(events) if isinstance(e, Issue) and e.key == f"{tag}r0"), None)
+        if anatomy is None or root is None:
+            return events, 0.0
+        waits = [e for e in events[root + 1:] if isinstance(e, Wait)]
+        if len(waits) != len(events) - root - 1 or not waits:   # not only the reductions' waits after the root's
+            return events, 0.0
+        sizes = [self.numels[int(w.key[len(tag) + 1:])] for w in waits[:-1]]
+        out = [*events[:root + 1], Compute(anatomy.before_waits_s)]
+        for w, n in zip(waits, sizes):
+            out += [w, Compute(anatomy.between_waits_s * n / sum(sizes))]
+        return [*out, waits[-1]], anatomy.before_waits_s + (anatomy.between_waits_s if sizes else 0.0)
 
     def _anatomy(self, kind_cost, m: float):
         anatomy = kind_cost.anatomy(m)
@@ -250,15 +270,16 @@ class StepSchedule:
         first = next(i for i, e in enumerate(events) if isinstance(e, Issue))
         return [Issue("check", self.small_s), *events[:first], Wait("check"), *events[first:]]
 
-    def _step_ends(self, events: list, per_step_s: float, anatomy, link: str, gather_s: list[float]) -> list:
+    def _step_ends(self, events: list, per_step_s: float, anatomy, link: str, gather_s: list[float],
+                   placed: float = 0.0) -> list:
         """After the micro-steps: the loss all-reduced (waited for last), in ZeRO-1-3 the squared norm (waited
         for before the update), the update, and in ZeRO-1/2 the parameters gathered after it. The ``anatomy``
         (None: none measured) places the step's own work out of ``per_step_s``: before the loss's all-reduce,
-        before the norm's, and around the gathers."""
+        before the norm's, and around the gathers; ``placed``: seconds of the first already in the events."""
         before_loss, before_norm = (anatomy.before_loss_s, anatomy.before_norm_s) if anatomy else (0.0, 0.0)
         gathering = self.stage in (1, 2)
         issue, copy = (anatomy.gather_issue_s, anatomy.gather_copy_s) if anatomy and gathering else (0.0, 0.0)
-        events = [*events, Compute(before_loss), Issue("loss", self.small_s), Compute(before_norm)]
+        events = [*events, Compute(max(0.0, before_loss - placed)), Issue("loss", self.small_s), Compute(before_norm)]
         if self.stage >= 1:
             events += [Issue("norm", self.small_s), Wait("norm")]
         events.append(Compute(max(0.0, per_step_s - before_loss - before_norm - issue - copy)))

@@ -32,6 +32,7 @@ class Marks:
         self.device = device
         self.at: dict[tuple[str, int], float] = {}   # (what, unit) -> busy seconds, first time only
         self.launches: list[tuple[str, int, float]] = []
+        self.waits: list[float] = []     # busy seconds as each wait for a collective began
         self._start = self._waited = 0.0
 
     def busy(self) -> float:
@@ -53,11 +54,17 @@ class Marks:
             self.launches.append((op, nbytes, self.busy()))
             return launch(op, nbytes, group, groups)
 
-        self.device.launch = seen
+        wait = self.device.wait
+
+        def waited(token, real_wait):
+            self.waits.append(self.busy())
+            return wait(token, real_wait)
+
+        self.device.launch, self.device.wait = seen, waited
         try:
             yield self
         finally:
-            del self.device.launch   # the class's method again
+            del self.device.launch, self.device.wait   # the class's methods again
             for h in handles:
                 h.remove()
 
@@ -101,11 +108,14 @@ class Marks:
         forward, backward, middle = self._shares(n_units, grads, end)
         total = max(end, 1e-12)
         issue, copy = self.gather_phase()
+        waits = [t for t in self.waits if end <= t <= loss_t]
         return StepAnatomy(micro_batch=micro_batch, forward=[max(0.0, f / total) for f in forward],
                            backward=[max(0.0, b / total) for b in backward], root_middle=max(0.0, middle / total),
                            before_loss_s=max(0.0, loss_t - end),
                            before_norm_s=0.0 if norm is None else max(0.0, self.launches[norm][2] - loss_t),
-                           gather_issue_s=issue, gather_copy_s=copy)
+                           gather_issue_s=issue, gather_copy_s=copy,
+                           before_waits_s=waits[0] - end if waits else 0.0,
+                           between_waits_s=waits[-1] - waits[0] if waits else 0.0)
 
     def gather_phase(self) -> tuple[float, float]:
         """Busy seconds of the parameter all-gathers after the update (stages 1-2): between the first's launch and

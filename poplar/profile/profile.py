@@ -32,7 +32,9 @@ class StepAnatomy(BaseModel):
     last layer's backward (the embeddings' gradient), and ``root_middle`` what runs
     between the last layer's forward and its backward (the head and the loss). The step's
     once-per-step work before the loss's all-reduce and between it and the gradient
-    norm's (stages 1-3) is in seconds; the rest of ``per_step_s`` follows the norm: the update,
+    norm's (stages 1-3) is in seconds (of the first, what runs before the gradient
+    collectives are waited for and between those waits too); the rest of ``per_step_s``
+    follows the norm: the update,
     and in stages 1-2 the parameters' all-gathers, whose own work (each one's slice made
     ready before its launch, copied out after its wait) is in seconds too.
     """
@@ -49,6 +51,10 @@ class StepAnatomy(BaseModel):
                                   "all-gather's launch after the update (stages 1-2)")
     gather_copy_s: float = Field(0.0, ge=0, description="seconds after the last parameter all-gather's launch to "
                                  "the step's end (stages 1-2: unlike slices copied out)")
+    before_waits_s: float = Field(0.0, ge=0, description="of before_loss_s: seconds between the root's gradient "
+                                  "collective's launch and the first wait for a gradient collective")
+    between_waits_s: float = Field(0.0, ge=0, description="of before_loss_s: seconds between the first and the last "
+                                   "of those waits (each reduced gradient's own work, as it is waited for)")
 
 
 # What a stage profile's note says where a device holds no sample beside an even share of the states (the
@@ -116,7 +122,9 @@ class StageProfile(BaseModel):
                            before_loss_s=mix(lo.before_loss_s, hi.before_loss_s),
                            before_norm_s=mix(lo.before_norm_s, hi.before_norm_s),
                            gather_issue_s=mix(lo.gather_issue_s, hi.gather_issue_s),
-                           gather_copy_s=mix(lo.gather_copy_s, hi.gather_copy_s))
+                           gather_copy_s=mix(lo.gather_copy_s, hi.gather_copy_s),
+                           before_waits_s=mix(lo.before_waits_s, hi.before_waits_s),
+                           between_waits_s=mix(lo.between_waits_s, hi.between_waits_s))
 
     def max_micro_batch_at(self, state_bytes: float, capacity: float) -> int:
         """The largest micro-batch beside ``state_bytes`` of model states on a device of ``capacity`` bytes.

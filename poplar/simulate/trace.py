@@ -82,12 +82,14 @@ class Trace:
     dtypes: np.ndarray
     marks: dict[tuple[str, int], int] = field(default_factory=dict)
     launches: list[tuple[str, int, int]] = field(default_factory=list)   # (op, bytes, operators before it)
+    waits: list[int] = field(default_factory=list)     # operators before each wait for a collective
     n_units: int = 0
 
     @classmethod
     def of(cls, recorder: Recorder, marks: Marks | None = None, n_units: int = 0) -> Trace:
         return cls(np.array(recorder.flops), np.array(recorder.nbytes), np.array(recorder.dtypes, dtype=np.int8),
-                   dict(marks.at) if marks else {}, list(marks.launches) if marks else [], n_units)
+                   dict(marks.at) if marks else {}, list(marks.launches) if marks else [],
+                   list(marks.waits) if marks else [], n_units)
 
     def seconds(self, gpu: GpuModel) -> np.ndarray:
         """Each operator's seconds on ``gpu``: exactly :meth:`GpuModel.op_seconds`, for the whole list."""
@@ -104,11 +106,12 @@ class Trace:
         marks = Marks(None)
         marks.at = {k: float(at[i]) for k, i in self.marks.items()}
         marks.launches = [(op, nbytes, float(at[i])) for op, nbytes, i in self.launches]
+        marks.waits = [float(at[i]) for i in self.waits]
         return marks
 
     def _same_steps(self, other: Trace) -> bool:
         return (len(self.flops) == len(other.flops) and np.array_equal(self.dtypes, other.dtypes)
-                and self.marks == other.marks and self.launches == other.launches)
+                and self.marks == other.marks and self.launches == other.launches and self.waits == other.waits)
 
     @staticmethod
     def line(t1: Trace, t2: Trace, t3: Trace | None = None) -> Callable[[int], Trace] | None:
@@ -122,7 +125,7 @@ class Trace:
                                    and np.array_equal(t1.nbytes + 2 * db, t3.nbytes)):
             return None
         return lambda m: Trace(t1.flops + (m - LINE_SIZES[0]) * df, t1.nbytes + (m - LINE_SIZES[0]) * db, t1.dtypes, t1.marks,
-                               t1.launches, t1.n_units)
+                               t1.launches, t1.waits, t1.n_units)
 
 
 class Steps:

@@ -69,9 +69,11 @@ def test_the_root_s_own_work_falls_before_between_and_after_the_layers():
     assert run_ranks([micro_step_events(units, gathers=False, reduces=True)]) == (10.0, [9.0])
 
 
-def test_the_step_s_own_work_before_the_norm_overlaps_the_loss_s_all_reduce():
-    """Stage 1: the loss's all-reduce, then the norm's queued behind it; work the step does between them (the
-    norm's own kernels) runs while the loss's is in flight, so it comes off the step as long as it is shorter."""
+def _step_with(stage: int, **anatomy) -> float:
+    """The predicted step of two ranks of one kind, 8 samples each in one micro-step, 1 ms before the loss's
+    all-reduce and 5 ms once a step, where the step's anatomy places the work as ``anatomy`` says. Collectives:
+    all-reduce 10 ms, reduce-scatter 6 ms, all-gather 4 ms for the model's 1,000 parameters (units of 400, 300,
+    300), latencies 1-2 ms."""
     from poplar.plan import Plan
     from poplar.planner.cost import CostModel
     from poplar.profile.profile import CommProfile, StepAnatomy
@@ -79,14 +81,17 @@ def test_the_step_s_own_work_before_the_norm_overlaps_the_loss_s_all_reduce():
 
     comm = CommProfile(numel=1000, all_reduce_s=0.010, reduce_scatter_s=0.006, all_gather_s=0.004,
                        latency_s={"all_reduce": 0.002, "reduce_scatter": 0.001, "all_gather": 0.001})
-    steps = []
-    for before_norm in (0.0, 0.0015):
-        prof = make_profile({"k": (2, 0.01, 0.001, 16)}, comm=comm, per_step=0.005)
-        for sp in prof.devices["k"].stages.values():
-            sp.anatomy = [StepAnatomy(micro_batch=8, forward=[0.1, 0.1, 0.1], backward=[0.1, 0.3, 0.3],
-                                      root_middle=0.0, before_loss_s=0.001, before_norm_s=before_norm)]
-        steps.append(CostModel(prof, 1).predict(Plan(1, [8, 8], 1)).step_s)
-    assert steps[0] - steps[1] == pytest.approx(0.0015, abs=1e-9)
+    prof = make_profile({"k": (2, 0.01, 0.001, 16)}, comm=comm, per_step=0.005)
+    for sp in prof.devices["k"].stages.values():
+        sp.anatomy = [StepAnatomy(micro_batch=8, forward=[0.1, 0.1, 0.1], backward=[0.1, 0.3, 0.3], root_middle=0.0,
+                                  **{"before_loss_s": 0.001, "before_norm_s": 0.0, **anatomy})]
+    return CostModel(prof, stage).predict(Plan(stage, [8, 8], 1)).step_s
+
+
+def test_the_step_s_own_work_before_the_norm_overlaps_the_loss_s_all_reduce():
+    """Stage 1: the loss's all-reduce, then the norm's queued behind it; work the step does between them (the
+    norm's own kernels) runs while the loss's is in flight, so it comes off the step as long as it is shorter."""
+    assert _step_with(1) - _step_with(1, before_norm_s=0.0015) == pytest.approx(0.0015, abs=1e-9)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -95,23 +100,18 @@ def test_the_gathers_own_work_after_the_update_overlaps_the_gathers_in_flight(st
     padded) while the gathers before it are in flight, and each unit's copied out once its own is done, while the
     later ones are. With gathers longer than each part, only the last unit's copy (its 300 of 1,000 parameters)
     stays exposed: the step is that much shorter than with the same work all before the first gather."""
-    from poplar.plan import Plan
-    from poplar.planner.cost import CostModel
-    from poplar.profile.profile import CommProfile, StepAnatomy
-    from tests.planner.profiles import make_profile
-
-    comm = CommProfile(numel=1000, all_reduce_s=0.010, reduce_scatter_s=0.006, all_gather_s=0.004,
-                       latency_s={"all_reduce": 0.002, "reduce_scatter": 0.001, "all_gather": 0.001})
     issue, copy = 0.001, 0.001
-    steps = []
-    for placed in (False, True):
-        prof = make_profile({"k": (2, 0.01, 0.001, 16)}, comm=comm, per_step=0.005)
-        for sp in prof.devices["k"].stages.values():
-            sp.anatomy = [StepAnatomy(micro_batch=8, forward=[0.1, 0.1, 0.1], backward=[0.1, 0.3, 0.3],
-                                      root_middle=0.0, before_loss_s=0.001, before_norm_s=0.0,
-                                      gather_issue_s=issue if placed else 0.0, gather_copy_s=copy if placed else 0.0)]
-        steps.append(CostModel(prof, stage).predict(Plan(stage, [8, 8], 1)).step_s)
-    assert steps[0] - steps[1] == pytest.approx(issue + copy * (1 - 0.3), abs=1e-9)
+    placed = _step_with(stage, gather_issue_s=issue, gather_copy_s=copy)
+    assert _step_with(stage) - placed == pytest.approx(issue + copy * (1 - 0.3), abs=1e-9)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_each_reduced_gradient_s_own_work_overlaps_the_reductions_still_in_flight(stage):
+    """After the root's gradient collective the engine waits for each unit's in turn and finishes it (its shard
+    copied, scaled) while the later ones are on the link: of the step's work before the loss's all-reduce, what
+    runs between those waits (0.6 ms, each part shorter than the reduction after it) hides behind them whole, and
+    only the rest follows the last."""
+    assert _step_with(stage) - _step_with(stage, between_waits_s=0.0006) == pytest.approx(0.0006, abs=1e-9)
 
 
 def test_ranks_that_issue_other_collectives_are_refused():

@@ -34,6 +34,8 @@ def test_a_step_s_compute_is_placed_unit_by_unit(stage):
         assert (a.before_norm_s > 0) == (stage > 0)
         # only ZeRO-1/2 gather the parameters after the update, each later unit's slice cast before its launch
         assert (a.gather_issue_s > 0) == (stage == 1) and a.gather_copy_s >= 0
+        # after the root's gradient collective, each reduction is waited for and finished in turn
+        assert a.between_waits_s > 0 and a.before_waits_s + a.between_waits_s <= a.before_loss_s
     # the T4 is the slower device: the same work takes it longer, in seconds
     assert ranks[1].before_loss_s > ranks[0].before_loss_s
 
@@ -62,6 +64,7 @@ def _marks(launch_before_inputs: float) -> Marks:
                       ("all_reduce", 4, 9.5), ("all_reduce", 4, 9.75),   # the loss, the norm
                       ("all_gather", 4096, 10.0), ("all_gather", 4096, 10.25), ("all_gather", 2048, 10.75)]
     marks.at[("end", 0)] = 11.5
+    marks.waits = [3.5, 9.1, 9.2, 9.4]    # one during the backward; then the three reductions' after the root's
     return marks
 
 
@@ -73,6 +76,8 @@ def test_a_unit_s_backward_ends_where_its_gradient_collective_is_issued(early):
     assert seconds == pytest.approx([1.0 + early, 2.0, 2.0 - early])
     assert sum(a.forward) + sum(a.backward) + a.root_middle == pytest.approx(1.0)
     assert (a.before_loss_s, a.before_norm_s) == pytest.approx((0.5, 0.25))
+    # of the 0.5 before the loss's all-reduce: 0.1 before the first wait, 0.3 between the first and the last
+    assert (a.before_waits_s, a.between_waits_s) == pytest.approx((0.1, 0.3))
 
 
 def test_the_parameter_gathers_own_work_is_read_between_their_launches_and_after_the_last():
