@@ -28,6 +28,7 @@ from poplar.planner import make_plan
 from poplar.planner.planner import PlanResult
 from poplar.profile.options import ProfileOptions
 from poplar.profile.profile import Profile
+from poplar.profile.units import STEP_FLOPS_PER_FORWARD
 from poplar.simulate.profile import simulate_profile
 from poplar.workload import Workload
 
@@ -75,8 +76,9 @@ class Evaluation(BaseModel):
 
 
 def per_device_tflops(samples: float, flops_per_sample: float, step_s: float) -> float:
-    """Model TFLOP/s of a device that trains ``samples`` a step (forward and backward: 3x the forward)."""
-    return 3 * samples * flops_per_sample / step_s / 1e12
+    """Model TFLOP/s of a device that trains ``samples`` a step of ``flops_per_sample`` forward FLOPs (a step's:
+    :data:`~poplar.profile.units.STEP_FLOPS_PER_FORWARD` times those)."""
+    return STEP_FLOPS_PER_FORWARD * samples * flops_per_sample / step_s / 1e12
 
 
 def evaluate(workload: Workload, spec: ClusterSpec, global_batch: int, options: ProfileOptions,

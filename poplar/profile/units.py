@@ -19,6 +19,21 @@ from poplar.engine.units import build_units
 from poplar.workload import Workload, as_workload
 
 
+# a training step's model FLOPs are the forward's and the backward's, twice the forward's: the one count of model
+# FLOPs (and so of MFU) everywhere, from the forward's counted operator by operator (unit_flops)
+STEP_FLOPS_PER_FORWARD = 3
+
+
+def step_flops_per_sample(workload, config: EngineConfig | None = None) -> float:
+    """Model FLOPs of one sample in a training step, counted on fake tensors (a model of any size, nothing
+    allocated): :data:`STEP_FLOPS_PER_FORWARD` times its forward's (:func:`unit_flops`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    wl = as_workload(workload)
+    with FakeTensorMode():
+        return STEP_FLOPS_PER_FORWARD * sum(unit_flops(wl, config, wl.build()))
+
+
 def _model(workload: str | Workload | torch.nn.Module) -> torch.nn.Module:
     return workload if isinstance(workload, torch.nn.Module) else as_workload(workload).build()
 

@@ -1,8 +1,8 @@
 """A run's figures per step: gathered from every rank, one JSON line each in ``log.jsonl``, one printed line.
 
-Model FLOPs per token, as counted here: ``6 * N + 12 * L * d * s`` for a training step
-(forward and backward), with ``N`` the parameters outside the input embedding, ``L``
-layers, ``d`` the hidden size and ``s`` the sequence length (the attention scores).
+Model FLOPs per token: a training step's (the profile's and the simulator's count,
+:func:`poplar.profile.units.step_flops_per_sample`: three times the forward's, counted
+operator by operator), over the sequence length.
 On real and emulated GPUs the log also holds the model FLOPs utilisation (MFU): that
 rate over the sum of every GPU's peak dense TFLOP/s in the compute dtype (the
 catalogue's, :mod:`poplar.cluster.catalogue`, a cluster file's declared figures, or
@@ -21,18 +21,15 @@ from pathlib import Path
 import torch
 
 from poplar.train.config import TrainConfig
-from poplar.workload import Workload
+from poplar.engine.config import EngineConfig
+from poplar.workload import ModelSource
 
 
-def flops_per_token(model: torch.nn.Module, wl: Workload) -> float:
-    n = sum(p.numel() for p in model.parameters())
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else getattr(model, "embed", None)
-    if embed is not None:
-        n -= embed.weight.numel()
-    cfg = getattr(model, "config", None)
-    layers = getattr(cfg, "num_hidden_layers", None) or len(getattr(model, "blocks", [])) or 1
-    hidden = getattr(cfg, "hidden_size", None) or getattr(getattr(model, "embed", None), "embedding_dim", 0)
-    return 6.0 * n + 12.0 * layers * hidden * wl.seq_len
+def flops_per_token(wl: ModelSource, config: EngineConfig | None = None) -> float:
+    """Model FLOPs of a token in a training step."""
+    from poplar.profile.units import step_flops_per_sample
+
+    return step_flops_per_sample(wl, config) / wl.seq_len
 
 
 def peak_tflops(device, cfg: TrainConfig) -> float:

@@ -58,7 +58,7 @@ class Trainer:
                          if world_size > 1 and store_address() is not None else None)
         if rank == 0 and cfg.resume:
             keep_log_before(Path(cfg.out) / "log.jsonl", self.start)
-        self.log = StepLog(cfg, rank, device, self.comm, plan.global_batch_size, flops_per_token(model, wl))
+        self.log = StepLog(cfg, rank, device, self.comm, plan.global_batch_size, flops_per_token(wl, cfg.engine))
         self.losses: list[float] = []
         self.preempted: int | None = None
 

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 import poplar
+from poplar.profile.units import step_flops_per_sample
 from poplar.train.config import load_config
 from poplar.train.report import summarize
 from poplar.train.run import run_training
+from poplar.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = str(ROOT / "examples" / "cluster-3.yaml")      # an A100-80GB beside two T4-16GB
@@ -50,10 +52,12 @@ def test_tiny_llama_on_three_uneven_ranks_learns(tmp_path, monkeypatch):
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, losses
     records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(8))
+    step_flops = step_flops_per_sample(Workload(model="llama-tiny", seq_len=32, vocab_size=512))
     for r in records:
         assert len(r["busy_s"]) == len(r["idle_s"]) == 3
         assert r["samples_per_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 32)
-        assert r["tflops"] > 0
+        # the model FLOPs of a step: the profile's and the simulator's count (three times the forward's)
+        assert r["tflops"] == pytest.approx(r["samples_per_s"] * step_flops / 1e12)
         assert r["mfu"] == pytest.approx(r["tflops"] / PEAK_TFLOPS)    # over the emulated GPUs' declared peaks
         # spans where an emulated device's real work ran past its declared time, summed over the ranks
         assert isinstance(r["overruns"], int) and r["overruns"] >= 0
