@@ -34,8 +34,9 @@ def test_a_step_s_compute_is_placed_unit_by_unit(stage):
         assert (a.before_norm_s > 0) == (stage > 0)
         # only ZeRO-1/2 gather the parameters after the update, each later unit's slice cast before its launch
         assert (a.gather_issue_s > 0) == (stage == 1) and a.gather_copy_s >= 0
-        # after the root's gradient collective, each reduction is waited for and finished in turn
-        assert a.between_waits_s > 0 and a.before_waits_s + a.between_waits_s <= a.before_loss_s
+        # after the root's gradient collective, each reduction is waited for and finished in turn: a reduce-scatter's
+        # shard copied out (an all-reduce sums in place: nothing to finish)
+        assert (a.between_waits_s > 0) == (stage > 0) and a.before_waits_s + a.between_waits_s <= a.before_loss_s
     # the T4 is the slower device: the same work takes it longer, in seconds
     assert ranks[1].before_loss_s > ranks[0].before_loss_s
 
