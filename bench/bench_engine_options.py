@@ -39,7 +39,7 @@ def main() -> None:
     options = ProfileOptions(stages=(args.stage,), max_micro_batch=min(256, args.global_batch))
     profiles = {name: profile_cluster(wl, spec, options, config=config)[0] for name, config in OPTIONS.items()}
     print(f"{args.cluster}, {args.model}, global batch {args.global_batch}, ZeRO-{args.stage}")
-    print(f"{'engine options':<26} {'recorded':<40} {'predicted ms':>12} {'measured ms':>12} {'error':>8} "
+    print(f"{'engine options':<26} {'recorded':<64} {'predicted ms':>12} {'measured ms':>12} {'error':>8} "
           f"{'other profile':>14}")
     for name, config in OPTIONS.items():
         profile = profiles[name]
@@ -49,7 +49,7 @@ def main() -> None:
         other = next(p for n, p in profiles.items() if n != name)
         crossed = CostModel(other, args.stage).predict(plan).step_s
         recorded = ", ".join(f"{k}={v}" for k, v in profile.engine.model_dump().items())
-        print(f"{name:<26} {recorded:<40} {1e3 * predicted:>12.3f} {1e3 * measured['step_s']:>12.3f} "
+        print(f"{name:<26} {recorded:<64} {1e3 * predicted:>12.3f} {1e3 * measured['step_s']:>12.3f} "
               f"{100 * (predicted / measured['step_s'] - 1):>+7.1f}% {1e3 * crossed:>11.3f} ms"
               f"  (overruns {measured['overruns']})")
 
