@@ -76,6 +76,17 @@ def plan_and_measure(cluster: str, workload: Workload, global_batch: int, pick, 
     return result, [(s, a, m) for (s, a), m in zip(pairs, measured)]
 
 
+def _by_devices(spec: ClusterSpec, result: PlanResult, allocs: list) -> list[tuple[ClusterSpec, list]]:
+    """The allocations by the devices they run on: Poplar's plan on the ranks it is for (those the planner left out
+    sit out), the baselines on the whole cluster where Poplar's leaves some out (what a user would run otherwise)."""
+    subset = spec.subset(result.ranks)
+    groups: dict = {}
+    for a in allocs:
+        on = subset if a.plan.world_size == subset.world_size else spec
+        groups.setdefault(on.to_yaml(), (on, []))[1].append(a)
+    return list(groups.values())
+
+
 def deepspeed_setup(result: PlanResult, workload: Workload):
     """DeepSpeed's setup for the chosen stage's uniform plan, or why there is none (one line)."""
     from poplar.peers import deepspeed
@@ -122,7 +133,6 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
     ``progress`` receives the profiler's events (see :func:`plan_cluster`).
     """
     spec, result = plan_cluster(cluster, workload, global_batch, use_cache, progress)
-    spec = spec.subset(result.ranks)   # the devices the plans are for: those the planner left out sit out
     allocs = [a for a in result.allocations().values() if a.plan is not None]
     # an allocation whose plan is another's (Poplar keeps a baseline's split when it
     # predicts none faster) is that plan: measured once, so the host's noise between two
@@ -139,11 +149,15 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
         progress.phase(f"{cluster}: measuring {len(plans)} plans" + (f" and {setup.name}" if setup else "")
                        + f" in ZeRO-{result.stage}{'' if not result.chosen.shaped else ' ' + result.plan.shape.split()[0]}"
                        + f", {rounds} rounds of {steps} steps")
-    if setup is not None:
-        measured, notes[setup.name] = measure_with_peer(workload, spec.model_dump(), plans, setup, steps, rounds)
-    else:
-        measured = measure_plans(workload, spec.model_dump(), plans, steps=steps, rounds=rounds)
-    by_name = {a.name: m for a, m in zip(unique, measured)}
+    by_name = {}
+    for on, group in _by_devices(spec, result, unique):
+        plans = [a.plan for a in group]
+        if setup is not None and setup.world_size == on.world_size:   # the peer runs the whole cluster's uniform split
+            measured, notes[setup.name] = measure_with_peer(workload, on.model_dump(), plans, setup, steps, rounds)
+            setup = None
+        else:
+            measured = measure_plans(workload, on.model_dump(), plans, steps=steps, rounds=rounds)
+        by_name.update({a.name: m for a, m in zip(group, measured)})
     rows = {}
     for alloc in allocs:
         rows[alloc.name] = _row(alloc, by_name[same_as[alloc.name]], workload)

@@ -268,7 +268,19 @@ def _leaving_out(profile: Profile, stages: list[int], global_batch: int,
         if _best_speed(without) > _best_speed(best[0]) * (1 + margin):
             best = (without, out, how + f", {_best_speed(without) / with_them:.2f}x as fast without"
                     if with_them else how)
-    return best
+    plans, out, why = best
+    return ({s: _beside_the_whole_cluster(sp, results.get(s)) for s, sp in plans.items()} if out else plans), out, why
+
+
+def _beside_the_whole_cluster(without: StagePlan, whole: StagePlan | None) -> StagePlan:
+    """Poplar's plan without some ranks, beside the baselines of the whole cluster: what a user would run on it
+    otherwise (DeepSpeed's uniform split over every card), each as it is predicted there or why it cannot run;
+    the bound, the higher of the two."""
+    if whole is None or whole.excluded or without.excluded:
+        return without
+    allocations = {"poplar": without.poplar, **{n: a for n, a in whole.allocations.items() if n != "poplar"}}
+    return replace(without, allocations=allocations,
+                   ideal_samples_per_s=max(without.ideal_samples_per_s, whole.ideal_samples_per_s))
 
 
 def _best_speed(results: dict[int, StagePlan]) -> float:

@@ -67,6 +67,8 @@ def test_a_device_that_fits_no_stage_is_left_out_of_the_plan():
     result = make_plan(prof, 64)
     assert result.excluded_ranks == [1, 2] and result.ranks == [0]
     assert result.plan.world_size == 1 and result.plan.global_batch_size == 64
+    # no stage runs on the whole cluster: the baselines are for the card that runs, as Poplar's plan
+    assert all(a.plan.world_size == 1 for a in result.allocations().values())
     assert ("rank 1, 2 (small) cannot hold the model and a sample in any stage profiled, even with no share of the "
             "states: this plan is for rank 0" in result.reason.lower())
 
@@ -143,5 +145,9 @@ def test_a_kind_whose_one_sample_holds_every_rank_back_is_planned_without(old_fi
         assert "Rank 2 (old) takes 9.20 ms for a step of one sample" in result.reason
         assert "as fast without: this plan is for rank 0, 1" in result.reason
         assert result.predicted.samples_per_s >= 0.99 * result.ideal_samples_per_s
+        # the baselines are the whole cluster's (what a user would run on it otherwise), slower than Poplar's
+        for name, alloc in result.allocations().items():
+            assert alloc.plan.world_size == (2 if name == "poplar" else 3), name
+            assert name == "poplar" or alloc.predicted.samples_per_s < result.predicted.samples_per_s
     else:
         assert result.excluded_ranks == [] and result.ranks == [0, 1, 2]
