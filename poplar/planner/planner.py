@@ -269,14 +269,19 @@ def _leaving_out(profile: Profile, stages: list[int], global_batch: int,
             best = (without, out, how + f", {_best_speed(without) / with_them:.2f}x as fast without"
                     if with_them else how)
     plans, out, why = best
-    return ({s: _beside_the_whole_cluster(sp, results.get(s)) for s, sp in plans.items()} if out else plans), out, why
+    if not out:
+        return plans, out, why
+    running = [sp for sp in results.values() if not sp.excluded]
+    fastest = max(running, key=lambda sp: sp.poplar.predicted.samples_per_s, default=None)
+    return {s: _beside_the_whole_cluster(sp, results[s] if s in results and not results[s].excluded else fastest)
+            for s, sp in plans.items()}, out, why
 
 
 def _beside_the_whole_cluster(without: StagePlan, whole: StagePlan | None) -> StagePlan:
     """Poplar's plan without some ranks, beside the baselines of the whole cluster: what a user would run on it
-    otherwise (DeepSpeed's uniform split over every card), each as it is predicted there or why it cannot run;
-    the bound, the higher of the two."""
-    if whole is None or whole.excluded or without.excluded:
+    otherwise (DeepSpeed's uniform split over every card), in this stage or, where the whole cluster cannot run
+    it, in the stage it runs fastest; the bound, the higher of the two."""
+    if whole is None or without.excluded:
         return without
     allocations = {"poplar": without.poplar, **{n: a for n, a in whole.allocations.items() if n != "poplar"}}
     return replace(without, allocations=allocations,
