@@ -191,7 +191,7 @@ class CostModel:
     # -- communication ------------------------------------------------------------------
     def _coll(self, which: str, numel: float) -> float:
         comm = self.profile.comm
-        if comm is None:
+        if comm is None or len(self.ranks) < 2:    # a rank alone has no one to move anything to
             return 0.0
         return comm.seconds(which, numel)
 
