@@ -65,3 +65,12 @@ def test_an_untimed_zero0_step_is_no_update_for_a_share_of_the_states():
     cost = CostModel(prof, 1, shares=[5.0, 1.0])
     assert cost.kinds["small"].per_step_s == pytest.approx(0.003)
     assert cost.kinds["big"].per_step_s == pytest.approx(0.003 + 0.003 * (5 / 6 - 1 / 2) / (1 / 2))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_rank_planned_alone_moves_nothing(stage):
+    """A plan for one rank of a profiled cluster (the others left out): its collectives are over a world of one, so
+    its step is its busy time, not that plus the profile's collectives over the whole cluster."""
+    cost = CostModel(make_profile({"big": (1, 0.01, 0.001, 16), "small": (1, 0.02, 0.004, 8)}, comm=COMM), stage, [0])
+    pred = cost.predict(Plan.from_local_batches(stage, [16], [2]))
+    assert pred.step_s == pred.busy_s[0] and pred.comm_s == 0.0 and cost.comm_s(4) == 0.0
