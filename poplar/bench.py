@@ -150,11 +150,12 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
                        + f" in ZeRO-{result.stage}{'' if not result.chosen.shaped else ' ' + result.plan.shape.split()[0]}"
                        + f", {rounds} rounds of {steps} steps")
     by_name = {}
-    for on, group in _by_devices(spec, result, unique):
+    groups = _by_devices(spec, result, unique)
+    with_peer = next((i for i, (_, g) in enumerate(groups) if any(a.name == "uniform" for a in g)), 0)
+    for i, (on, group) in enumerate(groups):
         plans = [a.plan for a in group]
-        if setup is not None and setup.world_size == on.world_size:   # the peer runs the whole cluster's uniform split
+        if setup is not None and i == with_peer:   # the peer runs the uniform split, on its devices
             measured, notes[setup.name] = measure_with_peer(workload, on.model_dump(), plans, setup, steps, rounds)
-            setup = None
         else:
             measured = measure_plans(workload, on.model_dump(), plans, steps=steps, rounds=rounds)
         by_name.update({a.name: m for a, m in zip(group, measured)})
