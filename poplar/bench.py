@@ -80,11 +80,9 @@ def _by_devices(spec: ClusterSpec, result: PlanResult, allocs: list) -> list[tup
     """The allocations by the devices they run on: Poplar's plan on the ranks it is for (those the planner left out
     sit out), the baselines on the whole cluster where Poplar's leaves some out (what a user would run otherwise)."""
     subset = spec.subset(result.ranks)
-    groups: dict = {}
-    for a in allocs:
-        on = subset if a.plan.world_size == subset.world_size else spec
-        groups.setdefault(on.to_yaml(), (on, []))[1].append(a)
-    return list(groups.values())
+    mine = [a for a in allocs if a.plan.world_size == subset.world_size]
+    whole = [a for a in allocs if a.plan.world_size != subset.world_size]
+    return [(on, group) for on, group in ((subset, mine), (spec, whole)) if group]
 
 
 def deepspeed_setup(result: PlanResult, workload: Workload):

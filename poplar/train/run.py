@@ -67,9 +67,7 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
 
     out_dir = check_out(cfg)
     wl = workload_of(cfg)
-    given = given_plan(cfg, wl, launch.world_size, cluster)
-    check_resume(cfg, wl, cfg.global_batch if given is None else given.global_batch_size)
-    plan, result = get_plan(cfg, wl, launch.world_size, given, cluster, progress=progress)
+    plan, result = _plan(cfg, wl, launch.world_size, cluster, False, progress)
     out_dir.mkdir(parents=True, exist_ok=True)     # only now: a run refused writes nothing
     cfg, launch, cluster = on_planned_ranks(cfg, launch, plan, result.ranks if result else None, out_dir, cluster)
     write_run_files(cfg, out_dir, plan, result, cluster)
@@ -93,9 +91,7 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
             prepare_data(cfg)                   # trains and caches the tokenizer once
         dist.barrier()
         wl = workload_of(cfg)
-        given = given_plan(cfg, wl, launch.world_size, cluster)
-        check_resume(cfg, wl, cfg.global_batch if given is None else given.global_batch_size)
-        plan, result = get_plan(cfg, wl, launch.world_size, given, cluster, distributed=True, progress=progress)
+        plan, result = _plan(cfg, wl, launch.world_size, cluster, True, progress)
         if rank == 0:
             write_run_files(cfg, out_dir, plan, result, cluster)
         dist.barrier()
@@ -105,6 +101,13 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
         return _finish(cfg, out_dir, plan, result, mine) if rank == 0 else {**mine, "plan": plan}
     finally:
         shutdown()
+
+
+def _plan(cfg: TrainConfig, wl: ModelSource, world_size: int, cluster, distributed: bool, progress):
+    """The plan given (read once) or made, after a resume that would fail is refused; and the planner's result."""
+    given = given_plan(cfg, wl, world_size, cluster)
+    check_resume(cfg, wl, cfg.global_batch if given is None else given.global_batch_size)
+    return get_plan(cfg, wl, world_size, given, cluster, distributed=distributed, progress=progress)
 
 
 def _finish(cfg: TrainConfig, out_dir: Path, plan, result, mine: dict) -> dict:
