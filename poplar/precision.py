@@ -1,17 +1,18 @@
 """The compute precisions, defined once: their names, their torch dtypes, and how input is read.
 
-``fp32`` computes and keeps everything in float32; ``bf16`` is the engine's mixed
-precision (the model computes in bfloat16, fp32 master weights and fp32 gradient
-reduction). ``none`` (or ``None``) means no mixed precision, i.e. ``fp32``. The engine's
+``fp32`` computes and keeps everything in float32; ``bf16`` and ``fp16`` are the
+engine's mixed precisions (the model computes in bfloat16 or float16, fp32 master weights
+and fp32 gradient reduction; fp16 with dynamic loss scaling, :mod:`poplar.engine.loss_scale`).
+``none`` (or ``None``) means no mixed precision, i.e. ``fp32``. The engine's
 configuration, the training configuration, the profiler and its cache read these
 names from here.
 
->>> precision("none"), precision("BF16"), torch_dtype("bf16")
-('fp32', 'bf16', torch.bfloat16)
->>> precision("fp16")
+>>> precision("none"), precision("BF16"), torch_dtype("fp16")
+('fp32', 'bf16', torch.float16)
+>>> precision("fp8")
 Traceback (most recent call last):
 ...
-ValueError: precision 'fp16': choose one of fp32, bf16 (none is fp32)
+ValueError: precision 'fp8': choose one of fp32, bf16, fp16 (none is fp32)
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from typing import Annotated, Literal
 import torch
 from pydantic import BeforeValidator
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ALIASES = {"none": "fp32", "float32": "fp32", "bfloat16": "bf16"}
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ALIASES = {"none": "fp32", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
 
 def precision(name: str | None) -> str:
-    """The canonical name (``fp32`` or ``bf16``) of ``name``; a clear ``ValueError`` for anything else."""
+    """The canonical name (``fp32``, ``bf16`` or ``fp16``) of ``name``; a clear ``ValueError`` for anything else."""
     key = "fp32" if name is None else str(name).strip().lower()
     key = ALIASES.get(key, key)
     if key not in DTYPES:
@@ -40,7 +41,7 @@ def torch_dtype(name: str | None) -> torch.dtype:
 
 
 # a pydantic field type: accepts every spelling above, holds the canonical name
-Precision = Annotated[Literal["fp32", "bf16"], BeforeValidator(precision)]
+Precision = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(precision)]
 
 
 def cast_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

@@ -138,3 +138,59 @@ class RegressionSource:
 
     def identity(self) -> dict:
         return self.cache_dict()
+
+
+def reference_train_fp16(batches, clip: float | None = None, optimizer=OPTIMIZER, scaler_kw=None,
+                         overflow_from: float = float("inf"), micro_batches: list[list[int]] | None = None):
+    """One process, fp16 with ``torch.amp.GradScaler``: the model computes in float16 (every tensor, as the
+    engine's does), its fp32 master copy is what the optimizer steps on.
+
+    ``micro_batches``: the global batch's samples in micro-batches of these sizes, in order, each one's
+    backward apart, its fp16 gradient added in fp32 to its group's, the groups' sums then added in order (a
+    plan's micro-batches, rank by rank); None: the whole batch in one backward. ``overflow_from``: a step
+    whose loss scale is at least this overflows (its loss made infinite), to exercise the skip and the
+    back-off. Returns (state, losses, the scale each step ran at). One thread, as a spawned rank's: CPU
+    kernels sum fp16 reductions (a LayerNorm's weight gradient) in an order that depends on the threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_fp16(batches, clip, optimizer, scaler_kw, overflow_from, micro_batches)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_fp16(batches, clip, optimizer, scaler_kw, overflow_from, micro_batches):
+    master = make_model()
+    half = make_model().half()
+    pairs = list(zip(master.parameters(), half.parameters()))
+    opt = optimizer(master.parameters())
+    scaler = torch.amp.GradScaler("cpu", **(scaler_kw or {}))
+    losses, scales = [], []
+    for tokens, targets in batches:
+        with torch.no_grad():
+            for p, h in pairs:
+                h.copy_(p)
+        scale = scaler.get_scale()
+        scales.append(scale)
+        total, start, sums = 0.0, 0, [None] * len(pairs)
+        for group in micro_batches or [[len(tokens)]]:
+            part = [None] * len(pairs)
+            for n in group:
+                weight = n / len(tokens)
+                loss = lm_loss(half, (tokens[start:start + n], targets[start:start + n]))
+                loss = loss * (float("inf") if scale >= overflow_from else 1.0)
+                scaler.scale(loss * weight).backward()
+                part = [h.grad.float() if g is None else g + h.grad.float() for g, (_, h) in zip(part, pairs)]
+                half.zero_grad(set_to_none=True)
+                total, start = total + loss.item() * weight, start + n
+            sums = [g if s is None else s + g for s, g in zip(sums, part)]
+        for (p, _), g in zip(pairs, sums):
+            p.grad = g
+        if clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return {k: v.detach().clone() for k, v in master.state_dict().items()}, losses, scales

@@ -8,6 +8,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from poplar.engine.loss_scale import LossScaleConfig
 from poplar.precision import Precision, torch_dtype
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -24,8 +25,11 @@ class EngineConfig(BaseModel):
 
     clip_grad_norm: float | None = Field(None, gt=0, description="max global L2 norm of the gradient; None: off")
     mixed_precision: Precision = Field(
-        "fp32", description="'bf16': compute in bf16, keep fp32 master weights and fp32 gradient reduction; "
-        "'fp32' (or None, 'none'): no mixed precision (poplar.precision)")
+        "fp32", description="'bf16' or 'fp16': compute in bf16 or fp16, keep fp32 master weights and fp32 gradient "
+        "reduction (fp16 with dynamic loss scaling: loss_scale); 'fp32' (or None, 'none'): no mixed precision "
+        "(poplar.precision)")
+    loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig,
+                                        description="fp16's loss scaling (poplar.engine.loss_scale); unused otherwise")
     unit_classes: Sequence[type | str] | None = Field(
         None, description="module classes (or class names) that become units; default: ModuleList entries")
     unit_numel: int = Field(1_000_000, gt=0, description="other modules with this many parameters become units")
@@ -35,7 +39,9 @@ class EngineConfig(BaseModel):
                                       "oldest is waited for and its full gradient freed")
     on_nonfinite: Literal["raise", "skip"] = Field(
         "raise", description="a NaN or infinite loss or gradient: 'raise' NonFiniteError (naming the step and the "
-        "ranks), or 'skip' the update (parameters and optimizer state untouched; engine.skipped_steps counts them)")
+        "ranks), or 'skip' the update (parameters and optimizer state untouched; engine.skipped_steps counts them). "
+        "fp16 with a dynamic loss scale skips such a step and lowers the scale whatever this says, and raises at "
+        "the minimum scale")
 
     @property
     def compute_dtype(self) -> torch.dtype:

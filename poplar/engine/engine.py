@@ -21,12 +21,12 @@ stage (:mod:`poplar.stages`) deciding only what is sharded; its parts live besid
 - :mod:`~poplar.engine.collectives`: every collective, as methods of the :class:`Comm` the
   engine is given (a device gives one that observes them); :mod:`~poplar.engine.flight`, the
   last one each rank issued, for a launcher to read if the rank dies;
-- :mod:`~poplar.engine.agreement`: what every rank must agree on before the first collective.
+- :mod:`~poplar.engine.agreement`: what every rank must agree on before the first collective;
+- :mod:`~poplar.engine.update`: the update (fp16's loss scale undone, the global norm and the verdict on it,
+  clipping, the optimizer), :mod:`~poplar.engine.loss_scale` the scale.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
@@ -45,22 +45,11 @@ from poplar.engine.phase import StepPhase
 from poplar.engine.state_dict import EngineState
 from poplar.engine.units import build_units
 from poplar.engine.unshard import Unsharder
+from poplar.engine.update import NonFiniteError, Update, UpdateOutOfMemoryError
 from poplar.plan import Plan
 from poplar.stages import stage
 
 __all__ = ["Engine", "EngineConfig", "NonFiniteError", "UpdateOutOfMemoryError", "initialize"]
-
-
-class NonFiniteError(FloatingPointError):
-    """A step's loss or gradient was NaN or infinite (``on_nonfinite='raise'``); the update was not applied."""
-
-    def __init__(self, message: str, step: int, ranks: list[int]):
-        super().__init__(message)
-        self.step, self.ranks = step, ranks
-
-
-class UpdateOutOfMemoryError(torch.OutOfMemoryError):
-    """Out of memory inside the optimizer's update: some ranks may have applied it, so the step cannot be re-run."""
 
 
 class Engine:
@@ -113,6 +102,8 @@ class Engine:
         self.optimizer = optimizer([u.master for u in self.units])
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, not a torch.optim.Optimizer")
+        self._update = Update(self.units, self.optimizer, self.stage, self.shard_layout, self.comm, config,
+                              self.device)
         self._state = EngineState(model, self.units, self.optimizer, self.device, self.comm)
         self._memory = ModelStateMemory(self.units, self.optimizer, self.compute_dtype, self._reducer, self._unsharder)
         self.global_steps = 0
@@ -172,7 +163,7 @@ class Engine:
                              f"that requires grad; got {type(loss).__name__}"
                              f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
         weight = n_samples / self.plan.global_batch_size
-        (loss.reshape(()) * weight).backward()
+        self._update.scaled(loss.reshape(()), weight).backward()
         self._end_micro_step()
         self._loss_sum += loss.detach().float().reshape(()) * weight
         self._phase.end_micro_step()
@@ -184,10 +175,22 @@ class Engine:
         local_finite = bool(torch.isfinite(loss_sum))
         loss_work = self.comm.all_reduce(loss_sum, async_op=True)
         try:
-            self._step(local_finite)
+            step = self.global_steps + self.skipped_steps + 1
+            applied = self._update.apply(step, local_finite)
+            self.last_grad_norm = self._update.last_grad_norm
+            if applied:
+                self.global_steps += 1
+            else:
+                self.skipped_steps += 1
         finally:
             loss_work.wait()
         return float(loss_sum)
+
+    @property
+    def loss_scale(self) -> float:
+        """The scale each micro-batch's loss is multiplied by before its backward: fp16's dynamic loss scale
+        (:mod:`poplar.engine.loss_scale`), 1 in bf16 and fp32."""
+        return self._update.loss_scale
 
     def abandon_step(self) -> None:
         """Give up a step that failed part-way (one rank out of memory), before the group is rebuilt.
@@ -252,57 +255,6 @@ class Engine:
             self._unsharder.end_micro_step()
         self._reducer.end_micro_step()
 
-    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
-        """The global L2 norm of the gradient (NaN or infinity when any part of it is)."""
-        # one pass over each gradient, no temporary of its size (as clip_grad_norm_ does)
-        norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=self.device)]
-        sq = torch.linalg.vector_norm(torch.stack(norms).float()).square()
-        if self.stage.shards_optimizer:   # each rank holds a gradient shard: the squares add up across ranks
-            self.comm.all_reduce(sq)      # over the world (each group's copy once): the same bits everywhere
-            sq /= self.shard_layout.replicas
-        return float(sq.sqrt())
-
-    def _nonfinite(self, local_finite: bool) -> None:
-        """Every rank alike (the norm is global): raise, or leave this step's update out (``on_nonfinite``)."""
-        flags = torch.zeros(self.world_size, dtype=torch.float32, device=self.device)
-        self.comm.all_gather(flags, torch.tensor([0.0 if local_finite else 1.0], device=self.device))
-        ranks = [r for r in range(self.world_size) if flags[r] > 0]
-        step = self.global_steps + self.skipped_steps + 1
-        what = (f"the loss is non-finite on rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}" if ranks
-                else f"the gradient norm is {self.last_grad_norm} (every rank's loss is finite)")
-        for unit in self.units:
-            unit.attach_grad(None)
-        if self.config.on_nonfinite == "skip":
-            self.skipped_steps += 1
-            return
-        raise NonFiniteError(f"step {step}: {what}; the update was not applied. Lower the learning rate or clip "
-                             "the gradient, or set on_nonfinite='skip' to leave such steps out", step, ranks)
-
-    @torch.no_grad()
-    def _step(self, local_finite: bool = True) -> None:
-        grads = [u.owned_grad() for u in self.units]
-        # a non-finite loss on any rank makes the (global) gradient norm non-finite too
-        norm = self.last_grad_norm = self._grad_norm(grads)
-        if not math.isfinite(norm):
-            self._nonfinite(local_finite)
-            return
-        if self.config.clip_grad_norm is not None:
-            coef = self.config.clip_grad_norm / (norm + 1e-6)
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
-        for unit, g in zip(self.units, grads):
-            unit.attach_grad(g)
-        try:
-            self.optimizer.step()
-            works = [w for w in (u.refresh_params_after_step() for u in self.units) if w is not None]
-            for unit in self.units:   # the next train_batch starts a new gradient window
-                unit.attach_grad(None)
-            for w in works:
-                w.wait()
-        except torch.OutOfMemoryError as e:   # ranks may be apart now: recovery must not re-run the step
-            raise UpdateOutOfMemoryError(str(e)) from e
-        self.global_steps += 1
-
     # ------------------------------------------------------------------ state (poplar.engine.state_dict)
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded fp32 parameters (and buffers) keyed like ``model.state_dict()``, on every rank.
@@ -316,16 +268,20 @@ class Engine:
         self._state.load_full_state_dict(state)
 
     def sharded_state_dict(self) -> dict:
-        """The training state for ``torch.distributed.checkpoint``, under global keys with its layout."""
-        return self._state.sharded_state_dict(self.global_steps)
+        """The training state for ``torch.distributed.checkpoint``, under global keys with its layout (and fp16's
+        loss scale)."""
+        return {**self._state.sharded_state_dict(self.global_steps), **self._update.state_dict()}
 
     def prepare_sharded_load(self) -> dict:
         """A state dict shaped like a saved one, for ``dcp.load`` to fill before :meth:`load_sharded_state_dict`."""
-        return self._state.prepare_sharded_load(self.global_steps)
+        return {**self._state.prepare_sharded_load(self.global_steps), **self._update.state_dict()}
 
     def load_sharded_state_dict(self, state: dict, hyperparameters: list[dict] | None = None) -> None:
-        """Restore from a dict that ``dcp.load`` filled (from :meth:`prepare_sharded_load`), any layout saved."""
+        """Restore from a dict that ``dcp.load`` filled (from :meth:`prepare_sharded_load`), any layout saved.
+
+        A checkpoint without a loss scale (written in bf16 or fp32) leaves fp16's where it is."""
         self.global_steps = self._state.load_sharded_state_dict(state, hyperparameters)
+        self._update.load_state_dict(state)
 
     def optimizer_hyperparameters(self) -> list[dict]:
         """The optimizer's parameter groups without their parameters, as JSON values (lr, betas, ...)."""

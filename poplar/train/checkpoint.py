@@ -38,6 +38,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 MANIFEST, META, EXTRAS = "manifest.json", "poplar.json", "extras.pt"
+# what a checkpoint may lack and still be resumed from (written in bf16 or fp32, resumed in fp16: a fresh loss scale)
+OPTIONAL_KEYS = ("loss_scale",)
 
 
 class CheckpointError(ValueError):
@@ -247,6 +249,10 @@ def load_checkpoint(engine, path: str | Path, expect: dict) -> dict:
                               f"units, this model has {len(engine.layout())}): resume the model it was written with")
     state = engine.prepare_sharded_load()
     with _dcp_errors("read", path, "it is damaged: remove it to resume from the one before, or start a new run"):
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        for key in OPTIONAL_KEYS:
+            if key in state and key not in saved:
+                del state[key]
         dcp.load(state, checkpoint_id=str(path))
     engine.load_sharded_state_dict(state, meta.get("optimizer"))
     return meta

@@ -278,3 +278,31 @@ def shape_cases(rank, world_size, train, counted, n_steps, optimizer, model_kw, 
     return {"train": until_failure(rank, world_size, run_cases, train, n_steps, optimizer, progress=train_at),
             "counts": until_failure(rank, world_size, count_collectives, counted, model_kw, n_steps,
                                     progress=counts_at)}
+
+
+def fp16_cases(rank, world_size, cases, n_steps, optimizer):
+    """Each (plan dict, engine config, overflow_from) in fp16, a step whose loss scale is at least
+    ``overflow_from`` made to overflow (its loss infinite). Per case: the state, the losses, the scale each step ran at, the steps
+    skipped; or the error a case raised (its type, message)."""
+    out = []
+    for plan, config, overflow_from in cases:
+        plan = poplar.Plan.from_dict(plan)
+        engine = poplar.initialize(make_model(), optimizer, plan, {**config, "mixed_precision": "fp16"})
+        lo, hi = plan.sample_range(rank)
+
+        def loss_fn(model, batch):
+            return lm_loss(model, batch) * (float("inf") if engine.loss_scale >= overflow_from else 1.0)
+
+        losses, scales = [], []
+        try:
+            for tokens, targets in make_batches(n_steps, plan.global_batch_size):
+                scales.append(engine.loss_scale)
+                losses.append(engine.train_batch((tokens[lo:hi], targets[lo:hi]), loss_fn))
+        except poplar.NonFiniteError as e:
+            out.append({"error": str(e), "step": e.step, "scales": scales})
+            engine.close()
+            continue
+        out.append({"state": engine.full_state_dict(), "losses": losses, "scales": scales,
+                    "skipped": engine.skipped_steps})
+        engine.close()
+    return out

@@ -9,7 +9,7 @@ import torch
 import poplar
 from poplar.launch import spawn
 from poplar.train.checkpoint import find_resumable, verify
-from tests.train.checkpoint_workers import save_nonfinite, train_span
+from tests.train.checkpoint_workers import fp16_span, save_nonfinite, train_span
 
 THREE = poplar.Plan.from_local_batches(2, [6, 4, 2], [2, 2, 2])     # 12 samples, ZeRO-2
 
@@ -110,3 +110,24 @@ def test_a_failure_inside_torch_checkpoint_reads_as_one_line(tmp_path):
     line = str(caught.value)
     assert "\n" not in line and line.startswith(f"checkpoint {tmp_path} could not be read (rank 0: FileNotFoundError")
     assert line.endswith("it is damaged")
+
+
+def test_fp16_resumes_on_another_world_with_its_loss_scale(tmp_path):
+    """Three ranks save after step 4 (an overflow there: the scale lowered to 2^15); two resume, with the same
+    micro-batches (so fp16 rounds the same partial sums): the scale goes on where it was, the parameters too."""
+    three = poplar.Plan(1, [4, 4, 4], [1, 1, 1])
+    two = poplar.Plan(1, [4, 4], [2, 1])
+    final, scales = spawn(fp16_span, 3, three.to_dict(), str(tmp_path / "whole"), 0, 6, 4, timeout_s=180)[0]
+    assert scales == [2 ** 16, 2 ** 15, 2 ** 15, 2 ** 16, 2 ** 15, 2 ** 15]
+    shutil.copytree(tmp_path / "whole" / "step-00000004", tmp_path / "resumed" / "step-00000004")
+    resumed, after = spawn(fp16_span, 2, two.to_dict(), str(tmp_path / "resumed"), 4, 6, 0, timeout_s=180)[0]
+    assert after == [2 ** 15, 2 ** 15]   # a fresh scale (2^16) would overflow at step 5 instead
+    _close(resumed, final, tol=1e-5)
+
+
+def test_a_checkpoint_written_in_fp32_resumes_in_fp16_with_a_fresh_loss_scale(tmp_path):
+    plan = poplar.Plan(0, [6, 6], 1).to_dict()
+    spawn(train_span, 2, plan, str(tmp_path), 0, 2, 2, timeout_s=120)
+    state, scales = spawn(fp16_span, 2, plan, str(tmp_path), 2, 4, 0,
+                          timeout_s=120)[0]
+    assert scales == [2 ** 16, 2 ** 15] and all(torch.isfinite(v).all() for v in state.values())
