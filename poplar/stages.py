@@ -77,7 +77,7 @@ class ZeroStage:
         """
         if not self.shards_parameters or len(set(fractions)) <= 1 or not unit_numels:
             return 0.0
-        width = 2 if precision == "bf16" else 4
+        width = 2 if precision != "fp32" else 4
         return 2 * (len(fractions) + 1) * max(fractions) * max(unit_numels) * width
 
     def __str__(self) -> str:

@@ -80,8 +80,8 @@ def profile(
                                        "(default: 3 on GPUs, 1 on an emulated cluster, whose time is deterministic)"),
     no_cache: bool = typer.Option(False, "--no-cache", help="measure again even where a cached profile exists"),
     max_micro_batch: int = typer.Option(256, min=1, help="largest micro-batch the memory search tries"),
-    mixed_precision: str = typer.Option("none", help="the compute of the training to plan: none (fp32) or bf16 "
-                                                     "(the engine's bf16 mixed precision)"),
+    mixed_precision: str = typer.Option("none", help="the compute of the training to plan: none (fp32), bf16 or "
+                                                     "fp16 (the engine's mixed precisions)"),
 ) -> None:
     """Measure every device kind of a cluster (emulated, or the real CUDA devices) in every ZeRO stage."""
     import contextlib

@@ -39,7 +39,7 @@ def simulate(
     stages: str = typer.Option("0,1,2,3", help="ZeRO stages to consider, comma-separated"),
     points: int = typer.Option(6, min=2, help="micro-batch sizes simulated per stage"),
     max_micro_batch: int = typer.Option(256, min=1, help="largest micro-batch the memory search tries"),
-    mixed_precision: str = typer.Option("none", help="none (fp32) or bf16 (the engine's bf16 mixed precision)"),
+    mixed_precision: str = typer.Option("none", help="none (fp32), bf16 or fp16 (the engine's mixed precisions)"),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     alone: bool = typer.Option(True, help="also plan each kind's homogeneous cluster (the paper's baselines)"),
     workers: int | None = typer.Option(None, min=0, help="processes that simulate the kinds alone beside this one "

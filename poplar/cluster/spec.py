@@ -43,6 +43,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from poplar.cluster.catalogue import gpu_by_key as catalogue_gpu
+from poplar.cluster.network import Link, Network, NodeLink  # noqa: F401  (part of a cluster file; named here too)
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 KERNEL_OVERHEAD_US = 5.0     # launch cost of one eager kernel, host side included
@@ -64,50 +65,6 @@ class CudaProperties(BaseModel):
     def kind(self) -> str:
         """The kind's name: devices of one name, memory and capability are one kind."""
         return f"{self.name} ({self.total_memory / 2**30:.1f} GiB, sm_{self.major}{self.minor})"
-
-
-class Link(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    bandwidth_gbs: float = Field(gt=0, description="GB/s one way, per rank")
-    latency_us: float = Field(ge=0, description="microseconds per message")
-
-
-class NodeLink(Link):
-    """The link between two particular nodes."""
-
-    nodes: tuple[int, int] = Field(description="the two nodes it joins")
-
-    @model_validator(mode="after")
-    def _two(self) -> NodeLink:
-        if self.nodes[0] == self.nodes[1]:
-            raise ValueError(f"nodes {list(self.nodes)}: a link joins two different nodes (inside one: intra_node)")
-        return self
-
-
-class Network(BaseModel):
-    """Links inside a node and between nodes: ``inter_node``, or ``between`` two particular ones."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    intra_node: Link = Link(bandwidth_gbs=25.0, latency_us=10.0)
-    inter_node: Link = Link(bandwidth_gbs=12.5, latency_us=20.0)
-    between: tuple[NodeLink, ...] = Field((), description="links between particular nodes (else inter_node's)")
-
-    @model_validator(mode="after")
-    def _once(self) -> Network:
-        pairs = [frozenset(link.nodes) for link in self.between]
-        twice = next((sorted(p) for p in pairs if pairs.count(p) > 1), None)
-        if twice:
-            raise ValueError(f"the link between nodes {twice} is given twice: keep one")
-        return self
-
-    def link(self, a: int, b: int) -> Link:
-        """The link between nodes ``a`` and ``b`` (the same node: ``intra_node``)."""
-        if a == b:
-            return self.intra_node
-        found = next((k for k in self.between if set(k.nodes) == {a, b}), None)
-        return Link(bandwidth_gbs=found.bandwidth_gbs, latency_us=found.latency_us) if found else self.inter_node
 
 
 class DeviceGroup(BaseModel):
@@ -176,8 +133,24 @@ class DeviceGroup(BaseModel):
             return self.cuda.total_memory / 2**30
         return self.memory_gb if self.memory_gb is not None else catalogue_gpu(self.gpu).memory_gb
 
+    def computes(self, dtype: str) -> bool:
+        """Whether this kind has hardware for ``dtype`` (fp32, tf32, bf16 or fp16): fp32 always; a real
+        device's bf16 from compute capability 8 (Ampere); a declared single figure, every dtype; else the
+        dtypes the catalogue (or the file's table) gives a figure for."""
+        if dtype in ("fp32", "tf32"):
+            return True
+        if self.cuda is not None:
+            return dtype == "fp16" or self.cuda.major >= 8
+        if isinstance(self.tflops, (int, float)):
+            return True
+        table = self.tflops if self.tflops is not None else catalogue_gpu(self.gpu).peak_tflops
+        return dtype in table
+
     def peak_tflops(self, dtype: str) -> float:
-        """Peak dense TFLOP/s for ``dtype``; a dtype the GPU lacks runs at its fp32 rate."""
+        """Peak dense TFLOP/s for ``dtype``; refused (one line) for a dtype the GPU has no hardware for."""
+        if not self.computes(dtype):
+            raise ValueError(f"kind {self.kind!r} ({self.gpu or 'declared'}) has no {dtype} hardware: "
+                             f"{no_dtype_advice(dtype)}")
         if self.tflops is not None:
             if isinstance(self.tflops, (int, float)):
                 return float(self.tflops)
@@ -186,7 +159,7 @@ class DeviceGroup(BaseModel):
             table = catalogue_gpu(self.gpu).peak_tflops if self.gpu else {}
         if dtype in table:
             return float(table[dtype])
-        if "fp32" in table:
+        if "fp32" in table:   # tf32 where the card has none: plain fp32
             return float(table["fp32"])
         raise ValueError(f"kind {self.kind!r}: no TFLOP/s for {dtype} or fp32")
 
@@ -198,6 +171,14 @@ class DeviceGroup(BaseModel):
 
 
 _DEFAULTS = {name: f.default for name, f in DeviceGroup.model_fields.items()}
+
+
+def no_dtype_advice(dtype: str) -> str:
+    """What to do instead of ``dtype`` on a card without it (V100, T4: fp16 tensor cores, no bf16)."""
+    if dtype == "bf16":
+        return ("train in fp16 (mixed_precision: fp16, --mixed-precision fp16: fp32 master weights and a dynamic "
+                "loss scale) or fp32, or declare the kind's tflops.bf16 in the cluster file if it has bf16")
+    return f"train in fp32, or declare the kind's tflops.{dtype} in the cluster file if it has {dtype}"
 
 
 class ClusterSpec(BaseModel):
@@ -301,6 +282,14 @@ class ClusterSpec(BaseModel):
             counts = ", ".join(f"{d.count} x {d.kind}" for d in self.devices)
             raise ValueError(f"the cluster file describes {self.world_size} devices ({counts}) but {world_size} "
                              f"ranks were launched: launch {self.world_size} ranks or change the devices' counts")
+
+    def check_precision(self, precision: str) -> None:
+        """Every kind has hardware for ``precision`` (fp32, bf16, fp16): known before anything is profiled."""
+        lacking = [g for g in self.devices if not g.computes(precision)]
+        if lacking:
+            names = ", ".join(f"{g.kind} ({g.gpu or 'declared'})" for g in lacking)
+            raise ValueError(f"mixed precision {precision}: {names} {'has' if len(lacking) == 1 else 'have'} no "
+                             f"{precision} hardware: {no_dtype_advice(precision)}")
 
     def check_global_batch(self, global_batch: int) -> None:
         """Every rank takes at least one sample of every global batch: known before anything is profiled."""

@@ -100,12 +100,14 @@ class GpuModel:
 
     @classmethod
     def of(cls, kind: DeviceGroup) -> GpuModel:
-        return cls(name=kind.kind, tflops={d: kind.peak_tflops(d) for d in ("fp32", "bf16", "fp16")},
+        return cls(name=kind.kind, tflops={d: kind.peak_tflops(d) for d in ("fp32", "bf16", "fp16") if kind.computes(d)},
                    bandwidth_gbs=kind.bandwidth_gbs, kernel_overhead_s=kind.kernel_overhead_us * 1e-6,
                    flops_efficiency=kind.flops_efficiency, bandwidth_efficiency=kind.bandwidth_efficiency)
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
         key = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+        if key not in self.tflops:   # never priced at another dtype's rate (the edges refuse it first)
+            raise ValueError(f"{self.name} has no {key} hardware: it cannot compute in {key}")
         return self.tflops[key] * 1e12 * self.flops_efficiency
 
     def op_seconds(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:

@@ -268,19 +268,23 @@ class Engine:
         self._state.load_full_state_dict(state)
 
     def sharded_state_dict(self) -> dict:
-        """The training state for ``torch.distributed.checkpoint``, under global keys with its layout (and fp16's
-        loss scale)."""
-        return {**self._state.sharded_state_dict(self.global_steps), **self._update.state_dict()}
+        """The training state for ``torch.distributed.checkpoint``, under global keys with its layout (and the
+        steps skipped, fp16's loss scale)."""
+        return {**self._state.sharded_state_dict(self.global_steps), **self._counts()}
 
     def prepare_sharded_load(self) -> dict:
         """A state dict shaped like a saved one, for ``dcp.load`` to fill before :meth:`load_sharded_state_dict`."""
-        return {**self._state.prepare_sharded_load(self.global_steps), **self._update.state_dict()}
+        return {**self._state.prepare_sharded_load(self.global_steps), **self._counts()}
+
+    def _counts(self) -> dict:
+        return {"skipped_steps": torch.tensor(self.skipped_steps), **self._update.state_dict()}
 
     def load_sharded_state_dict(self, state: dict, hyperparameters: list[dict] | None = None) -> None:
         """Restore from a dict that ``dcp.load`` filled (from :meth:`prepare_sharded_load`), any layout saved.
 
         A checkpoint without a loss scale (written in bf16 or fp32) leaves fp16's where it is."""
         self.global_steps = self._state.load_sharded_state_dict(state, hyperparameters)
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         self._update.load_state_dict(state)
 
     def optimizer_hyperparameters(self) -> list[dict]:

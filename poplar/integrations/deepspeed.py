@@ -58,7 +58,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     settings = read_ds_config(config, ctx.world_size)
     if ctx.rank == 0 and settings.ignored_line():
         print(settings.ignored_line(), flush=True)
-    engine_config = EngineConfig(clip_grad_norm=settings.clip_grad_norm, mixed_precision=settings.precision)
+    engine_config = EngineConfig(clip_grad_norm=settings.clip_grad_norm, mixed_precision=settings.precision,
+                                 loss_scale=settings.loss_scale)
     poplar = settings.poplar   # the config's poplar section, then the environment, fill what the call leaves out
     plan, cluster, workload, _ = from_environment(plan if plan is not None else poplar.get("plan"),
                                                   cluster if cluster is not None else poplar.get("cluster"),
@@ -187,7 +188,17 @@ class DeepSpeedStyleEngine:
 
     @property
     def global_steps(self) -> int:
-        return self.runtime.engine.global_steps
+        """Optimizer steps taken, skipped ones (an fp16 overflow) included, as DeepSpeed counts them."""
+        return self.runtime.engine.global_steps + self.runtime.engine.skipped_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.runtime.engine.skipped_steps
+
+    @property
+    def cur_scale(self) -> float:
+        """fp16's current loss scale (1 in bf16 and fp32), as DeepSpeed's fp16 optimizers name it."""
+        return self.runtime.engine.loss_scale
 
     @property
     def global_rank(self) -> int:

@@ -3,11 +3,15 @@
 Fields that mean the same here are used: ``train_batch_size`` (or
 ``train_micro_batch_size_per_gpu`` x ``gradient_accumulation_steps`` x world size, as
 DeepSpeed derives it), ``zero_optimization.stage``, ``gradient_clipping``,
-``bf16.enabled``, ``optimizer`` (Adam, AdamW, SGD and their ``params``). Poplar plans
+``bf16.enabled``, ``fp16`` (its dynamic loss scaler's fields, with DeepSpeed's meanings:
+``loss_scale`` 0 dynamic, else the static scale; ``initial_scale_power``,
+``loss_scale_window``, ``hysteresis``, ``consecutive_hysteresis``, ``min_loss_scale``;
+the scale grows after ``loss_scale_window`` good steps in a row, where DeepSpeed's first
+growth waits one more), ``optimizer`` (Adam, AdamW, SGD and their ``params``). Poplar plans
 every rank's micro-batches and accumulation itself, so the per-GPU micro-batch and
 accumulation count only give the global batch. Fields that tune DeepSpeed's own
 machinery (buckets, overlap, logging) have no meaning here: they are named in one line
-and ignored. Fields whose meaning Poplar cannot honour (fp16 loss scaling, offload,
+and ignored. Fields whose meaning Poplar cannot honour (apex's ``amp``, offload,
 DeepSpeed's schedulers) are refused in one line that says what to change. A ``poplar``
 section may name the plan, the cluster and the workload.
 
@@ -37,9 +41,10 @@ class DsSettings:
     global_batch: int
     stage: int | None                  # None: the config names none (every stage may be planned)
     clip_grad_norm: float | None
-    precision: str                     # "bf16" or "fp32"
+    precision: str                     # "bf16", "fp16" or "fp32"
     optimizer: dict | None             # {"type": ..., "params": {...}} or None
     poplar: dict = field(default_factory=dict)
+    loss_scale: dict = field(default_factory=dict)   # fp16's LossScaleConfig fields
     ignored: list[str] = field(default_factory=list)
 
     def ignored_line(self) -> str | None:
@@ -79,7 +84,8 @@ def read_ds_config(config: str | Path | dict, world_size: int) -> DsSettings:
         raise ValueError("config: Poplar does not build DeepSpeed's schedulers: remove `scheduler` and pass a torch "
                          "scheduler built on your optimizer (lr_scheduler=...)")
     return DsSettings(global_batch=_global_batch(data, world_size), stage=stage, clip_grad_norm=_clip(data),
-                      precision=_precision(data), optimizer=_optimizer(data), poplar=poplar, ignored=ignored)
+                      precision=_precision(data), optimizer=_optimizer(data), poplar=poplar, ignored=ignored,
+                      loss_scale=_loss_scale(_section(data, "fp16")))
 
 
 def _section(data: dict, name: str) -> dict:
@@ -134,11 +140,40 @@ def _clip(data: dict) -> float | None:
 
 
 def _precision(data: dict) -> str:
-    for name in ("fp16", "amp"):
-        if _section(data, name).get("enabled", False):
-            raise ValueError(f"config: {name}.enabled: Poplar computes in bf16 (fp32 master weights, no loss "
-                             "scaling) or fp32: set bf16.enabled instead")
-    return "bf16" if _section(data, "bf16").get("enabled", False) else "fp32"
+    if _section(data, "amp").get("enabled", False):
+        raise ValueError("config: amp.enabled (apex's mixed precision): Poplar computes in fp16 with a dynamic loss "
+                         "scale, bf16 or fp32: set fp16.enabled or bf16.enabled instead")
+    on = [name for name in ("bf16", "fp16") if _section(data, name).get("enabled", False)]
+    if len(on) > 1:
+        raise ValueError("config: bf16.enabled and fp16.enabled are both true: enable one")
+    return on[0] if on else "fp32"
+
+
+# DeepSpeed's fp16 fields -> poplar.engine.loss_scale.LossScaleConfig's
+_FP16_FIELDS = {"initial_scale_power": "init_scale", "loss_scale_window": "growth_interval",
+                "hysteresis": "hysteresis", "consecutive_hysteresis": "consecutive_hysteresis",
+                "min_loss_scale": "min_scale"}
+_FP16_DEFAULTS = {"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+
+
+def _loss_scale(fp16: dict) -> dict:
+    """The loss scaler a config's ``fp16`` section describes, with DeepSpeed's defaults."""
+    unknown = sorted(set(fp16) - set(_FP16_FIELDS) - {"enabled", "loss_scale", "auto_cast"})
+    if unknown:
+        raise ValueError(f"config: fp16.{unknown[0]} has no meaning here; fp16 takes enabled, loss_scale, "
+                         f"{', '.join(_FP16_FIELDS)}")
+    if fp16.get("auto_cast", False):
+        raise ValueError("config: fp16.auto_cast: Poplar casts the whole model to fp16 (fp32 master weights); "
+                         "remove auto_cast")
+    given = {**_FP16_DEFAULTS, **{k: v for k, v in fp16.items() if k in _FP16_FIELDS}}
+    out = {_FP16_FIELDS[k]: v for k, v in given.items()}
+    out["init_scale"] = 2.0 ** given["initial_scale_power"]
+    static = fp16.get("loss_scale", 0)
+    if isinstance(static, bool) or not isinstance(static, (int, float)) or static < 0:
+        raise ValueError(f"config: fp16.loss_scale = {static!r} must be a number >= 0 (0: dynamic)")
+    if static:
+        out.update(init_scale=float(static), dynamic=False, min_scale=min(float(static), out["min_scale"]))
+    return out
 
 
 def _optimizer(data: dict) -> dict | None:

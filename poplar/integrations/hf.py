@@ -134,7 +134,8 @@ class PoplarTrainer(Trainer):
         given = self.engine_config
         config = EngineConfig(**given) if isinstance(given, dict) else (given or EngineConfig())
         return config.model_copy(update={"clip_grad_norm": clip if clip and clip > 0 else None,
-                                         "mixed_precision": "bf16" if self.args.bf16 else config.mixed_precision})
+                                         "mixed_precision": "bf16" if self.args.bf16 else
+                                         "fp16" if self.args.fp16 else config.mixed_precision})
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         """One whole optimizer step of the engine on this rank's slice; the global batch's mean loss.

@@ -30,7 +30,7 @@ def global_batch_of(args) -> int:
 def poplar_args(args):
     """A copy of ``args`` with the plan doing the accumulation; one-line errors for what Poplar cannot run."""
     refusals = [
-        (args.fp16, "fp16=True: Poplar has no loss scaling; use bf16=True (fp32 master weights) or neither"),
+        (args.fp16 and args.bf16, "fp16=True and bf16=True: give one of them"),
         (bool(args.deepspeed) or bool(args.fsdp),
          "deepspeed/fsdp: PoplarTrainer shards the model itself (the plan's ZeRO stage); leave them out"),
         (args.auto_find_batch_size, "auto_find_batch_size: the plan fixes every rank's micro-batch; leave it out"),

@@ -23,7 +23,8 @@ What changes, and why:
   seed=)`` decide, so the global batches are the same on any world size and plan.
 - ``accumulate_grad_batches`` must be 1 (the plan accumulates); ``gradient_clip_val`` clips the
   global gradient norm inside the engine (``gradient_clip_algorithm='value'`` is refused);
-  precision is ``'32-true'`` or ``'bf16-mixed'`` (bf16 compute, fp32 master weights).
+  precision is ``'32-true'``, ``'bf16-mixed'`` or ``'16-mixed'`` (bf16 or fp16 compute, fp32 master weights;
+  fp16 with the engine's dynamic loss scale, ``EngineConfig.loss_scale``).
 - ``configure_optimizers`` returns one optimizer (with one set of hyperparameters); the engine
   steps that very object on its flat shards, so learning-rate schedulers keep working.
 - A checkpoint is a directory (see :mod:`~poplar.integrations.lightning_checkpoint`) that any

@@ -13,7 +13,8 @@ import torch
 
 from poplar.engine.config import EngineConfig
 
-PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16"}   # Lightning's name: the engine's
+# Lightning's name: the engine's (Lightning itself turns '16-mixed' into 'bf16-mixed' on a CPU, saying so)
+PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16", "16": "fp16"}
 
 
 def engine_config(trainer, module, precision_plugin, config: EngineConfig) -> EngineConfig:
@@ -26,9 +27,9 @@ def engine_config(trainer, module, precision_plugin, config: EngineConfig) -> En
                          "update itself; set automatic_optimization = True")
     precision = getattr(precision_plugin, "precision", "32-true")
     if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: PoplarStrategy trains in '32-true' or 'bf16-mixed' (bf16 "
-                         "compute, fp32 master weights); give one of them")
-    update = {"mixed_precision": "bf16"} if PRECISIONS[precision] == "bf16" else {}
+        raise ValueError(f"precision={precision!r}: PoplarStrategy trains in '32-true', 'bf16-mixed' or '16-mixed' "
+                         "(bf16 or fp16 compute, fp32 master weights; fp16 with a dynamic loss scale); give one of them")
+    update = {"mixed_precision": PRECISIONS[precision]} if PRECISIONS[precision] != "fp32" else {}
     clip = trainer.gradient_clip_val
     if clip:
         if trainer.gradient_clip_algorithm not in (None, "norm"):

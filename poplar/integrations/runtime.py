@@ -172,7 +172,8 @@ class Runtime(RankRuntime):
         """
         from poplar.train.checkpoint import save_checkpoint
 
-        return save_checkpoint(self.engine, path, self.engine.global_steps, meta, keep=keep, extras=extras)
+        steps = self.engine.global_steps + self.engine.skipped_steps   # every step taken, applied or skipped
+        return save_checkpoint(self.engine, path, steps, meta, keep=keep, extras=extras)
 
     def load(self, path: str | Path, expect: dict[str, Any]) -> dict:
         """Every rank: restore from the newest checkpoint under ``path`` (written by :meth:`save`, on any world

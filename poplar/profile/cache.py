@@ -76,7 +76,8 @@ def kind_key(spec: ClusterSpec, kind: DeviceGroup) -> dict:
     data = kind.model_dump(exclude={"count", "node"})
     if kind.cuda is None:   # declared figures, resolved: a catalogue entry that changes changes the key
         data["resolved"] = {"memory_bytes": spec.memory_bytes(kind), "bandwidth_gbs": kind.bandwidth_gbs,
-                            "tflops": {d: kind.peak_tflops(d) for d in ("fp32", "bf16")}}
+                            "tflops": {d: kind.peak_tflops(d) for d in ("fp32", "bf16", "fp16")
+                                       if kind.computes(d)}}
     return data
 
 

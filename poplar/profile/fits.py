@@ -1,4 +1,5 @@
-"""What arithmetic tells before anything is measured: a model whose states no cluster of these devices can hold.
+"""What arithmetic tells before anything is measured: a precision a device has no hardware for, a model whose
+states no cluster of these devices can hold.
 
 In ZeRO-3 the model states are one copy over the whole cluster, each rank holding its share
 (any share: :attr:`poplar.plan.Plan.shard_shares`), so whatever the stage, shape and
@@ -16,7 +17,9 @@ from poplar.workload import Workload
 
 
 def check_states_fit(wl: Workload, spec: ClusterSpec, precision: str) -> None:
-    """Raise a one-line ``ValueError`` where the cluster's devices together cannot hold the model's states."""
+    """Raise a one-line ``ValueError`` where a device has no hardware for ``precision`` (bf16 on a V100), or the
+    cluster's devices together cannot hold the model's states."""
+    spec.check_precision(precision)
     per_param = zero_stage(3).sharded_bytes_per_param(precision)
     need = per_param * wl.n_params()
     held = sum(spec.memory_bytes(d) for d in spec.rank_devices())

@@ -38,8 +38,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 MANIFEST, META, EXTRAS = "manifest.json", "poplar.json", "extras.pt"
-# what a checkpoint may lack and still be resumed from (written in bf16 or fp32, resumed in fp16: a fresh loss scale)
-OPTIONAL_KEYS = ("loss_scale",)
+# what a checkpoint may lack and still be resumed from (written in bf16 or fp32, resumed in fp16: a fresh loss
+# scale; written before steps skipped were counted)
+OPTIONAL_KEYS = ("loss_scale", "skipped_steps")
 
 
 class CheckpointError(ValueError):

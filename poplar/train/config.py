@@ -4,7 +4,9 @@ The engine's options are the engine's own :class:`~poplar.engine.config.EngineCo
 held under ``engine:`` (``engine.unit_numel=500000`` on the command line). The ones
 people set most may also be written at the top level, as earlier configs did
 (``clip_grad_norm``, ``mixed_precision``, ``on_nonfinite``; ``on_nonfinite: stop`` is
-the engine's ``raise``).
+the engine's ``raise``). ``mixed_precision: auto`` leaves the precision to Poplar: bf16
+where every device has bf16 hardware, else fp16 where every device has fp16 (V100, T4),
+else fp32, chosen at launch (:func:`~poplar.train.launching.precision_of`), and said.
 
 >>> cfg = TrainConfig(mixed_precision="bf16")
 >>> cfg.engine.mixed_precision, cfg.engine.clip_grad_norm
@@ -64,6 +66,8 @@ class TrainConfig(BaseModel):
     profile_cache: bool = True
     peak_tflops: float | None = Field(None, gt=0, description="each GPU's peak dense TFLOP/s in the compute dtype, "
                                       "for model FLOPs utilisation where poplar does not know the GPU")
+    auto_precision: bool = Field(False, description="mixed_precision: auto: the precision the devices compute "
+                                 "fastest (bf16, else fp16, else fp32), chosen at launch")
 
     @model_validator(mode="before")
     @classmethod
@@ -80,6 +84,11 @@ class TrainConfig(BaseModel):
         flat = {k: data.pop(k) for k in FLAT_ENGINE_FIELDS if k in data}
         if flat.get("on_nonfinite") == "stop":
             flat["on_nonfinite"] = "raise"
+        for where in (flat, engine):
+            if str(where.get("mixed_precision", "")).strip().lower() == "auto":
+                engine = dict(engine)
+                flat.pop("mixed_precision", None), engine.pop("mixed_precision", None)
+                data["auto_precision"] = True
         data["engine"] = {**ENGINE_DEFAULTS, **engine, **flat}
         return data
 

@@ -101,3 +101,32 @@ def on_planned_ranks(cfg: TrainConfig, launch: Launch, plan, ranks: list[int] | 
     cluster = cluster.subset(ranks)
     path.write_text(cluster.to_yaml())
     return cfg.model_copy(update={"cluster": str(path)}), replace(launch, world_size=len(ranks)), cluster
+
+
+def precision_of(cfg: TrainConfig, launch: Launch, cluster=None) -> tuple[TrainConfig, str | None]:
+    """``cfg`` with its precision checked against the devices the run computes on, before anything runs (a
+    V100 or T4 has no bf16: refused in one line naming fp16), and chosen where it is ``auto``; with the line
+    that says what was chosen (None where nothing was)."""
+    from poplar.cluster.spec import no_dtype_advice
+
+    if launch.devices == "emulated" and cluster is not None:
+        computes = lambda p: all(g.computes(p) for g in cluster.devices)   # noqa: E731
+        lacking = lambda p: [g.kind for g in cluster.devices if not g.computes(p)]   # noqa: E731
+    elif launch.devices == "cuda":
+        import torch
+
+        majors = [torch.cuda.get_device_capability(i)[0] for i in range(torch.cuda.device_count())]
+        computes = lambda p: p != "bf16" or all(m >= 8 for m in majors)   # noqa: E731  (bf16 from Ampere)
+        lacking = lambda p: [torch.cuda.get_device_name(i) for i, m in enumerate(majors) if m < 8]   # noqa: E731
+    else:   # a CPU computes each of them
+        computes, lacking = (lambda p: True), (lambda p: [])
+    if cfg.auto_precision:
+        chosen = next(p for p in ("bf16", "fp16", "fp32") if computes(p))
+        why = "" if chosen == "bf16" else f" ({', '.join(lacking('bf16'))}: no bf16 hardware)"
+        engine = cfg.engine.model_copy(update={"mixed_precision": chosen})
+        return cfg.model_copy(update={"engine": engine}), f"poplar: mixed precision auto: {chosen}{why}"
+    want = cfg.engine.mixed_precision
+    if not computes(want):
+        raise ValueError(f"mixed precision {want}: {', '.join(lacking(want))} "
+                         f"{'has' if len(lacking(want)) == 1 else 'have'} no {want} hardware: {no_dtype_advice(want)}")
+    return cfg, None

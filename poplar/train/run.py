@@ -24,7 +24,7 @@ from poplar.train.checkpointer import check_resume
 from poplar.train.config import TrainConfig
 from poplar.train.dataset import prepare_data, workload_of
 from poplar.plan import check_global_batch
-from poplar.train.launching import Launch, cluster_of, on_planned_ranks, resolve_launch
+from poplar.train.launching import Launch, cluster_of, on_planned_ranks, precision_of, resolve_launch
 from poplar.train.planning import get_plan, given_plan
 from poplar.train.run_dir import check_out, write_run_files
 from poplar.workload import ModelSource
@@ -57,12 +57,15 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     """
     cluster = cluster_of(cfg)
     launch = resolve_launch(cfg, nproc, cluster=cluster)
+    cfg, chosen = precision_of(cfg, launch, cluster)
     if not cfg.plan:   # everything the command line tells is checked before data, profile or processes
         check_global_batch(cfg.global_batch, launch.world_size)
     if launch.restarted:   # torchrun restarted the group after a failure: continue from the newest checkpoint
         cfg = cfg.model_copy(update={"resume": True})
     if launch.in_process:
-        return _run_in_process(cfg, launch, cluster, return_state, progress)
+        return _run_in_process(cfg, launch, cluster, return_state, progress, chosen)
+    if chosen:
+        print(chosen, flush=True)
     from poplar.launch import spawn
 
     out_dir = check_out(cfg)
@@ -76,8 +79,10 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     return _finish(cfg, out_dir, poplar.Plan.from_dict(ranks[0]["plan"]), result, ranks[0])
 
 
-def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: bool, progress=None) -> dict:
-    """This process is one rank: torchrun's, or a group of one here (``init_distributed`` makes it)."""
+def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: bool, progress=None,
+                    say: str | None = None) -> dict:
+    """This process is one rank: torchrun's, or a group of one here (``init_distributed`` makes it). ``say``: a
+    line rank 0 prints first."""
     import torch.distributed as dist
 
     from poplar.engine.dist import init_distributed, shutdown
@@ -87,6 +92,8 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
     rank = dist.get_rank()
     try:
         if rank == 0:
+            if say:
+                print(say, flush=True)
             out_dir.mkdir(parents=True, exist_ok=True)
             prepare_data(cfg)                   # trains and caches the tokenizer once
         dist.barrier()

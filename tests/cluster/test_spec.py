@@ -65,7 +65,9 @@ def test_declared_figures_stand_alone_or_override_the_catalogues():
     custom, a100 = spec.devices
     assert (custom.memory_gib, custom.bandwidth_gbs) == (24.0, 900.0)
     assert (custom.peak_tflops("fp32"), custom.peak_tflops("bf16")) == (20.0, 80.0)
-    assert custom.peak_tflops("fp16") == 20.0                   # a dtype it lacks: its fp32 rate
+    assert not custom.computes("fp16")                          # a dtype it lacks: refused, never its fp32 rate
+    with pytest.raises(ValueError, match="kind 'custom' \\(declared\\) has no fp16 hardware: .*tflops.fp16"):
+        custom.peak_tflops("fp16")
     assert spec.memory_bytes(custom) == 12 * 2**30
     assert a100.memory_gib == 40 and a100.bandwidth_gbs == 2039 and a100.peak_tflops("bf16") == 312.0
     one = parse_cluster({"devices": [dict(DECLARED, tflops=50)]}).devices[0]
@@ -75,6 +77,25 @@ def test_declared_figures_stand_alone_or_override_the_catalogues():
     # the same kind may appear twice (on two nodes, say) when its figures are the same
     twice = parse_cluster({"devices": [DECLARED, dict(DECLARED, count=2, node=1)]})
     assert twice.world_size == 3 and twice.rank_nodes() == [0, 1, 1]
+
+
+def test_each_kind_computes_the_dtypes_it_has_hardware_for_and_a_cluster_is_refused_the_others():
+    v100 = {"kind": "v100", "gpu": "V100-16GB"}
+    t4 = {"kind": "t4", "gpu": "T4-16GB", "count": 2}
+    a100 = {"kind": "a100", "gpu": "A100-80GB"}
+    spec = parse_cluster({"devices": [a100, v100, t4]})
+    assert [(g.computes("fp16"), g.computes("bf16")) for g in spec.devices] == [(True, True), (True, False),
+                                                                                 (True, False)]
+    spec.check_precision("fp16")
+    spec.check_precision("fp32")
+    with pytest.raises(ValueError) as e:
+        spec.check_precision("bf16")
+    assert str(e.value).startswith("mixed precision bf16: v100 (V100-16GB), t4 (T4-16GB) have no bf16 hardware: "
+                                   "train in fp16")
+    parse_cluster({"devices": [a100, dict(DECLARED, tflops=40)]}).check_precision("bf16")   # one figure: all
+    volta = CudaProperties(name="Tesla V100-SXM2-16GB", total_memory=16 * 2**30, major=7, minor=0)
+    real = ClusterSpec(devices=[{"kind": volta.kind, "cuda": volta}])
+    assert real.devices[0].computes("fp16") and not real.devices[0].computes("bf16")
 
 
 def test_a_real_devices_memory_is_its_own():
