@@ -26,6 +26,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from poplar.cluster.spec import ClusterSpec, load_cluster, presets
+from poplar.engine.config import EngineConfig
 from poplar.measure import measure_plans
 from poplar.peers import PeerFailed
 from poplar.planner import PlanResult, make_plan
@@ -35,8 +36,9 @@ from poplar.workload import Workload
 OOM_RETRIES = 2   # smaller micro-batches DeepSpeed is given after it ran out of memory
 
 
-def check_clusters(arg: str, global_batch: int) -> list[str]:
-    """The clusters ``arg`` names (see :func:`clusters`), each loaded and checked against ``global_batch``.
+def check_clusters(arg: str, global_batch: int, precision: str = "fp32") -> list[str]:
+    """The clusters ``arg`` names (see :func:`clusters`), each loaded and checked against ``global_batch`` and
+    ``precision`` (every device must have it).
 
     Everything a benchmark can be refused for is found here, before anything is profiled.
     """
@@ -44,20 +46,23 @@ def check_clusters(arg: str, global_batch: int) -> list[str]:
     if not names:
         raise ValueError(f"--cluster {arg!r}: give a preset, a YAML file, several comma-separated, or 'all'")
     for name in names:
-        load_cluster(name).check_global_batch(global_batch)
+        spec = load_cluster(name)
+        spec.check_global_batch(global_batch)
+        spec.check_precision(precision)
     return names
 
 
 def plan_cluster(cluster: str, workload: Workload, global_batch: int, use_cache: bool = True,
-                 progress=None, stages=(0, 1, 2, 3)) -> tuple[ClusterSpec, PlanResult]:
-    """Profile ``workload`` on the cluster (or read the cache) in ``stages`` and plan ``global_batch``.
+                 progress=None, stages=(0, 1, 2, 3), precision: str = "fp32") -> tuple[ClusterSpec, PlanResult]:
+    """Profile ``workload`` on the cluster (or read the cache) in ``stages`` and ``precision`` and plan
+    ``global_batch``.
 
     ``progress``: where the profiler's events go (an object with ``put((kind, stage, what))``).
     """
     spec = load_cluster(cluster)
     spec.check_global_batch(global_batch)
     profile, _ = profile_cluster(workload, spec, use_cache=use_cache, progress=progress,
-                                 max_micro_batch=min(256, global_batch), stages=stages)
+                                 max_micro_batch=min(256, global_batch), stages=stages, precision=precision)
     return spec, make_plan(profile, global_batch, stages)
 
 
@@ -125,12 +130,14 @@ def measure_with_peer(workload: Workload, cluster: dict, plans: list, setup, ste
 
 
 def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: int = 12, rounds: int = 3,
-                  use_cache: bool = True, peers: bool = True, progress=None) -> dict:
+                  use_cache: bool = True, peers: bool = True, progress=None, precision: str = "fp32") -> dict:
     """Measure Poplar's plan, the baselines and (``peers``) DeepSpeed on one cluster; see the module's docstring.
 
-    ``progress`` receives the profiler's events (see :func:`plan_cluster`).
+    ``progress`` receives the profiler's events (see :func:`plan_cluster`). ``precision``: what the engine
+    computes in (the peer runs fp32 alone: left out otherwise).
     """
-    spec, result = plan_cluster(cluster, workload, global_batch, use_cache, progress)
+    spec, result = plan_cluster(cluster, workload, global_batch, use_cache, progress, precision=precision)
+    config = EngineConfig(mixed_precision=precision)
     allocs = [a for a in result.allocations().values() if a.plan is not None]
     # an allocation whose plan is another's (Poplar keeps a baseline's split when it
     # predicts none faster) is that plan: measured once, so the host's noise between two
@@ -139,7 +146,9 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
     unique = [a for a in allocs if same_as[a.name] == a.name]
     plans = [a.plan for a in unique]
     setup, notes = None, {}
-    if peers:
+    if peers and precision != "fp32":
+        notes["deepspeed"] = f"measured in fp32 only; this run is {precision}"
+    elif peers:
         setup, why = deepspeed_setup(result, workload)
         if why:
             notes["deepspeed"] = why
@@ -155,7 +164,7 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
         if setup is not None and i == with_peer:   # the peer runs the uniform split, on its devices
             measured, notes[setup.name] = measure_with_peer(workload, on.model_dump(), plans, setup, steps, rounds)
         else:
-            measured = measure_plans(workload, on.model_dump(), plans, steps=steps, rounds=rounds)
+            measured = measure_plans(workload, on.model_dump(), plans, steps=steps, rounds=rounds, config=config)
         by_name.update({a.name: m for a, m in zip(group, measured)})
     rows = {}
     for alloc in allocs:
@@ -164,6 +173,7 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
             rows[alloc.name]["same_plan_as"] = same_as[alloc.name]
     ideal = result.ideal_samples_per_s
     out = {"cluster": cluster, "model": workload.name, "seq_len": workload.seq_len, "global_batch": global_batch,
+           "precision": precision,
            "zero_stage": result.stage, "shape": result.plan.shape, "reason": result.reason, "ideal_samples_per_s": ideal,
            "ideal_tokens_per_s": ideal * workload.seq_len, "allocations": rows, "peers": notes}
     pop = rows["poplar"].get("samples_per_s")
@@ -192,7 +202,8 @@ def _row(alloc, m: dict, workload: Workload) -> dict:
 
 
 def bench_clusters(names: list[str], workload: Workload, global_batch: int, steps: int, *, use_cache: bool = True,
-                   peers: bool = True, progress=None, json_out: Path | None = None) -> tuple[list[dict], list[str]]:
+                   peers: bool = True, progress=None, json_out: Path | None = None,
+                   precision: str = "fp32") -> tuple[list[dict], list[str]]:
     """:func:`bench_cluster` on each cluster in turn: the figures, and a line for each cluster that failed.
 
     A cluster that fails does not stop the others, and with ``json_out`` the figures so
@@ -205,7 +216,7 @@ def bench_clusters(names: list[str], workload: Workload, global_batch: int, step
         with progress(name) if progress else contextlib.nullcontext() as events:
             try:
                 results.append(bench_cluster(name, workload, global_batch, steps, use_cache=use_cache, peers=peers,
-                                             progress=events))
+                                             progress=events, precision=precision))
             except Exception as e:   # noqa: BLE001 - reported in its line; the other clusters go on
                 failed.append({"cluster": name, "failed": _one_line(e)})
         if json_out is not None:

@@ -40,6 +40,7 @@ def _setup(tmp: Path, earlier_run: Path) -> None:
     (tmp / "no-devices.yaml").write_text("devices: []\n")
     (tmp / "zero-count.yaml").write_text("devices:\n  - kind: x\n    gpu: T4-16GB\n    count: 0\n")
     (tmp / "two-t4.yaml").write_text("devices:\n  - kind: t4\n    gpu: T4-16GB\n    count: 2\n")
+    (tmp / "four-v100.yaml").write_text("devices:\n  - kind: v100\n    gpu: V100-16GB\n    count: 4\n")
     (tmp / "nan-tflops.yaml").write_text("devices:\n  - kind: x\n    memory_gb: 16\n    tflops: {fp32: .nan}\n"
                                          "    memory_bandwidth_gbs: 300\n")
     (tmp / "inf-bandwidth.yaml").write_text("devices:\n  - kind: x\n    memory_gb: 16\n    tflops: 10\n"
@@ -104,6 +105,14 @@ CASES = [
      "devices.0.tflops", 2),
     ("a model whose states the whole cluster cannot hold", ["simulate", "--cluster", "{tmp}/two-t4.yaml", "--model",
      "llama-70b", "--global-batch", "64"], "more than the 2 devices of this cluster hold together", 2),
+    ("bf16 on cards without it (V100)", ["simulate", "--cluster", "{tmp}/four-v100.yaml", "--mixed-precision", "bf16",
+                                         "--model", "tiny", "--global-batch", "64"], "v100 (V100-16GB) has no bf16 hardware: train in fp16", 2),
+    ("bf16 on cards without it (T4), training", _train("--set", "mixed_precision=bf16", "--out", "{tmp}/r"),
+     "t4-16gb has no bf16 hardware: train in fp16", 2),
+    ("bf16 on cards without it, profiled", ["profile", "--cluster", "{tmp}/four-v100.yaml", "--mixed-precision", "bf16",
+                                            "--out", "{tmp}/p.json"], "has no bf16 hardware", 2),
+    ("bf16 on cards without it, benchmarked", ["bench", "--cluster", "compute-differs", "--mixed-precision", "bf16"],
+     "have no bf16 hardware", 2),
     ("a device's bandwidth infinite", ["bench", "--cluster", "{tmp}/inf-bandwidth.yaml"],
      "devices.0.memory_bandwidth_gbs", 2),
     ("a misspelt GPU name", ["train", "--cluster", "{tmp}/misspelt-gpu.yaml", *TINY, "--out", "{tmp}/r"],

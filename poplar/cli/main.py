@@ -105,6 +105,7 @@ def profile(
         except ValidationError as e:
             raise ValueError(f"--model/--seq-len: {e.errors()[0]['msg']}") from None
         spec = cluster_to_profile(cluster)   # the real GPUs discovered: this joins their process group
+        spec.check_precision(options.precision)
     except (ValueError, FileNotFoundError) as e:
         _error(console, e)
         raise typer.Exit(2) from None
@@ -119,11 +120,9 @@ def profile(
     prof.save(out)
     console.print(profile_table(prof, summary, f"profile of {model} ({prof.model.n_params:,} parameters, "
                                                f"{options.precision}), {time.perf_counter() - start:.0f} s"))
-    if line := comm_line(prof):
-        say(console, line)
-    say(console, f"wrote {out}")
-    if plot:
-        say(console, f"wrote {plot_profile(prof, plot)}")
+    for line in (comm_line(prof), f"wrote {out}", plot and f"wrote {plot_profile(prof, plot)}"):
+        if line:
+            say(console, line)
 
 
 @app.command()
@@ -276,9 +275,12 @@ def bench(
     json_out: Path | None = typer.Option(None, "--json", help="also write the figures here"),
     no_cache: bool = typer.Option(False, "--no-cache", help="profile again"),
     no_peers: bool = typer.Option(False, "--no-peers", help="leave DeepSpeed out (measured where it is installed)"),
+    mixed_precision: str = typer.Option("none", help="what the engine computes in: none (fp32), bf16 or fp16 "
+                                                     "(DeepSpeed is measured in fp32 alone)"),
 ) -> None:
     """Measure Poplar's plan against the uniform, proportional and measured-peak splits, DeepSpeed, the ideal bound."""
     from poplar.bench import bench_clusters, check_clusters, results_table
+    from poplar.precision import precision as canonical_precision
     from poplar.cli.output import Progress
     from poplar.workload import Workload
 
@@ -288,17 +290,19 @@ def bench(
         workload = Workload(model=model, seq_len=None if builtin else seq_len,
                             vocab_size=None if builtin else vocab_size,
                             activation_checkpointing=activation_checkpointing)
-        names = check_clusters(cluster, global_batch)
+        precision = canonical_precision(mixed_precision)
+        names = check_clusters(cluster, global_batch, precision)
         _check_writable(json_out, "--json")
     except BAD_INPUT_ERRORS as e:
         _error(console, e)
         raise typer.Exit(2) from None
     results, failed = bench_clusters(
         names, workload, global_batch, steps, use_cache=not no_cache, peers=not no_peers, json_out=json_out,
+        precision=precision,
         progress=lambda c: Progress(console, f"{c}: profiling (cached after the first run), planning, measuring"))
     if results:
-        table, notes = results_table(results, f"{model}, global batch {global_batch}: measured, {steps} steps per "
-                                              "allocation")
+        table, notes = results_table(results, f"{model}, global batch {global_batch}, {precision}: measured, {steps} "
+                                              "steps per allocation")
         console.print(table)
         for note in notes:
             say(console, note)

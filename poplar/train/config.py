@@ -151,13 +151,14 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     for key, value in (overrides or {}).items():
         if value is None:
             continue
-        section, dot, field = key.partition(".")
-        if dot:   # engine.unit_numel=...: a field of a section
-            if not isinstance(data.get(section, {}), dict):
-                raise ValueError(f"{key}: {section} is not a section of the config")
-            data[section] = {**(data.get(section) or {}), field: value}
-        else:
-            data[key] = value
+        *sections, field = key.split(".")
+        into = data   # engine.unit_numel=..., engine.loss_scale.init_scale=...: a field of a section
+        for depth, section in enumerate(sections):
+            if not isinstance(into.get(section, {}), dict):
+                raise ValueError(f"{key}: {'.'.join(sections[:depth + 1])} is not a section of the config")
+            into[section] = dict(into.get(section) or {})
+            into = into[section]
+        into[field] = value
     try:
         return TrainConfig(**data)
     except ValidationError as e:

@@ -92,12 +92,16 @@ class StepLog:
     def step_started(self) -> None:
         self._overruns = self.device.overruns
 
-    def step_done(self, step: int, loss: float, grad_norm: float | None, skipped: bool, last: bool) -> None:
+    def step_done(self, step: int, loss: float, grad_norm: float | None, skipped: bool, last: bool,
+                  loss_scale: float | None = None) -> None:
+        """``loss_scale``: fp16's, after the step (None in bf16 and fp32)."""
         if not (step % self.cfg.log_every == 0 or last or skipped):
             return
         figures = StepFigures.gather(self.device, self.comm, self._overruns, self.peak, grad_norm)
         if self._file is not None:
             record = self.record(step, loss, figures, skipped)
+            if loss_scale is not None:
+                record["loss_scale"] = loss_scale
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
             print(self.line(record, loss), flush=True)
@@ -119,6 +123,7 @@ class StepLog:
                 f"{r['tflops']:.1f} TFLOP/s" + (f" (MFU {100 * r['mfu']:.1f}%)" if "mfu" in r else "")
                 + f"  most idle {100 * max(r['idle_s']) / r['step_s']:.0f}%"
                 + (f"  {r['overruns']} overruns" if r["overruns"] else "")
+                + (f"  loss scale {r['loss_scale']:g}" if "loss_scale" in r else "")
                 + ("  SKIPPED (non-finite)" if "skipped" in r else ""))
 
     def close(self) -> None:

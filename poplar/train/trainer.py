@@ -100,7 +100,8 @@ class Trainer:
         loss = self.train_step(step)
         self.losses.append(loss)
         self.log.step_done(step, loss, self.engine.last_grad_norm, self.engine.skipped_steps > skipped,
-                           last=step == self.last - 1)
+                           last=step == self.last - 1,
+                           loss_scale=self.engine.loss_scale if self.engine.config.mixed_precision == "fp16" else None)
         for c in self.callbacks:
             c.on_step_end(step + 1)
         stop = self.preemption.agreed()

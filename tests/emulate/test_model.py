@@ -46,11 +46,13 @@ def test_a_matrix_product_is_compute_bound_and_a_copy_memory_bound():
     assert views.seconds == 0 and views.ops == 0
 
 
-def test_bf16_runs_at_the_bf16_peak_and_a_card_without_it_at_fp32():
+def test_each_dtype_runs_at_its_own_peak_and_a_card_without_it_is_refused():
     a100 = GpuModel.of(DeviceGroup(kind="a", gpu="A100-80GB"))
     v100 = GpuModel.of(DeviceGroup(kind="v", gpu="V100-16GB"))
     assert a100.flops_per_s(torch.bfloat16) == pytest.approx(16 * a100.flops_per_s(torch.float32))
-    assert v100.flops_per_s(torch.bfloat16) == v100.flops_per_s(torch.float32)
+    assert v100.flops_per_s(torch.float16) == pytest.approx(125 / 15.7 * v100.flops_per_s(torch.float32))
+    with pytest.raises(ValueError, match="v has no bf16 hardware"):   # never priced at its fp32 rate
+        v100.flops_per_s(torch.bfloat16)
 
 
 def test_ring_collectives_on_one_node_and_across_two():

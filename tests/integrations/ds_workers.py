@@ -15,19 +15,22 @@ def dataset(n_steps: int, global_batch: int) -> TensorDataset:
     return TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
 
 
-def run(engine, batches, stop_at: int | None = None) -> None:
-    """DeepSpeed's loop, as its users write it (returning after optimizer step ``stop_at``)."""
+def run(engine, batches, stop_at: int | None = None, overflow_from: float = float("inf"), scales=None) -> None:
+    """DeepSpeed's loop, as its users write it (returning after optimizer step ``stop_at``). fp16: a micro-batch
+    run at a loss scale of ``overflow_from`` or more is made to overflow; ``scales`` collects each one's scale."""
     for tokens, targets in batches:
         logits = engine(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        engine.backward(loss)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if scales is not None:
+            scales.append(engine.cur_scale)
+        engine.backward(loss * (float("inf") if engine.cur_scale >= overflow_from else 1.0))
         before = engine.global_steps
         engine.step()
         if engine.global_steps != before and engine.global_steps == stop_at:
             return
 
 
-def train(rank, world_size, cases, cluster, n_steps, save_at=None, load=None, out=None):
+def train(rank, world_size, cases, cluster, n_steps, save_at=None, load=None, out=None, overflow_from=float("inf")):
     """Each (plan, config) case in turn; with ``save_at``/``load``, a checkpoint written or resumed under ``out``."""
     results = []
     for plan, config in cases:
@@ -39,15 +42,17 @@ def train(rank, world_size, cases, cluster, n_steps, save_at=None, load=None, ou
                                                  cluster=cluster)
         client = engine.load_checkpoint(load)[1] if load is not None else None
         batches = iter(loader)      # one pass over the data, however it is cut by a checkpoint
+        scales = []
         if save_at is not None:
-            run(engine, batches, stop_at=save_at)
+            run(engine, batches, stop_at=save_at, overflow_from=overflow_from, scales=scales)
             engine.save_checkpoint(out, client_state={"saved_at": save_at})
-        run(engine, batches)
+        run(engine, batches, overflow_from=overflow_from, scales=scales)
         state = engine.runtime.engine.full_state_dict()
         with torch.no_grad():    # evaluation: a forward outside any step (ZeRO-3 gathers as it goes)
             logits = engine(dataset(1, 2).tensors[0])
         results.append({"state": state if rank == 0 else None, "steps": engine.global_steps,
-                        "loss": engine.last_loss, "client": client, "logits": logits})
+                        "loss": engine.last_loss, "client": client, "logits": logits, "scales": scales,
+                        "skipped": engine.skipped_steps})
         engine.close()
     return results
 

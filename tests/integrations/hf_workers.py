@@ -29,7 +29,7 @@ def token_samples(n: int = SAMPLES, seed: int = 1) -> list[dict]:
 
 
 def training_args(out: str, world_size: int, *, steps: int = STEPS, clip: float = 0.0, weight_decay: float = 0.0,
-                  save_steps: int | None = None, accum: int = 1):
+                  save_steps: int | None = None, accum: int = 1, fp16: bool = False):
     from transformers import TrainingArguments
 
     return TrainingArguments(
@@ -37,21 +37,25 @@ def training_args(out: str, world_size: int, *, steps: int = STEPS, clip: float 
         gradient_accumulation_steps=accum, max_steps=steps, optim="adamw_torch", lr_scheduler_type="linear",
         max_grad_norm=clip, weight_decay=weight_decay, logging_steps=1, report_to="none", disable_tqdm=True,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, use_cpu=True,
-        dataloader_pin_memory=False, log_level="error", log_level_replica="error", **HYPER)
+        dataloader_pin_memory=False, log_level="error", log_level_replica="error", fp16=fp16, **HYPER)
 
 
-def train(rank: int, world_size: int, plan: dict, out: str, cluster: str, resume: str | None = None, **kw) -> dict:
-    """One PoplarTrainer run; rank 0 returns the final full weights, the logged (loss, grad_norm) and step times."""
+def train(rank: int, world_size: int, plan: dict, out: str, cluster: str, resume: str | None = None,
+          engine_config: dict | None = None, **kw) -> dict:
+    """One PoplarTrainer run; rank 0 returns the final full weights, the logged (loss, grad_norm), step times and
+    the engine's precision and loss scale."""
     from poplar.integrations.hf import PoplarTrainer
 
     trainer = PoplarTrainer(model=build_model(), args=training_args(out, world_size, **kw),
-                            train_dataset=token_samples(), plan=plan, cluster=cluster)
+                            train_dataset=token_samples(), plan=plan, cluster=cluster, engine_config=engine_config)
     trainer.train(resume_from_checkpoint=resume)
     state = trainer.runtime.engine.full_state_dict()
     logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
     steps_s = list(trainer.runtime.steps_s)
+    engine = trainer.runtime.engine
+    precision = (engine.config.mixed_precision, engine.loss_scale)
     trainer.close()
-    return {"state": state, "logs": logs, "steps_s": steps_s} if rank == 0 else {}
+    return {"state": state, "logs": logs, "steps_s": steps_s, "precision": precision} if rank == 0 else {}
 
 
 def train_cases(rank: int, world_size: int, cases: list[tuple[dict, dict]], out: str, cluster: str) -> list[dict]:

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 import poplar
+from poplar.engine.loss_scale import LossScaleConfig
 from poplar.integrations.data import PlanBatchSampler
 from poplar.integrations.ds_config import read_ds_config
 from poplar.integrations.runtime import load_plan, optimizer_factory, resolve_plan
 from poplar.launch import spawn
 from tests.integrations import ds_workers
-from tests.models import make_model, reference_train
+from tests.models import make_model, reference_train, reference_train_fp16
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = str(ROOT / "examples" / "cluster-3.yaml")      # an A100-80GB beside two T4-16GB
@@ -64,6 +65,25 @@ def test_deepspeed_loop_on_three_uneven_emulated_ranks_matches_single_device_in_
             torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
 
 
+def test_the_fp16_section_trains_as_one_device_with_grad_scaler_skipped_steps_too():
+    """DeepSpeed's fp16 spelling on 3 uneven ranks: the update of one device with GradScaler on the same micro-batches
+    (tests/engine/test_fp16.py says why the same), the scale read as DeepSpeed's ``cur_scale``; a micro-step run at
+    2^16 overflows, so steps 1 and 4 are skipped."""
+    plan = PLANS[3]
+    fp16 = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 1}
+    got = spawn(ds_workers.train, 3, [(plan.to_dict(), config(3, plan.global_batch_size, fp16=fp16))], CLUSTER,
+                N_STEPS, overflow_from=2.0 ** 16, timeout_s=240)[0][0]
+    data = ds_workers.dataset(N_STEPS, plan.global_batch_size)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
+    batches = [data[order[s * plan.global_batch_size:(s + 1) * plan.global_batch_size]] for s in range(N_STEPS)]
+    state, _, scales = reference_train_fp16(batches, scaler_kw={"init_scale": 2.0 ** 16, "growth_interval": 2},
+                                            overflow_from=2.0 ** 16,
+                                            micro_batches=[plan.micro_batches(r) for r in range(3)])
+    assert scales == [2 ** 16, 2 ** 15, 2 ** 15, 2 ** 16]
+    assert got["scales"][::plan.accum_steps[0]] == scales and (got["steps"], got["skipped"]) == (N_STEPS, 2)
+    assert_same(got["state"], state, 1e-5)
+
+
 def test_resume_on_two_ranks_from_three_continues_exactly(tmp_path):
     three, two = poplar.Plan(1, [3, 1, 3], [1, 3, 1]), poplar.Plan(2, [5, 4], [1, 1])   # 9 samples each
     whole = spawn(ds_workers.train, 3, [(three.to_dict(), config(1, 9))], CLUSTER, N_STEPS, save_at=2,
@@ -94,7 +114,10 @@ def test_a_workload_that_is_not_the_model_is_refused_before_profiling():
 
 # -- bad input: one line each, before any process group ----------------------------------------
 @pytest.mark.parametrize("fields, words", [
-    ({"fp16": {"enabled": True}}, "set bf16.enabled"),
+    ({"amp": {"enabled": True}}, "set fp16.enabled or bf16.enabled"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable one"),
+    ({"fp16": {"enabled": True, "loss_scale": -1}}, "fp16.loss_scale = -1 must be a number >= 0"),
+    ({"fp16": {"enabled": True, "initial_scale": 8}}, "fp16.initial_scale has no meaning here"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "remove the offload"),
     ({"scheduler": {"type": "WarmupLR"}}, "pass a torch scheduler"),
     ({"zero_optimization": {"stage": 4}}, "stages 0, 1, 2 and 3"),
@@ -106,6 +129,20 @@ def test_a_config_poplar_cannot_honour_is_refused_in_one_line(fields, words):
     with pytest.raises(ValueError, match=words) as e:
         read_ds_config({"train_batch_size": 12, **fields}, world_size=3)
     assert "\n" not in str(e.value)
+
+
+def test_the_fp16_section_keeps_deepspeeds_meanings():
+    s = read_ds_config({"train_batch_size": 12, "fp16": {"enabled": True}}, world_size=3)
+    assert s.precision == "fp16"   # DeepSpeed's defaults: 2^16, a window of 1000, hysteresis 2, minimum 1
+    assert LossScaleConfig(**s.loss_scale) == LossScaleConfig(init_scale=2.0 ** 16, growth_interval=1000,
+                                                              hysteresis=2, min_scale=1)
+    s = read_ds_config({"train_batch_size": 12, "fp16": {"enabled": True, "initial_scale_power": 12,
+                                                         "loss_scale_window": 50, "hysteresis": 1,
+                                                         "consecutive_hysteresis": True, "min_loss_scale": 4}}, 3)
+    assert LossScaleConfig(**s.loss_scale) == LossScaleConfig(init_scale=2.0 ** 12, growth_interval=50, hysteresis=1,
+                                                              consecutive_hysteresis=True, min_scale=4)
+    static = read_ds_config({"train_batch_size": 12, "fp16": {"enabled": True, "loss_scale": 128}}, 3)
+    assert LossScaleConfig(**static.loss_scale).dynamic is False and static.loss_scale["init_scale"] == 128
 
 
 def test_fields_with_no_meaning_here_are_named_in_one_line_and_the_rest_is_read(tmp_path):

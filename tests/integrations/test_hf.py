@@ -102,6 +102,19 @@ def test_equals_single_device_training(runs, index):
     assert len(got["steps_s"]) == W.STEPS and min(got["steps_s"]) > 0    # every step timed on its device
 
 
+def test_fp16_true_trains_the_engines_fp16_and_nothing_of_hfs_own_on_top(env, tmp_path):
+    """``fp16=True`` is the engine's fp16 (its loss scale, fp32 masters): the very parameters of a run that asks the
+    engine for fp16 directly. Hugging Face's own autocast or GradScaler taking part would make them differ."""
+    plan = {"zero_stage": 1, "micro_batch_sizes": [4, 2, 1], "accum_steps": [1, 2, 4]}
+    cases = [(plan, {"fp16": True, "steps": 2}), (plan, {"engine_config": {"mixed_precision": "fp16"}, "steps": 2})]
+    spelled, direct = spawn(W.train_cases, 3, cases, str(tmp_path), CLUSTER3, timeout_s=300)[0]
+    assert spelled["precision"] == direct["precision"] == ("fp16", 2.0 ** 16)
+    assert [loss for loss, _ in spelled["logs"]] == [loss for loss, _ in direct["logs"]]
+    for key, value in direct["state"].items():
+        assert torch.equal(spelled["state"][key], value), key
+        assert torch.isfinite(value).all(), key
+
+
 @pytest.mark.slow
 def test_resumes_exactly_on_another_world_size_and_plan(runs, tmp_path):
     out, results = runs

@@ -139,7 +139,7 @@ def test_a_stage_2_plan_with_unequal_accumulation_is_refused():
 @pytest.mark.parametrize("options, says", [
     ({"accumulate_grad_batches": 2}, "accumulate_grad_batches=2: the Poplar plan decides"),
     ({"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, "clips the global gradient norm only"),
-    ({"precision": "64-true"}, "trains in '32-true' or 'bf16-mixed'"),
+    ({"precision": "64-true"}, "trains in '32-true', 'bf16-mixed' or '16-mixed'"),
 ])
 def test_trainer_options_poplar_does_itself_are_refused_before_the_group(options, says):
     trainer = pl.Trainer(strategy=PoplarStrategy(plan=poplar.Plan(0, [GLOBAL_BATCH])), max_steps=1,
@@ -148,6 +148,21 @@ def test_trainer_options_poplar_does_itself_are_refused_before_the_group(options
         trainer.fit(LitTiny(), torch.utils.data.DataLoader(dataset()))
     assert says in one_line(e)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("precision, engine", [("32-true", "fp32"), ("bf16-mixed", "bf16"), ("16-mixed", "fp16")])
+def test_lightnings_precisions_are_the_engines(precision, engine):
+    """Lightning's names become the engine's precision ('16-mixed': fp16 with the engine's loss scale; on a CPU
+    Lightning itself turns '16-mixed' into 'bf16-mixed' before a strategy sees it, and says so)."""
+    from types import SimpleNamespace
+
+    from poplar.engine.config import EngineConfig
+    from poplar.integrations.lightning_options import engine_config
+
+    trainer = SimpleNamespace(accumulate_grad_batches=1, gradient_clip_val=None, gradient_clip_algorithm=None)
+    module = SimpleNamespace(automatic_optimization=True)
+    config = engine_config(trainer, module, SimpleNamespace(precision=precision), EngineConfig())
+    assert config.mixed_precision == engine
 
 
 def test_no_plan_is_refused():
