@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The checks and figures that need a real GPU (recorded in docs/devices.md).
-#   bench/gpu.sh OUT [declared] [engine] [tests] [profile] [train]
+#   bench/gpu.sh OUT [declared] [engine] [tests] [profile] [train] [fp16]
 # declared: the device model (poplar.emulate.model) against real bf16 forward+backward times (bench/gpu_model.py)
 # engine:   llama-1b through poplar.initialize against a plain PyTorch loop: step-time ratio and MFU
 # tests:    the suite's CUDA tests (skipped everywhere else)
 # profile:  `poplar profile --cluster none` of llama-125m (seq 1024, bf16) on this GPU, with its plot
 # train:    `poplar train --cluster none` of llama-350m (seq 1024, bf16) on this GPU: profile, plan, train
+# fp16:     the engine's fp16 (dynamic loss scale): its CUDA test against GradScaler, llama-1b against PyTorch's
+#           autocast + GradScaler loop, and `poplar train` of llama-350m in fp16 (the train section's run, in fp16)
 # Packages the GPU image lacks travel as wheels in .whl/ (bench/README.md says which); each section writes under OUT
 # as it finishes (all output in OUT/log.txt).
 set -uo pipefail
-out=${1:?usage: bench/gpu.sh OUT [declared] [engine] [tests] [profile] [train]}
+out=${1:?usage: bench/gpu.sh OUT [declared] [engine] [tests] [profile] [train] [fp16]}
 shift
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -39,10 +41,19 @@ if want profile; then
     --points 4 --repeats 2 --max-micro-batch 512 --mixed-precision bf16 --out "$out/profile-llama-125m.json" \
     --plot "$out/profile-llama-125m.png" 2>&1 | tee -a "$out/log.txt"
 fi
-if want train; then
+train_350m() {   # precision, suffix
   timeout 110 python3 -m poplar.cli.main train --cluster none --model llama-350m --global-batch 32 --steps 15 \
-    --set seq_len=1024 --set vocab_size=8192 --set mixed_precision=bf16 --set lr=3e-4 --set warmup_steps=5 \
-    --set "stages=[0]" --out "$work/train-llama-350m" 2>&1 | tee -a "$out/log.txt"
-  cp "$work/train-llama-350m/log.jsonl" "$out/train-llama-350m.jsonl" 2>/dev/null
-  cp "$work/train-llama-350m/plan.json" "$out/train-llama-350m-plan.json" 2>/dev/null
+    --set seq_len=1024 --set vocab_size=8192 --set mixed_precision="$1" --set lr=3e-4 --set warmup_steps=5 \
+    --set "stages=[0]" --out "$work/train-llama-350m$2" 2>&1 | tee -a "$out/log.txt"
+  cp "$work/train-llama-350m$2/log.jsonl" "$out/train-llama-350m$2.jsonl" 2>/dev/null
+  cp "$work/train-llama-350m$2/plan.json" "$out/train-llama-350m$2-plan.json" 2>/dev/null
+}
+if want train; then
+  train_350m bf16 ""
+fi
+if want fp16; then
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/engine/test_fp16_cuda.py tests/engine/test_loss_scale.py \
+    2>&1 | tee -a "$out/log.txt"
+  timeout 110 python3 bench/gpu_model.py engine --precision fp16 --out "$out" 2>&1 | tee -a "$out/log.txt"
+  train_350m fp16 -fp16
 fi

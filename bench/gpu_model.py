@@ -37,7 +37,7 @@ from poplar.cluster.catalogue import gpu as catalogue_gpu
 from poplar.cluster.spec import DeviceGroup
 from poplar.emulate.model import GpuModel, WorkCounter
 from poplar.engine.dist import init_distributed
-from poplar.precision import cast_model
+from poplar.precision import cast_model, torch_dtype
 from poplar.workload import Workload
 
 GPU_CASES = {"declared": [("llama-125m", 1024, [1, 4, 16, 32]), ("llama-1b", 1024, [1, 2, 4, 8])],
@@ -157,17 +157,23 @@ def declared(out: Path, cases, device, repeats: int) -> list[dict]:
     return rows
 
 
-def _plain_step(model, optimizer, batch, loss_fn, device):
-    with torch.autocast(device.type, dtype=torch.bfloat16):
+def _plain_step(model, optimizer, batch, loss_fn, device, precision, scaler):
+    """PyTorch's own mixed precision: fp32 weights under autocast (fp16: with GradScaler)."""
+    with torch.autocast(device.type, dtype=torch_dtype(precision)):
         loss = loss_fn(model, batch)
-    loss.backward()
-    optimizer.step()
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
 
-def engine_vs_plain(out: Path, cases, device, repeats: int) -> list[dict]:
+def engine_vs_plain(out: Path, cases, device, repeats: int, precision: str = "bf16") -> list[dict]:
     kind = _gpu_kind(device)
-    peak = kind.peak_tflops("bf16") * 1e12
+    peak = kind.peak_tflops(precision) * 1e12
     fused = device.type == "cuda"
     if fused:   # the process group first: NCCL allocates outside torch's cache, before the models fill it
         init_distributed()
@@ -182,24 +188,29 @@ def engine_vs_plain(out: Path, cases, device, repeats: int) -> list[dict]:
             model.zero_grad(set_to_none=True)
             flops = counted.flops
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
-            plain_s = _timed(lambda: _plain_step(model, optimizer, batch, wl.loss, device), device, repeats)
+            scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+            plain_s = _timed(lambda: _plain_step(model, optimizer, batch, wl.loss, device, precision, scaler), device,
+                             repeats)
             del model, optimizer
             if device.type == "cuda":   # NCCL allocates outside torch's cache: give it back what the loop held
                 torch.cuda.empty_cache()
             plan = poplar.Plan(zero_stage=0, micro_batch_sizes=[mbs], accum_steps=[1])
             engine = poplar.initialize(wl.build(), functools.partial(torch.optim.AdamW, lr=1e-4, fused=fused), plan,
-                                       mixed_precision="bf16")
+                                       mixed_precision=precision)
             engine_s = _timed(lambda: engine.train_batch(batch, wl.loss), device, repeats)
+            row_scale = engine.loss_scale
             engine.close()
             del engine
-            row = {"model": name, "seq_len": seq_len, "micro_batch": mbs, "gpu": kind.gpu, "flops": flops,
+            row = {"model": name, "seq_len": seq_len, "micro_batch": mbs, "gpu": kind.gpu, "precision": precision,
+                   "flops": flops, "loss_scale": row_scale,
                    "plain_s": plain_s, "engine_s": engine_s, "engine_over_plain": engine_s / plain_s,
                    "plain_mfu": flops / plain_s / peak, "engine_mfu": flops / engine_s / peak}
             rows.append(row)
-            print(f"{name} seq {seq_len} mbs {mbs}: plain {plain_s * 1e3:.1f} ms (MFU {row['plain_mfu']:.1%}), "
+            print(f"{name} seq {seq_len} mbs {mbs} {precision}: plain {plain_s * 1e3:.1f} ms (MFU {row['plain_mfu']:.1%}), "
                   f"poplar {engine_s * 1e3:.1f} ms (MFU {row['engine_mfu']:.1%}), ratio "
                   f"{row['engine_over_plain']:.3f}", flush=True)
-            (out / "engine.json").write_text(json.dumps(rows, indent=1))
+            (out / ("engine.json" if precision == "bf16" else f"engine-{precision}.json")).write_text(
+                json.dumps(rows, indent=1))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -212,6 +223,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--models", nargs="*", help="only these of the section's models")
     parser.add_argument("--cpu", action="store_true", help="tiny sizes on the CPU: a check of the script")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16"], help="engine: the mixed precision")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
@@ -219,7 +231,7 @@ def main() -> None:
     if args.section == "declared":
         declared(args.out, cases, device, args.repeats)
     else:
-        engine_vs_plain(args.out, cases, device, args.repeats)
+        engine_vs_plain(args.out, cases, device, args.repeats, args.precision)
 
 
 if __name__ == "__main__":

@@ -141,7 +141,8 @@ class RegressionSource:
 
 
 def reference_train_fp16(batches, clip: float | None = None, optimizer=OPTIMIZER, scaler_kw=None,
-                         overflow_from: float = float("inf"), micro_batches: list[list[int]] | None = None):
+                         overflow_from: float = float("inf"), micro_batches: list[list[int]] | None = None,
+                         device: str = "cpu"):
     """One process, fp16 with ``torch.amp.GradScaler``: the model computes in float16 (every tensor, as the
     engine's does), its fp32 master copy is what the optimizer steps on.
 
@@ -154,19 +155,20 @@ def reference_train_fp16(batches, clip: float | None = None, optimizer=OPTIMIZER
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _train_fp16(batches, clip, optimizer, scaler_kw, overflow_from, micro_batches)
+        return _train_fp16(batches, clip, optimizer, scaler_kw, overflow_from, micro_batches, torch.device(device))
     finally:
         torch.set_num_threads(threads)
 
 
-def _train_fp16(batches, clip, optimizer, scaler_kw, overflow_from, micro_batches):
-    master = make_model()
-    half = make_model().half()
+def _train_fp16(batches, clip, optimizer, scaler_kw, overflow_from, micro_batches, device):
+    master = make_model().to(device)
+    half = make_model().half().to(device)
     pairs = list(zip(master.parameters(), half.parameters()))
     opt = optimizer(master.parameters())
-    scaler = torch.amp.GradScaler("cpu", **(scaler_kw or {}))
+    scaler = torch.amp.GradScaler(device.type, **(scaler_kw or {}))
     losses, scales = [], []
     for tokens, targets in batches:
+        tokens, targets = tokens.to(device), targets.to(device)
         with torch.no_grad():
             for p, h in pairs:
                 h.copy_(p)

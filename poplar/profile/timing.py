@@ -21,6 +21,7 @@ import poplar
 from poplar.devices.base import Device
 from poplar.engine import initialize
 from poplar.engine.config import EngineConfig
+from poplar.engine.loss_scale import LossScaleConfig
 from poplar.profile.profile import CommProfile
 from poplar.workload import Workload
 
@@ -60,7 +61,10 @@ class RankRun:
         device."""
         if self.shares is not None:
             plan = plan.with_shard_shares(self.shares)
-        return initialize(self.workload.build(), _adamw, plan, self.config, comm=self.comm or self.device.comm)
+        config = self.config
+        if config.mixed_precision == "fp16":   # every timed step applies its update: a scale that cannot overflow
+            config = config.model_copy(update={"loss_scale": LossScaleConfig(init_scale=1.0, dynamic=False)})
+        return initialize(self.workload.build(), _adamw, plan, config, comm=self.comm or self.device.comm)
 
     def note(self, stage: int, what: str) -> None:
         if self.progress is not None:
