@@ -3,8 +3,9 @@
 Each cluster pairs two GPU kinds, each kind on nodes of its own (8 GPUs a node at most,
 NVLink inside where the card has it, PCIe where not) joined by 100 Gb/s InfiniBand:
 A100-80GB + A100-40GB, V100-16GB + T4-16GB, A800-80GB + V100S-32GB, with 4+4 and 16+16
-GPUs. Every model trains in the engine's bf16 mixed precision (fp32 master weights and
-AdamW moments) on a 2M-token global batch (2^21 tokens: 1,024 Llama samples of 2,048,
+GPUs. Every model trains in the engine's mixed precision (fp32 master weights and AdamW
+moments): bf16 where both kinds have it, else fp16 (the V100s and T4 have no bf16; the
+paper trained those clusters in fp16), on a 2M-token global batch (2^21 tokens: 1,024 Llama samples of 2,048,
 4,096 BERT samples of 512). For each: Poplar's plan (stage, shape, allocation) against
 DeepSpeed-style uniform, Whale-style proportional and each kind alone (its own plan on
 its own GPUs), as `poplar simulate` reports them (poplar.evaluate).
@@ -20,6 +21,7 @@ import time
 
 from poplar.cluster.spec import parse_cluster
 from poplar.planner.planner import PlanningError
+from poplar.precision import fastest
 from poplar.profile.options import ProfileOptions
 from poplar.evaluate import evaluate
 from poplar.workload import Workload
@@ -46,7 +48,7 @@ def table(rows: list[dict]) -> str:
     lines = ["| cluster | GPUs | model | Poplar's plan | samples/s | vs uniform | vs proportional | vs each kind alone "
              "| of ideal |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        head = f"| {' + '.join(PAIRS[r['pair']])} | {r['each']}+{r['each']} | {r['model']} "
+        head = f"| {' + '.join(PAIRS[r['pair']])} | {r['each']}+{r['each']} | {r['model']} {r.get('precision', 'bf16')} "
         if "no_plan" in r:
             lines.append(head + "| no plan: no stage fits a sample | - | - | - | - | - |")
             continue
@@ -70,24 +72,26 @@ def main() -> None:
         print(table([r for path in args.table for r in json.load(open(path))]))
         return
     rows = []
-    options = ProfileOptions(precision="bf16")
     for model in args.models.split(","):        # models outermost: one model's steps are counted once for all
         wl = Workload(model=model, seq_len=MODELS[model])
         for each in map(int, args.sizes.split(",")):
             for pair in args.pairs.split(","):
                 start = time.perf_counter()
+                spec = parse_cluster(cluster(pair, each))
+                options = ProfileOptions(precision=fastest(lambda p: all(g.computes(p) for g in spec.devices)))
                 try:
-                    ev, _ = evaluate(wl, parse_cluster(cluster(pair, each)), TOKENS // wl.seq_len, options)
+                    ev, _ = evaluate(wl, spec, TOKENS // wl.seq_len, options)
                 except PlanningError as e:
                     rows.append({"pair": pair, "each": each, "model": model, "no_plan": str(e)})
                     json.dump(rows, open(args.out, "w"), indent=1)
                     print(f"{pair} {each}+{each} {model}: no plan: {e}", flush=True)
                     continue
-                rows.append({"pair": pair, "each": each, **ev.model_dump(), "wall_s": time.perf_counter() - start})
+                rows.append({"pair": pair, "each": each, "precision": options.precision, **ev.model_dump(),
+                             "wall_s": time.perf_counter() - start})
                 json.dump(rows, open(args.out, "w"), indent=1)
                 base = {k: (ev.speedup(v) or 0) for k, v in ev.baselines.items()}
                 alone = ", ".join(f"{a.kind} alone {ev.speedup(a.samples_per_s) or 0:.2f}x" for a in ev.alone)
-                print(f"{pair} {each}+{each} {model}: {ev.label}, {ev.samples_per_s:.2f} samples/s, "
+                print(f"{pair} {each}+{each} {model} {options.precision}: {ev.label}, {ev.samples_per_s:.2f} samples/s, "
                       f"x uniform {base['uniform']:.2f}, x proportional {base['proportional']:.2f}, {alone}, "
                       f"{100 * ev.samples_per_s / ev.ideal_samples_per_s:.1f}% of ideal "
                       f"({time.perf_counter() - start:.0f} s)", flush=True)

@@ -93,7 +93,8 @@ class Trace:
 
     def seconds(self, gpu: GpuModel) -> np.ndarray:
         """Each operator's seconds on ``gpu``: exactly :meth:`GpuModel.op_seconds`, for the whole list."""
-        peak = np.array([gpu.flops_per_s(d) for d in _DTYPES])[self.dtypes]
+        used = set(np.unique(self.dtypes).tolist())   # a dtype the trace does not use need not be the GPU's
+        peak = np.array([gpu.flops_per_s(d) if i in used else 1.0 for i, d in enumerate(_DTYPES)])[self.dtypes]
         memory = self.nbytes / (gpu.bandwidth_gbs * 1e9 * gpu.bandwidth_efficiency)
         return gpu.kernel_overhead_s + np.maximum(self.flops / peak, memory)
 

@@ -108,6 +108,7 @@ def precision_of(cfg: TrainConfig, launch: Launch, cluster=None) -> tuple[TrainC
     V100 or T4 has no bf16: refused in one line naming fp16), and chosen where it is ``auto``; with the line
     that says what was chosen (None where nothing was)."""
     from poplar.cluster.spec import no_dtype_advice
+    from poplar.precision import fastest
 
     if launch.devices == "emulated" and cluster is not None:
         computes = lambda p: all(g.computes(p) for g in cluster.devices)   # noqa: E731
@@ -121,7 +122,7 @@ def precision_of(cfg: TrainConfig, launch: Launch, cluster=None) -> tuple[TrainC
     else:   # a CPU computes each of them
         computes, lacking = (lambda p: True), (lambda p: [])
     if cfg.auto_precision:
-        chosen = next(p for p in ("bf16", "fp16", "fp32") if computes(p))
+        chosen = fastest(computes)
         why = "" if chosen == "bf16" else f" ({', '.join(lacking('bf16'))}: no bf16 hardware)"
         engine = cfg.engine.model_copy(update={"mixed_precision": chosen})
         return cfg.model_copy(update={"engine": engine}), f"poplar: mixed precision auto: {chosen}{why}"

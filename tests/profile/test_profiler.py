@@ -224,8 +224,8 @@ def test_a_bf16_profile_is_its_own_and_holds_more_samples(tmp_path):
     # the rating is the data sheet's peak in the profile's dtype (an A100's tensor cores in bf16)
     assert (fp32.devices["small"].rated_tflops, bf16.devices["small"].rated_tflops) == (19.5, 312.0)
     assert cache_key("tiny", SMALL, 0, 1, precision="bf16") != cache_key("tiny", SMALL, 0, 1)
-    with pytest.raises(ValueError, match="fp16.*fp32, bf16"):
-        _stage0(cluster, tmp_path, precision="fp16")
+    with pytest.raises(ValueError, match="fp8.*fp32, bf16, fp16"):
+        _stage0(cluster, tmp_path, precision="fp8")
 
 
 def test_on_several_nodes_the_collectives_are_timed_inside_each_node_and_across():

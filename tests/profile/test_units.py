@@ -52,8 +52,8 @@ def test_a_profile_read_from_the_cache_records_the_units_of_its_engine_options(t
     # the same cluster with the default units is another profile: not read from this cache
     other = ProfileCache(tmp_path, wl, spec, options.stages, options.precision, options.max_micro_batch, None)
     assert other.stages() == {} and other.comm() is not None      # the collectives do not depend on the units
-    with pytest.raises(ValueError, match="precision 'fp16': choose one of fp32, bf16"):
-        ProfileOptions(precision="fp16")
+    with pytest.raises(ValueError, match="precision 'fp8': choose one of fp32, bf16, fp16"):
+        ProfileOptions(precision="fp8")
 
 
 def small_units() -> list[int]:
