@@ -43,7 +43,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from poplar.cluster.catalogue import gpu_by_key as catalogue_gpu
-from poplar.cluster.network import Link, Network, NodeLink  # noqa: F401  (part of a cluster file; named here too)
+from poplar.cluster.network import Link, Network
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 KERNEL_OVERHEAD_US = 5.0     # launch cost of one eager kernel, host side included
