@@ -52,7 +52,8 @@ if want train; then
   train_350m bf16 ""
 fi
 if want fp16; then
-  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/engine/test_fp16_cuda.py tests/engine/test_loss_scale.py \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_fp16_cuda.py tests/engine/test_loss_scale.py \
+    tests/integrations/test_lightning_cuda.py \
     2>&1 | tee -a "$out/log.txt"
   timeout 110 python3 bench/gpu_model.py engine --precision fp16 --out "$out" 2>&1 | tee -a "$out/log.txt"
   train_350m fp16 -fp16
