@@ -34,7 +34,8 @@ def fit(accelerator: str, precision: str, config: dict) -> dict:
 def test_16_mixed_is_the_engines_fp16_on_the_gpu():
     spelled = fit("cuda", "16-mixed", {})
     direct = fit("cuda", "32-true", {"mixed_precision": "fp16"})
-    assert spelled["precision"] == direct["precision"] == "fp16" and spelled["scale"] == direct["scale"] == 2.0 ** 16
+    # the same scale after the same overflows (on the H200 one, 2^16 -> 2^15: docs/devices.md)
+    assert spelled["precision"] == direct["precision"] == "fp16" and spelled["scale"] == direct["scale"]
     for key, value in direct["state"].items():
         assert torch.equal(spelled["state"][key], value), key
         assert torch.isfinite(value).all(), key
