@@ -173,6 +173,12 @@ class DeviceGroup(BaseModel):
 _DEFAULTS = {name: f.default for name, f in DeviceGroup.model_fields.items()}
 
 
+def no_dtype_line(precision: str, lacking: list[str]) -> str:
+    """The one line that refuses ``precision`` to the devices named in ``lacking``."""
+    return (f"mixed precision {precision}: {', '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} no "
+            f"{precision} hardware: {no_dtype_advice(precision)}")
+
+
 def no_dtype_advice(dtype: str) -> str:
     """What to do instead of ``dtype`` on a card without it (V100, T4: fp16 tensor cores, no bf16)."""
     if dtype == "bf16":
@@ -287,9 +293,7 @@ class ClusterSpec(BaseModel):
         """Every kind has hardware for ``precision`` (fp32, bf16, fp16): known before anything is profiled."""
         lacking = [g for g in self.devices if not g.computes(precision)]
         if lacking:
-            names = ", ".join(f"{g.kind} ({g.gpu or 'declared'})" for g in lacking)
-            raise ValueError(f"mixed precision {precision}: {names} {'has' if len(lacking) == 1 else 'have'} no "
-                             f"{precision} hardware: {no_dtype_advice(precision)}")
+            raise ValueError(no_dtype_line(precision, [f"{g.kind} ({g.gpu or 'declared'})" for g in lacking]))
 
     def check_global_batch(self, global_batch: int) -> None:
         """Every rank takes at least one sample of every global batch: known before anything is profiled."""

@@ -109,7 +109,6 @@ class Engine:
         self.global_steps = 0
         self.skipped_steps = 0
         self._loss_sum = torch.zeros(())
-        self.last_grad_norm: float | None = None
 
     @property
     def on_unit_done(self) -> list:
@@ -177,7 +176,6 @@ class Engine:
         try:
             step = self.global_steps + self.skipped_steps + 1
             applied = self._update.apply(step, local_finite)
-            self.last_grad_norm = self._update.last_grad_norm
             if applied:
                 self.global_steps += 1
             else:
@@ -185,6 +183,11 @@ class Engine:
         finally:
             loss_work.wait()
         return float(loss_sum)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (unscaled; NaN or infinite where that step was skipped)."""
+        return self._update.last_grad_norm
 
     @property
     def loss_scale(self) -> float:

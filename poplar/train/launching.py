@@ -107,7 +107,7 @@ def precision_of(cfg: TrainConfig, launch: Launch, cluster=None) -> tuple[TrainC
     """``cfg`` with its precision checked against the devices the run computes on, before anything runs (a
     V100 or T4 has no bf16: refused in one line naming fp16), and chosen where it is ``auto``; with the line
     that says what was chosen (None where nothing was)."""
-    from poplar.cluster.spec import no_dtype_advice
+    from poplar.cluster.spec import no_dtype_line
     from poplar.precision import fastest
 
     if launch.devices == "emulated" and cluster is not None:
@@ -128,6 +128,5 @@ def precision_of(cfg: TrainConfig, launch: Launch, cluster=None) -> tuple[TrainC
         return cfg.model_copy(update={"engine": engine}), f"poplar: mixed precision auto: {chosen}{why}"
     want = cfg.engine.mixed_precision
     if not computes(want):
-        raise ValueError(f"mixed precision {want}: {', '.join(lacking(want))} "
-                         f"{'has' if len(lacking(want)) == 1 else 'have'} no {want} hardware: {no_dtype_advice(want)}")
+        raise ValueError(no_dtype_line(want, lacking(want)))
     return cfg, None
