@@ -84,11 +84,10 @@ class TrainConfig(BaseModel):
         flat = {k: data.pop(k) for k in FLAT_ENGINE_FIELDS if k in data}
         if flat.get("on_nonfinite") == "stop":
             flat["on_nonfinite"] = "raise"
-        for where in (flat, engine):
-            if str(where.get("mixed_precision", "")).strip().lower() == "auto":
-                engine = dict(engine)
-                flat.pop("mixed_precision", None), engine.pop("mixed_precision", None)
-                data["auto_precision"] = True
+        if any(str(d.get("mixed_precision", "")).strip().lower() == "auto" for d in (flat, engine)):
+            flat.pop("mixed_precision", None)   # chosen at launch, where the devices are known
+            engine = {k: v for k, v in engine.items() if k != "mixed_precision"}
+            data["auto_precision"] = True
         data["engine"] = {**ENGINE_DEFAULTS, **engine, **flat}
         return data
 
