@@ -19,7 +19,7 @@ With the defaults (hysteresis 1) it is GradScaler's sequence of scales, step for
 
 >>> s = LossScaler(LossScaleConfig(init_scale=8.0, growth_interval=2))
 >>> s.update(overflow=True), s.scale
-(False, 4.0)
+(True, 4.0)
 >>> [s.update(overflow=False) for _ in range(2)], s.scale
 ([False, True], 8.0)
 """
