@@ -20,7 +20,7 @@ import os
 import torch
 from typing import Callable, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from poplar.models import checkpointing
 from poplar.models import MODEL_PRESETS, build_model
@@ -177,12 +177,32 @@ def _check_buildable(wl: Workload) -> None:
                          f"plan it with `poplar simulate`, which does not build it")
 
 
+def model_source(model: str, **fields) -> ModelSource:
+    """``--model``'s source: a Hugging Face model directory (a path, :mod:`poplar.models.pretrained`) or a preset;
+    ``fields`` (``seq_len``, ``vocab_size``, ``activation_checkpointing``; None: the default) as each takes them."""
+    from poplar.models.pretrained import ModelDirectory, looks_like_directory
+
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if looks_like_directory(model):
+        fields.pop("vocab_size", None)    # a directory's vocabulary is its config's
+        try:
+            return ModelDirectory(directory=model, **fields)
+        except ValidationError as e:     # what is wrong with the directory, in its own words
+            raise ValueError(e.errors()[0]["msg"].removeprefix("Value error, ")) from None
+    return Workload(model=model, **fields)
+
+
 def as_workload(x: str | dict | ModelSource) -> ModelSource:
-    """A model source: itself, or a preset's :class:`Workload` from its name or its fields."""
+    """A model source: itself, a preset's or a directory's from its name or path, or from its fields (an
+    :meth:`~ModelSource.identity`)."""
     if isinstance(x, dict):
+        if "directory" in x:
+            from poplar.models.pretrained import ModelDirectory
+
+            return ModelDirectory(**x)
         return Workload(**x)
     if isinstance(x, str):
-        return Workload(model=x)
+        return model_source(x)
     if isinstance(x, ModelSource):
         return x
     raise TypeError(f"a workload is a preset's name, its fields or a poplar.workload.ModelSource, got "

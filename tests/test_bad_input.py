@@ -64,10 +64,40 @@ def _setup(tmp: Path, earlier_run: Path) -> None:
     (tmp / "short.txt").write_text("just a few words\n")
     (tmp / "empty-dir").mkdir()
     (tmp / "a-file").write_text("not a directory\n")
+    _your_model(tmp)
     shutil.copytree(earlier_run, tmp / "earlier")
     shutil.copytree(earlier_run, tmp / "corrupted")
     for shard in (tmp / "corrupted" / "checkpoints").glob("step-*/*.distcp"):
         shard.write_bytes(shard.read_bytes()[:10])
+
+
+def _your_model(tmp: Path) -> None:
+    """A user's model directories and data files, each wrong in one way (:mod:`tests.pretrained`)."""
+    from tests.pretrained import save_qwen2
+
+    save_qwen2(tmp / "qwen")
+    (tmp / "no-config").mkdir()
+    (tmp / "no-config" / "model.safetensors").write_bytes(b"")
+    config = json.loads((tmp / "qwen" / "config.json").read_text())
+    for name, change in (("unknown-arch", {"model_type": "qwen9"}),
+                         ("classifier", {"architectures": ["Qwen2ForSequenceClassification"]}),
+                         ("other-size", {"hidden_size": 48}), ("small-vocab", {"vocab_size": 280})):
+        shutil.copytree(tmp / "qwen", tmp / name)
+        (tmp / name / "config.json").write_text(json.dumps({**config, **change}))
+    (tmp / "small-vocab" / "model.safetensors").unlink()    # a config alone: the tokenizer is what is wrong
+    rows = [{"prompt": f"question {i}", "completion": f"answer {i}"} for i in range(40)]
+    (tmp / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp / "no-answers.jsonl").write_text("".join(json.dumps({**r, "completion": ""}) + "\n" for r in rows))
+    (tmp / "bodies.jsonl").write_text("".join(json.dumps({"body": r["prompt"]}) + "\n" for r in rows))
+    (tmp / "long.jsonl").write_text("".join(json.dumps({"input_ids": list(range(200))}) + "\n" for _ in rows))
+    (tmp / "text.parquet").write_text("this is text, not parquet\n" * 20)
+    (tmp / "full-dir").mkdir()
+    (tmp / "full-dir" / "keep.txt").write_text("the user's file\n")
+
+
+def _yours(model: str, *args):
+    return ["train", "--cluster", CLUSTER3, "--steps", "2", "--model", f"{{tmp}}/{model}", "--set", "seq_len=32",
+            *args, "--out", "{tmp}/r"]
 
 
 def _train(*args):
@@ -183,6 +213,26 @@ CASES = [
      "no intact checkpoint", 2),
     # contradicting command lines
     ("--nproc against the cluster file", _train("--nproc", "2", "--out", "{tmp}/r"), "describes 3 devices", 2),
+    ("a model directory with no config", _yours("no-config"), "has no config.json", 2),
+    ("a model directory that does not exist", ["simulate", "--cluster", "both-differ", "--model", "{tmp}/nope/",
+                                               "--global-batch", "8"], "no such directory", 2),
+    ("an architecture transformers cannot build", _yours("unknown-arch"), "transformers cannot read", 2),
+    ("an architecture Poplar does not train", _yours("classifier"), "Poplar trains causal-LM", 2),
+    ("weights of another size than the config", _yours("other-size"), "in the weights and", 2),
+    ("a tokenizer larger than the model's vocabulary", _yours("small-vocab"), "the tokenizer gives 300 ids", 2),
+    ("a data field that does not exist", _yours("qwen", "--data", "{tmp}/pairs.jsonl", "--set",
+                                                "data_fields.text=body"), "no field 'body'", 2),
+    ("a table of no field Poplar knows", _yours("qwen", "--data", "{tmp}/bodies.jsonl"), "no 'text'", 2),
+    ("a file not of its extension's format", _yours("qwen", "--data", "{tmp}/text.parquet"),
+     "cannot be read as .parquet", 2),
+    ("samples longer than the model's positions", _yours("qwen", "--data", "{tmp}/long.jsonl"),
+     "longer than the model's 128 positions", 2),
+    ("a completion field empty everywhere", _yours("qwen", "--data", "{tmp}/no-answers.jsonl"),
+     "empty in every row", 2),
+    ("--export into a directory that holds files", _yours("qwen", "--export", "{tmp}/full-dir"),
+     "already holds files", 2),
+    ("export of a directory that holds no run", ["export", "{tmp}/empty-dir", "--out", "{tmp}/exported"],
+     "no checkpoints", 2),
     ("plain CPU ranks without a plan", ["train", "--cluster", "none", *TINY, "--out", "{tmp}/r"],
      "--nproc with --plan", 2),
 ]

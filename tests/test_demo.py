@@ -57,6 +57,6 @@ def test_demo_then_bench_on_an_emulated_cluster(tmp_path):
     # and Poplar's split with even and with memory-proportional shares of the states (the kinds' memory differs)
     assert set(result["allocations"]) == {"poplar", "uniform", "proportional", "measured-peak", "even-shares",
                                           "memory-shares"}
-    assert result["zero_stage"] == 1
+    assert result["zero_stage"] in (1, 2)                                # as the demo: either may win at this pace
     assert all(a["samples_per_s"] > 0 for a in result["allocations"].values())
     assert result["ideal_samples_per_s"] > 0 and result["poplar_of_ideal"] > 0

@@ -66,7 +66,8 @@ def verify(steps: int = typer.Option(10, min=1, help="optimizer steps per ZeRO s
 @app.command()
 def profile(
     model: str = typer.Option("tiny", help="model preset: tiny, small, base (built-in), or llama-tiny, "
-                                           "llama-small, llama-125m, llama-350m, bert-tiny, bert-small, bert-base"),
+                                           "llama-small, llama-125m, llama-350m, bert-tiny, bert-small, bert-base; "
+                                           "or a Hugging Face model directory (./my-model) or its config.json"),
     seq_len: int | None = typer.Option(None, help="tokens per sample (Hugging Face presets; default 128)"),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
     cluster: str | None = typer.Option(None, help="cluster YAML file, or a preset (e.g. both-differ, two-node-10gbe; "
@@ -94,14 +95,14 @@ def profile(
     from poplar.profile.plot import plot_profile
     from poplar.profile.report import cluster_line, comm_line, profile_table
     from poplar.profile.run import cluster_to_profile, run_profile
-    from poplar.workload import Workload
+    from poplar.workload import model_source
 
     console = _console()
     try:
         options = ProfileOptions(stages=stages, n_points=points, repeats=repeats, use_cache=not no_cache,
                                  max_micro_batch=max_micro_batch, precision=mixed_precision)
         try:
-            workload = Workload(model=model, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
+            workload = model_source(model, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
         except ValidationError as e:
             raise ValueError(f"--model/--seq-len: {e.errors()[0]['msg']}") from None
         spec = cluster_to_profile(cluster)   # the real GPUs discovered: this joins their process group
@@ -180,7 +181,8 @@ def _where_run_stands(cfg) -> str:
 @app.command()
 def train(
     config: Path | None = typer.Option(None, help="a YAML file of training fields (see poplar/train/config.py)"),
-    model: str | None = typer.Option(None, help="model preset, e.g. llama-tiny, bert-tiny, llama-125m"),
+    model: str | None = typer.Option(None, help="model preset, e.g. llama-tiny, bert-tiny, llama-125m, or a "
+                                                "Hugging Face model directory (./my-model)"),
     cluster: str | None = typer.Option(None, help="emulated cluster: a preset or a YAML file; none: the real CUDA "
                                                   "devices (discovered), or plain ranks with --plan"),
     global_batch: int | None = typer.Option(None, help="samples per optimizer step"),
@@ -190,6 +192,10 @@ def train(
     out: str | None = typer.Option(None, help="run directory: log, plan, checkpoints"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in --out"),
     nproc: int | None = typer.Option(None, min=1, help="without --cluster: this many plain CPU ranks (with --plan)"),
+    data: str | None = typer.Option(None, help="'embedded', a .txt file, or a table: .jsonl/.csv/.parquet/.arrow "
+                                               "(fields text; prompt + completion; input_ids), a saved dataset"),
+    export: str | None = typer.Option(None, help="at the end, write the model here as a directory from_pretrained "
+                                                 "loads (new or empty)"),
     set_: list[str] = typer.Option([], "--set", help="any other field: --set lr=3e-4 (repeatable)"),
 ) -> None:
     """Profile (or reuse the cache), plan, and train on an emulated heterogeneous cluster or the real CUDA devices.
@@ -212,7 +218,7 @@ def train(
     console = _console()
     cfg = None
     overrides = {"model": model, "cluster": cluster, "global_batch": global_batch, "steps": steps, "plan": plan,
-                 "baseline": baseline, "out": out, "resume": resume or None}
+                 "baseline": baseline, "out": out, "resume": resume or None, "data": data, "export": export}
     try:
         cfg = load_config(config, {**overrides, **_set_options(set_)})
         shown = os.environ.get("RANK", "0") == "0"   # under torchrun, rank 0 reports the profiling
@@ -260,12 +266,37 @@ def _say_trained(console, cfg, result: dict) -> None:
                      f"{s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:,.0f} tokens/s, "
                      f"{s['tflops']:.2f} TFLOP/s" + (f", MFU {100 * s['mfu']:.1f}%" if "mfu" in s else "")
                      + f"; log {cfg.out}/log.jsonl, report {result['report']}")
+    if result.get("exported"):
+        say(console, f"exported the model to {result['exported']} (from_pretrained loads it)")
+
+
+@app.command()
+def export(
+    run: Path = typer.Argument(..., help="a run directory of `poplar train` (its --out)"),
+    out: Path = typer.Option(..., help="the directory to write (new or empty): config, safetensors, tokenizer"),
+) -> None:
+    """Write a run's newest intact checkpoint as a Hugging Face model directory (from_pretrained loads it)."""
+    from poplar.launch import RankFailed
+    from poplar.train.export import export_run
+
+    console = _console()
+    try:
+        if not (run / "checkpoints").is_dir():
+            raise ValueError(f"{run}: no checkpoints: give the --out of a `poplar train` run")
+        written = export_run(run, out)
+    except BAD_INPUT_ERRORS as e:
+        _error(console, e)
+        raise typer.Exit(2) from None
+    except RankFailed as e:
+        _error(console, e.line)
+        raise typer.Exit(1) from None
+    say(console, f"exported {run} to {written} (from_pretrained loads it)")
 
 
 @app.command()
 def bench(
     cluster: str = typer.Option("all", help="a preset, a YAML file, several comma-separated, or 'all' (every preset)"),
-    model: str = typer.Option("llama-tiny", help="model preset"),
+    model: str = typer.Option("llama-tiny", help="model preset, or a Hugging Face model directory (./my-model)"),
     seq_len: int | None = typer.Option(64, help="tokens per sample (Hugging Face presets)"),
     vocab_size: int | None = typer.Option(1024, help="vocabulary (Hugging Face presets; as `poplar train`)"),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
@@ -282,14 +313,14 @@ def bench(
     from poplar.bench import bench_clusters, check_clusters, results_table
     from poplar.precision import precision as canonical_precision
     from poplar.cli.output import Progress
-    from poplar.workload import Workload
+    from poplar.workload import model_source
 
     console = _console()
     try:   # everything that can be refused is, before anything is profiled
         builtin = model in ("tiny", "small", "base")
-        workload = Workload(model=model, seq_len=None if builtin else seq_len,
-                            vocab_size=None if builtin else vocab_size,
-                            activation_checkpointing=activation_checkpointing)
+        workload = model_source(model, seq_len=None if builtin else seq_len,
+                                vocab_size=None if builtin else vocab_size,
+                                activation_checkpointing=activation_checkpointing)
         precision = canonical_precision(mixed_precision)
         names = check_clusters(cluster, global_batch, precision)
         _check_writable(json_out, "--json")

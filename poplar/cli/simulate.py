@@ -31,7 +31,8 @@ def parse_tokens(text: str) -> int:
 
 def simulate(
     cluster: str = typer.Option(..., help="cluster YAML file, or a preset (e.g. two-node-10gbe)"),
-    model: str = typer.Option(..., help="model preset (see `poplar profile --help`), e.g. llama-7b"),
+    model: str = typer.Option(..., help="model preset (see `poplar profile --help`), e.g. llama-7b, or a Hugging "
+                                                 "Face model directory or config.json (no weights needed)"),
     global_batch: int | None = typer.Option(None, min=1, help="samples per optimizer step, over all ranks"),
     global_batch_tokens: str | None = typer.Option(None, help="tokens per optimizer step instead (2M = 2^21): "
                                                    "that many samples of --seq-len, rounded down"),
@@ -57,7 +58,7 @@ def simulate(
     from poplar.cluster.spec import load_cluster
     from poplar.profile.options import ProfileOptions
     from poplar.evaluate import evaluate
-    from poplar.workload import Workload
+    from poplar.workload import model_source
 
     console = _console()
     try:   # everything that can be refused is, before anything is simulated
@@ -65,7 +66,7 @@ def simulate(
         options = ProfileOptions(stages=stage_list, n_points=points, max_micro_batch=max_micro_batch,
                                  precision=mixed_precision)
         try:
-            workload = Workload(model=model, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
+            workload = model_source(model, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
         except ValidationError as e:
             raise ValueError(f"--model/--seq-len: {e.errors()[0]['msg']}") from None
         spec = load_cluster(cluster)

@@ -31,11 +31,13 @@ from pathlib import Path
 
 import torch
 
+from poplar.models.loss import IGNORE
+
 EOT = "<|endoftext|>"
 MASK = "<|mask|>"      # for masked-LM training
 
 
-def _cache_dir() -> Path:
+def data_cache_dir() -> Path:
     return Path(os.environ.get("POPLAR_DATA_CACHE", Path.home() / ".cache" / "poplar" / "data"))
 
 
@@ -119,7 +121,7 @@ def train_tokenizer(docs: list[str], vocab_size: int = 2048):
     digest = hashlib.sha256()
     for d in docs:
         digest.update(d.encode())
-    path = _cache_dir() / f"tokenizer-{digest.hexdigest()[:16]}-{vocab_size}.json"
+    path = data_cache_dir() / f"tokenizer-{digest.hexdigest()[:16]}-{vocab_size}.json"
     if path.exists():
         try:
             return Tokenizer.from_file(str(path))
@@ -138,9 +140,10 @@ def train_tokenizer(docs: list[str], vocab_size: int = 2048):
     return tok
 
 
-def pack(docs: list[str], tokenizer, seq_len: int) -> torch.Tensor:
-    """Token ids of ``docs`` joined by end-of-text, cut into ``[n, seq_len + 1]`` (the tail dropped)."""
-    eot = tokenizer.token_to_id(EOT)
+def pack(docs: list[str], tokenizer, seq_len: int, eos_id: int | None = None) -> torch.Tensor:
+    """Token ids of ``docs`` (a ``tokenizers.Tokenizer``'s) joined by end-of-text (``eos_id``, else the trained
+    tokenizer's), cut into ``[n, seq_len + 1]`` (the tail dropped)."""
+    eot = tokenizer.token_to_id(EOT) if eos_id is None else eos_id
     ids: list[int] = []
     for enc in tokenizer.encode_batch(docs):
         ids.extend(enc.ids)
@@ -160,25 +163,34 @@ class GlobalBatches:
     partial batch of an epoch is dropped, so every batch is whole).
     """
 
-    def __init__(self, sequences: torch.Tensor, global_batch: int, seed: int = 0):
+    def __init__(self, sequences: torch.Tensor, global_batch: int, seed: int = 0, targets: torch.Tensor | None = None):
         if global_batch > len(sequences):
             raise ValueError(f"global batch {global_batch} is larger than the {len(sequences)} sequences of the "
                              "data: use more text, shorter sequences or a smaller batch")
-        self.sequences, self.global_batch, self.seed = sequences, global_batch, seed
+        self.sequences, self.global_batch, self.seed, self.targets = sequences, global_batch, seed, targets
         self.per_epoch = len(sequences) // global_batch
 
     def _order(self, epoch: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.sequences), generator=g)
 
+    def _indices(self, step: int) -> torch.Tensor:
+        epoch, k = divmod(step, self.per_epoch)
+        return self._order(epoch)[k * self.global_batch:(k + 1) * self.global_batch]
+
     def batch(self, step: int) -> torch.Tensor:
         """The ``[global_batch, seq_len + 1]`` token ids of step ``step`` (0-based)."""
-        epoch, k = divmod(step, self.per_epoch)
-        idx = self._order(epoch)[k * self.global_batch:(k + 1) * self.global_batch]
-        return self.sequences[idx]
+        return self.sequences[self._indices(step)]
 
-    def local(self, step: int, plan, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's ``(inputs, targets)`` of step ``step``, by the plan's slice."""
+    def local(self, step: int, plan, rank: int) -> tuple[torch.Tensor, ...]:
+        """This rank's ``(inputs, targets)`` of step ``step``, by the plan's slice; where some targets are not
+        counted, ``(inputs, targets, weight)`` (:mod:`poplar.models.loss`: the global batch's samples over its
+        counted tokens, for each sample)."""
         lo, hi = plan.sample_range(rank)
-        tokens = self.batch(step)[lo:hi]
-        return tokens[:, :-1], tokens[:, 1:]
+        idx = self._indices(step)
+        tokens = self.sequences[idx[lo:hi]]
+        if self.targets is None:
+            return tokens[:, :-1], tokens[:, 1:]
+        counted = int((self.targets[idx] != IGNORE).sum())
+        weight = torch.full((hi - lo,), self.global_batch / max(counted, 1), dtype=torch.float32)
+        return tokens[:, :-1], self.targets[idx[lo:hi]], weight

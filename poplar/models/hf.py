@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from poplar.models.loss import next_token_loss
+
 # name: (family, config). vocab_size is set from the tokenizer when the model is built.
 HF_PRESETS: dict[str, tuple[str, dict]] = {
     "llama-tiny": ("llama", dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
@@ -79,9 +81,8 @@ def family(name: str) -> str:
 
 
 def causal_lm_loss(model, batch) -> torch.Tensor:
-    inputs, targets = batch
-    logits = model(input_ids=inputs).logits
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+    """Next-token cross-entropy (:func:`poplar.models.loss.next_token_loss`)."""
+    return next_token_loss(model(input_ids=batch[0]).logits, batch)
 
 
 def masked_positions(tokens: torch.Tensor, fraction: float = MASK_FRACTION) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from poplar.models.checkpointing import checkpointed
+from poplar.models.loss import next_token_loss
 
 
 class Attention(nn.Module):
@@ -66,7 +67,5 @@ class TinyCausalLM(nn.Module):
 
 
 def causal_lm_loss(model: nn.Module, batch) -> torch.Tensor:
-    """Mean next-token cross-entropy of a ``(inputs, targets)`` micro-batch."""
-    inputs, targets = batch
-    logits = model(inputs)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Next-token cross-entropy of a ``(inputs, targets)`` micro-batch (:func:`poplar.models.loss.next_token_loss`)."""
+    return next_token_loss(model(batch[0]), batch)

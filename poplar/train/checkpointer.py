@@ -18,9 +18,12 @@ from poplar.train.config import TrainConfig
 from poplar.workload import Workload
 
 
+EXPECTED_KEYS = ("workload", "global_batch", "seed", "data")   # what expected_meta holds
+
+
 def expected_meta(cfg: TrainConfig, wl: Workload, global_batch: int) -> dict:
     """What a checkpoint must share with the run that resumes it; world, plan and stage may change."""
-    return {"workload": wl.identity(), "global_batch": global_batch, "seed": cfg.seed, "data": cfg.data}
+    return dict(zip(EXPECTED_KEYS, (wl.identity(), global_batch, cfg.seed, cfg.data)))
 
 
 def check_resume(cfg: TrainConfig, wl: Workload, global_batch: int) -> None:

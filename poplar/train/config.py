@@ -21,6 +21,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from poplar.data.records import DataFields
 from poplar.engine.config import EngineConfig
 
 # engine options accepted at the top level of a training config, as earlier configs wrote them
@@ -33,12 +34,20 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field("llama-tiny", description="model preset (poplar.workload)")
+    model: str = Field("llama-tiny", description="model preset (poplar.workload), or a Hugging Face model "
+                       "directory or its config.json (poplar.models.pretrained)")
+    pretrained: bool = Field(True, description="a model directory's training starts from its weights (false: "
+                             "initialised afresh)")
+    export: str | None = Field(None, description="at the end, write the trained model here as a directory "
+                               "from_pretrained loads (as `poplar export`)")
     seq_len: int = Field(64, gt=1, description="tokens per sample")
     activation_checkpointing: bool = Field(False, description="each block keeps only its input and computes again "
                                            "in the backward (less memory a sample, more compute)")
     vocab_size: int = Field(1024, ge=260, description="tokenizer vocabulary trained on the data")
-    data: str = Field("embedded", description="'embedded', 'wikitext', or a .txt file / directory")
+    data: str = Field("embedded", description="'embedded', 'wikitext', a .txt file / directory, or a table: "
+                      ".jsonl/.json/.csv/.parquet/.arrow, a directory of them, a dataset saved to disk")
+    data_fields: DataFields = Field(default_factory=DataFields, description="the table's fields (default: 'text'; "
+                                    "'prompt' + 'completion'; 'input_ids' (+ 'labels'), recognised by name)")
     global_batch: int = Field(32, gt=0, description="samples per optimizer step, over all ranks")
     steps: int = Field(20, gt=0, description="optimizer steps in all (a resumed run continues to this)")
     stop_at: int | None = Field(None, gt=0, description="stop (with a checkpoint) after this step, e.g. to fit a "
@@ -107,10 +116,14 @@ class TrainConfig(BaseModel):
     @field_validator("model")
     @classmethod
     def _model(cls, v: str) -> str:
+        from poplar.models.pretrained import looks_like_directory
         from poplar.workload import MODEL_PRESETS, HF_PRESETS
 
+        if looks_like_directory(v):
+            return v    # checked whole (config, weights) when the run starts, before anything is profiled
         if v not in MODEL_PRESETS and v not in HF_PRESETS:
-            raise ValueError(f"{v!r} is not a model preset: choose one of {', '.join([*MODEL_PRESETS, *HF_PRESETS])}")
+            raise ValueError(f"{v!r} is not a model preset: choose one of {', '.join([*MODEL_PRESETS, *HF_PRESETS])}, "
+                             "or give a model directory's path (./my-model)")
         return v
 
     @field_validator("stages")

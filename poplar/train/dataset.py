@@ -1,23 +1,50 @@
-"""A run's data: the tokenizer trained on its text, and the global batches the text packs into."""
+"""A run's model and data: the model source its config names, and the global batches of its data.
+
+``model`` is a preset's name or a Hugging Face model directory
+(:class:`~poplar.models.pretrained.ModelDirectory`); the data is prepared once
+(:func:`poplar.data.prepare.prepare`: the model's tokenizer, or one trained on the text;
+cached, so the ranks read back the launcher's).
+"""
 
 from __future__ import annotations
 
+import functools
+
 from poplar.train.config import TrainConfig
-from poplar.workload import Workload
+from poplar.workload import ModelSource, Workload
+
+
+def model_directory(cfg: TrainConfig):
+    """The config's model directory (None: a preset), checked in one line before anything runs."""
+    from poplar.models.pretrained import looks_like_directory
+
+    if not looks_like_directory(cfg.model):
+        return None
+    return _directory(cfg.model, cfg.seq_len, cfg.activation_checkpointing, cfg.pretrained)
+
+
+@functools.lru_cache(maxsize=4)
+def _directory(model: str, seq_len: int, checkpointing: bool, pretrained: bool):
+    from poplar.workload import model_source
+
+    return model_source(model, seq_len=seq_len, activation_checkpointing=checkpointing, pretrained=pretrained)
 
 
 def prepare_data(cfg: TrainConfig):
-    """The tokenizer (cached: the ranks read back the launcher's) and the run's :class:`GlobalBatches`."""
-    from poplar.data.text import GlobalBatches, load_text, pack, train_tokenizer
+    """The tokenizer (None: the data is ids and the model has none) and the run's :class:`GlobalBatches`."""
+    from poplar.data.prepare import prepare
+    from poplar.data.text import GlobalBatches
 
-    docs = load_text(cfg.data)
-    tok = train_tokenizer(docs, cfg.vocab_size)
-    seqs = pack(docs, tok, cfg.seq_len)
-    return tok, GlobalBatches(seqs, cfg.global_batch, seed=cfg.seed)
+    prepared = prepare(cfg.data, cfg.data_fields, model_directory(cfg), cfg.seq_len, cfg.vocab_size)
+    return prepared.tokenizer, GlobalBatches(prepared.tokens, cfg.global_batch, seed=cfg.seed,
+                                             targets=prepared.targets)
 
 
-def workload_of(cfg: TrainConfig) -> Workload:
-    """The model and shapes the run trains (the vocabulary is the tokenizer's)."""
+def workload_of(cfg: TrainConfig) -> ModelSource:
+    """The model the run trains: its directory, or a preset of the tokenizer's vocabulary."""
+    directory = model_directory(cfg)
     tok, _ = prepare_data(cfg)
-    return Workload(model=cfg.model, seq_len=cfg.seq_len, vocab_size=tok.get_vocab_size(),
+    if directory is not None:
+        return directory
+    return Workload(model=cfg.model, seq_len=cfg.seq_len, vocab_size=tok.vocab_size if tok else cfg.vocab_size,
                     activation_checkpointing=cfg.activation_checkpointing)

@@ -23,6 +23,7 @@ import poplar
 from poplar.train.checkpointer import check_resume
 from poplar.train.config import TrainConfig
 from poplar.train.dataset import prepare_data, workload_of
+from poplar.train.export import check_export_dir, check_exportable, export_run
 from poplar.plan import check_global_batch
 from poplar.train.launching import Launch, cluster_of, on_planned_ranks, precision_of, resolve_launch
 from poplar.train.planning import get_plan, given_plan
@@ -58,6 +59,8 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     cluster = cluster_of(cfg)
     launch = resolve_launch(cfg, nproc, cluster=cluster)
     cfg, chosen = precision_of(cfg, launch, cluster)
+    if cfg.export:
+        check_export_dir(cfg.export)
     if not cfg.plan:   # everything the command line tells is checked before data, profile or processes
         check_global_batch(cfg.global_batch, launch.world_size)
     if launch.restarted:   # torchrun restarted the group after a failure: continue from the newest checkpoint
@@ -70,6 +73,8 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
 
     out_dir = check_out(cfg)
     wl = workload_of(cfg)
+    if cfg.export:
+        check_exportable(wl)
     plan, result = _plan(cfg, wl, launch.world_size, cluster, False, progress)
     out_dir.mkdir(parents=True, exist_ok=True)     # only now: a run refused writes nothing
     cfg, launch, cluster = on_planned_ranks(cfg, launch, plan, result.ranks if result else None, out_dir, cluster)
@@ -98,6 +103,8 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
             prepare_data(cfg)                   # trains and caches the tokenizer once
         dist.barrier()
         wl = workload_of(cfg)
+        if cfg.export:
+            check_exportable(wl)
         plan, result = _plan(cfg, wl, launch.world_size, cluster, True, progress)
         if rank == 0:
             write_run_files(cfg, out_dir, plan, result, cluster)
@@ -122,4 +129,6 @@ def _finish(cfg: TrainConfig, out_dir: Path, plan, result, mine: dict) -> dict:
 
     records = read_log(out_dir / "log.jsonl")
     report = plot_runs({cfg.baseline: records}, out_dir / "report.png", title=f"{cfg.model}, {plan}")
-    return {**mine, "plan": plan, "planning": result, "summary": summarize(records), "report": report}
+    exported = export_run(out_dir, cfg.export) if cfg.export and mine.get("preempted") is None else None
+    return {**mine, "plan": plan, "planning": result, "summary": summarize(records), "report": report,
+            "exported": exported}

@@ -9,7 +9,7 @@ case holds is drawn, seeded, per case: uneven micro-batches, unequal accumulatio
 the stage allows it, uneven shares of the states (a rank with none, one with a tiny share)
 in stages 1-3, clipping or not.
 
-Every partition trains in every stage (``STAGES_AT_5`` of them, drawn, at 5 ranks: lower
+Every partition trains in every stage (in ``STAGES_AT_5`` of them, drawn, at 5 ranks: lower
 it should that launch grow slow); each case's parameters must be single-device training's
 to 1e-5, and every group's copy the very same bits. One case of each partition, drawn, is
 run again with a counting comm, and each step must issue exactly the collectives its stage
@@ -41,7 +41,7 @@ WORLDS = (2, 3, 4, 5)
 N_STEPS = 2
 # units of 209 elements (the embedding, 17 x 11, and the final norm) and 539 (each block): prime to 2, 3, 4, 5
 MODEL = {"vocab": 17, "d": 11, "hidden": 22, "layers": 3}
-STAGES_AT_5 = 4               # stages each partition of 5 ranks trains in (every stage at fewer ranks)
+STAGES_AT_5 = 1               # stages each partition of 5 ranks trains in, drawn (every stage at fewer ranks)
 SHARES = (0, 0.01, 1, 2, 3)   # none, a tiny share, ordinary ones
 CLIP = 0.05                   # below every step's gradient norm here, so clipping really acts
 KINDS = ("train", "counts")   # what a launch runs, in this order

@@ -1,0 +1,128 @@
+"""A run's data prepared once: text, pairs or ids, cut by the tokenizer into fixed-length samples, cached by content.
+
+:func:`prepare` reads ``--data`` (:func:`poplar.data.text.load_text` for plain text,
+:func:`poplar.data.records.read_records` for tables), takes the model's tokenizer or trains
+one (:func:`poplar.data.tokenizer.tokenizer_of`) and gives :class:`Prepared`:
+
+- documents are packed (joined by end-of-text, cut into ``seq_len + 1`` tokens), every
+  next token counted;
+- a prompt/completion pair is one sample: prompt, completion, end-of-text, cut to
+  ``seq_len + 1`` and padded; only the completion's tokens (and its end) are counted;
+- ids are samples as they are (their ``labels`` where given), cut and padded alike.
+
+The launcher prepares; the ranks read the same tensors back from the cache (keyed by
+the data's bytes, the tokenizer, the sequence length and the fields), so tokenising a
+large file happens once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from poplar.data.records import DataFields, Records, is_table, read_records
+from poplar.models.loss import IGNORE
+
+VERSION = 1   # of the cached format: a change of how samples are cut is another cache
+
+
+@dataclass
+class Prepared:
+    tokens: torch.Tensor             # [n, seq_len + 1] ids
+    targets: torch.Tensor | None     # [n, seq_len] next-token targets, IGNORE where not counted; None: all counted
+    tokenizer: object | None         # the TextTokenizer (None: ids given, and the model has none)
+
+
+def prepare(source: str, fields: DataFields, model_source, seq_len: int, vocab_size: int) -> Prepared:
+    """``source``'s samples for ``model_source`` (a preset's Workload-to-be or a ModelDirectory); see the module."""
+    from poplar.data.text import data_cache_dir, load_text
+    from poplar.data.tokenizer import tokenizer_of
+
+    records = read_records(source, fields) if is_table(source) else Records("text", docs=load_text(source))
+    docs = records.docs if records.kind == "text" else [p + c for p, c in records.pairs or []] or None
+    has_own = getattr(model_source, "directory", None) is not None and model_source.has_tokenizer()
+    tok = tokenizer_of(model_source, docs, vocab_size) if (records.kind != "ids" or has_own) else None
+    if records.kind != "text" and getattr(model_source, "task", "causal-lm") != "causal-lm":
+        raise ValueError(f"--data {source!r}: {records.kind} train a causal LM; a masked LM trains on text")
+    key = _key(source, fields, tok, seq_len)
+    path = data_cache_dir() / f"prepared-{key}.pt"
+    if path.exists():
+        try:
+            saved = torch.load(path, weights_only=True)
+            return Prepared(saved["tokens"], saved.get("targets"), tok)
+        except Exception:   # a damaged cache file: it is only a cache
+            path.unlink(missing_ok=True)
+    prepared = _cut(records, tok, seq_len, model_source, source)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save({"tokens": prepared.tokens, "targets": prepared.targets}, tmp)
+    tmp.replace(path)
+    return prepared
+
+
+def _cut(records: Records, tok, seq_len: int, model_source, source: str) -> Prepared:
+    from poplar.data.text import pack
+
+    if records.kind == "text":
+        return Prepared(pack(records.docs, tok.backend, seq_len, eos_id=tok.eos_id), None, tok)
+    if records.kind == "pairs":
+        prompts = tok.encode([p for p, _ in records.pairs], special=True)
+        completions = tok.encode([c for _, c in records.pairs], special=False)
+        samples = [(p + c + [tok.eos_id], [IGNORE] * len(p) + c + [tok.eos_id]) for p, c in zip(prompts, completions)]
+        pad = tok.pad_id
+    else:
+        labels = records.labels or records.ids
+        samples = list(zip(records.ids, labels))
+        pad = tok.pad_id if tok is not None else 0
+        _check_ids(records, model_source, source)
+    return _padded(samples, seq_len, pad, tok, source)
+
+
+def _padded(samples: list[tuple[list[int], list[int]]], seq_len: int, pad: int, tok, source: str) -> Prepared:
+    """Each (ids, labels) cut to ``seq_len + 1`` and padded (pads not counted); samples with nothing counted dropped."""
+    n = seq_len + 1
+    tokens = torch.full((len(samples), n), pad, dtype=torch.long)
+    labels = torch.full((len(samples), n), IGNORE, dtype=torch.long)
+    for i, (ids, lab) in enumerate(samples):
+        ids, lab = ids[:n], lab[:n]
+        tokens[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        labels[i, :len(lab)] = torch.tensor(lab, dtype=torch.long)
+    targets = labels[:, 1:]
+    kept = (targets != IGNORE).any(1)
+    if not bool(kept.any()):
+        raise ValueError(f"--data {source!r}: no sample has a counted token within {seq_len} tokens (every "
+                         "completion is past the sequence's end): use a longer seq_len or shorter prompts")
+    return Prepared(tokens[kept].contiguous(), targets[kept].contiguous(), tok)
+
+
+def _check_ids(records: Records, model_source, source: str) -> None:
+    vocab = getattr(model_source, "vocab_size", None)
+    positions = getattr(model_source, "positions", None)
+    top = max((max(r) for r in records.ids if r), default=-1)
+    if vocab is not None and top >= vocab:
+        raise ValueError(f"--data {source!r}: input_ids reach {top}, past the model's {vocab} embeddings: "
+                         "tokenise with the model's own tokenizer")
+    longest = max(len(r) for r in records.ids)
+    if positions and longest > positions:
+        raise ValueError(f"--data {source!r}: a sample of {longest} tokens is longer than the model's "
+                         f"{positions} positions: cut the samples to at most {positions}")
+    if records.labels is not None and any(len(a) != len(b) for a, b in zip(records.ids, records.labels)):
+        raise ValueError(f"--data {source!r}: a row's labels and input_ids differ in length")
+
+
+def _key(source: str, fields: DataFields, tok, seq_len: int) -> str:
+    """The prepared samples' identity: the data's bytes, how they are read and cut."""
+    h = hashlib.sha256(f"{VERSION}|{fields.model_dump_json()}|{tok.digest if tok else None}|{seq_len}".encode())
+    path = Path(source)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.exists() else []
+    h.update(source.encode() if not files else b"")
+    for f in files:
+        h.update(str(f.relative_to(path) if path.is_dir() else f.name).encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()[:20]

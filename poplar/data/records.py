@@ -1,0 +1,142 @@
+"""Data as users have it: JSONL/JSON, CSV, Parquet, Arrow files, or a ``datasets`` saved to disk.
+
+Read with Hugging Face ``datasets`` (cached by it, on every core). What the rows hold is
+recognised by the fields' names, as TRL's SFT trainer does, unless named
+(:class:`DataFields`):
+
+- ``text``: documents, packed into sequences as plain text is;
+- ``prompt`` + ``completion``: one sample each, the loss on the completion's tokens only;
+- ``input_ids`` (+ ``labels``): samples already tokenised (``labels`` of -100 not counted).
+
+:func:`read_records` returns a :class:`Records`: the documents, the pairs or the ids,
+with nothing tokenised yet (:mod:`poplar.data.prepare` does that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+class DataFields(BaseModel):
+    """The fields a table's rows are read by (None: recognised by name)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    text: str | None = Field(None, description="the field of documents (default: 'text')")
+    prompt: str | None = Field(None, description="the field of prompts (default: 'prompt')")
+    completion: str | None = Field(None, description="the field of completions (default: 'completion')")
+
+
+@dataclass
+class Records:
+    kind: str                                    # "text", "pairs" or "ids"
+    docs: list[str] | None = None                # text
+    pairs: list[tuple[str, str]] | None = None   # pairs: (prompt, completion)
+    ids: list[list[int]] | None = None           # ids
+    labels: list[list[int]] | None = None        # ids, where given
+
+
+def is_table(source: str) -> bool:
+    """Whether ``--data`` names a table (a file of a format above, a directory of them, a saved dataset)."""
+    path = Path(source)
+    if path.suffix.lower() in FORMATS:
+        return True
+    return path.is_dir() and (_is_saved_dataset(path) or bool(_table_files(path)))
+
+
+def read_records(source: str, fields: DataFields | None = None) -> Records:
+    """The rows of ``source``, read by their fields (see the module); one line where they cannot be."""
+    table = _load(source)
+    return _records(table, source, fields or DataFields())
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() or \
+        (path / "state.json").is_file()
+
+
+def _table_files(path: Path) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for f in sorted(path.rglob("*")):
+        if f.is_file() and f.suffix.lower() in FORMATS:
+            found.setdefault(FORMATS[f.suffix.lower()], []).append(str(f))
+    return found
+
+
+def _load(source: str):
+    import datasets
+
+    datasets.disable_progress_bars()   # a run's output is its own lines (and a refusal its one line: no library log)
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"--data {source!r}: no such file or directory")
+    try:
+        if path.is_dir() and _is_saved_dataset(path):
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if "train" not in loaded:
+                    raise ValueError(f"the saved dataset has no 'train' split (it has {', '.join(loaded)})")
+                loaded = loaded["train"]
+            return loaded
+        if path.is_dir():
+            files = _table_files(path)
+            if len(files) != 1:
+                raise ValueError("the directory holds " + ("no table file" if not files else
+                                                           "files of several formats: " + ", ".join(files)))
+            (builder, names), = files.items()
+        else:
+            builder, names = FORMATS[path.suffix.lower()], [str(path)]
+        return datasets.load_dataset(builder, data_files=names, split="train")
+    except Exception as e:   # a file that is not the format its extension says, a bad directory: one line
+        line = next((x for x in str(e).splitlines() if x.strip()), type(e).__name__)
+        cause = f"{type(e).__name__}: {line[:200]}" if not isinstance(e, ValueError) else line[:300]
+        raise ValueError(f"--data {source!r}: cannot be read as {path.suffix or 'a dataset'} ({cause}): give a "
+                         "file whose content is its extension's format") from None
+
+
+def _records(table, source: str, fields: DataFields) -> Records:
+    columns = list(table.column_names)
+
+    def pick(named: str | None, default: str) -> str | None:
+        if named is not None:
+            if named not in columns:
+                raise ValueError(f"--data {source!r}: no field {named!r} (it has {', '.join(columns)}): name one "
+                                 "of them")
+            return named
+        return default if default in columns else None
+
+    prompt, completion = pick(fields.prompt, "prompt"), pick(fields.completion, "completion")
+    text = pick(fields.text, "text")
+    if fields.text is None and (fields.prompt or fields.completion or (prompt and completion)):
+        if not (prompt and completion):
+            raise ValueError(f"--data {source!r}: a prompt field needs a completion field beside it (it has "
+                             f"{', '.join(columns)})")
+        pairs = list(zip(_strings(table, prompt, source), _strings(table, completion, source)))
+        if not any(c for _, c in pairs):
+            raise ValueError(f"--data {source!r}: the completion field {completion!r} is empty in every row: "
+                             "there is nothing to train on")
+        return Records("pairs", pairs=pairs)
+    if text is not None:
+        docs = [d for d in _strings(table, text, source) if d.strip()]
+        if not docs:
+            raise ValueError(f"--data {source!r}: the text field {text!r} is empty in every row")
+        return Records("text", docs=docs)
+    if "input_ids" in columns:
+        return Records("ids", ids=[list(map(int, r)) for r in table["input_ids"]],
+                       labels=[list(map(int, r)) for r in table["labels"]] if "labels" in columns else None)
+    raise ValueError(f"--data {source!r}: no 'text', 'prompt' + 'completion' or 'input_ids' field (it has "
+                     f"{', '.join(columns)}): name the text's field with data_fields.text=...")
+
+
+def _strings(table, field: str, source: str) -> list[str]:
+    values = table[field]
+    bad = next((v for v in values if v is not None and not isinstance(v, str)), None)
+    if bad is not None:
+        raise ValueError(f"--data {source!r}: the field {field!r} holds {type(bad).__name__} values, not text")
+    return [v or "" for v in values]

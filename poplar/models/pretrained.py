@@ -1,0 +1,267 @@
+"""A user's own model: a Hugging Face model directory (or its ``config.json``), with its weights where present.
+
+:class:`ModelDirectory` is the :class:`~poplar.workload.ModelSource` of a directory that
+``save_pretrained`` wrote (or of a ``config.json`` alone): any causal-LM or masked-LM
+architecture the installed ``transformers`` builds (Llama, Qwen2, Mistral, GPT-2,
+GPT-NeoX, BERT, ...). Built for real, it is the pretrained model: ``from_pretrained``
+reads the directory's safetensors (one file or a sharded index), in fp32 whatever the
+checkpoint's dtype (the engine keeps fp32 master weights; the precision option decides
+what it computes in). Built on the meta device or fake tensors (the simulator, the
+profiler's sizes) no weight is read.
+
+Everything that can be wrong with a directory is said in one line when the source is
+made, before any profiling: no config, an architecture transformers cannot build or
+Poplar cannot train, weights whose names or shapes do not match the config, a sequence
+longer than the model's positions. The headers of the safetensors files are read for
+that, not their tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from poplar.models import checkpointing
+
+DEFAULT_SEQ_LEN = 128
+WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+TASK_SUFFIXES = {"ForCausalLM": "causal-lm", "LMHeadModel": "causal-lm", "ForMaskedLM": "masked-lm"}
+Task = Literal["causal-lm", "masked-lm"]
+
+
+def looks_like_directory(model: str) -> bool:
+    """Whether ``--model`` names a path (a model directory or its config.json) rather than a preset."""
+    return "/" in model or model.endswith(".json") or model.startswith(".") or Path(model).is_dir()
+
+
+class ModelDirectory(BaseModel):
+    """A Hugging Face model directory as a :class:`~poplar.workload.ModelSource` (see the module)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    directory: str = Field(description="the model's directory (config.json, safetensors, tokenizer files)")
+    seq_len: int | None = Field(None, gt=1, description="tokens per sample (default: 128, or the model's positions)")
+    activation_checkpointing: bool = False
+    pretrained: bool = Field(True, description="start from the directory's weights (False: a fresh initialisation)")
+    config_digest: str = Field("", description="the config's content (filled in): a changed config is another model")
+
+    def model_post_init(self, _context) -> None:
+        path = Path(self.directory)
+        if path.name == "config.json" or path.is_file():
+            path = path.parent if path.name == "config.json" else path
+            if not (path / "config.json").is_file():
+                raise ValueError(f"--model {self.directory}: not a model directory or its config.json")
+        if not path.exists():
+            raise ValueError(f"--model {self.directory}: no such directory (a preset is named without a path)")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--model {self.directory}: the directory has no config.json (what save_pretrained "
+                             "writes): give a Hugging Face model directory")
+        object.__setattr__(self, "directory", str(path.resolve()))
+        text = (path / "config.json").read_text()
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        if self.config_digest and self.config_digest != digest:
+            raise ValueError(f"{path / 'config.json'} changed since this model was recorded: it is another model")
+        object.__setattr__(self, "config_digest", digest)
+        info = _inspect(self.directory, digest)
+        positions = info["positions"]
+        object.__setattr__(self, "seq_len", self.seq_len or min(DEFAULT_SEQ_LEN, positions or DEFAULT_SEQ_LEN))
+        if positions and self.seq_len > positions:
+            raise ValueError(f"seq_len = {self.seq_len}: {self.name} has {positions} positions "
+                             "(max_position_embeddings): use a shorter sequence")
+        if self.pretrained and info["weights"]:
+            _check_weights(self.directory, digest)
+
+    @property
+    def name(self) -> str:
+        return Path(self.directory).name
+
+    @property
+    def task(self) -> Task:
+        return _inspect(self.directory, self.config_digest)["task"]
+
+    @property
+    def vocab_size(self) -> int:
+        return _inspect(self.directory, self.config_digest)["vocab_size"]
+
+    @property
+    def positions(self) -> int | None:
+        return _inspect(self.directory, self.config_digest)["positions"]
+
+    @property
+    def has_weights(self) -> bool:
+        return bool(_inspect(self.directory, self.config_digest)["weights"])
+
+    def identity(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def build(self, seed: int = 0) -> torch.nn.Module:
+        """The pretrained model (fp32), or initialised from ``seed`` where there are no weights, or no real tensors."""
+        from torch._guards import detect_fake_mode
+
+        auto = _auto_class(self.task)
+        allocates = detect_fake_mode() is None and torch.get_default_device().type != "meta"
+        if allocates and self.pretrained and self.has_weights:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()    # a run's output is its own lines
+            model = auto.from_pretrained(self.directory, dtype=torch.float32, local_files_only=True)
+        else:
+            torch.manual_seed(seed)
+            model = auto.from_config(_config(self.directory, self.config_digest), dtype=torch.float32)
+        model.config.use_cache = False     # a generation cache is of no use in training
+        return checkpointing.enable(model) if self.activation_checkpointing else model
+
+    @property
+    def loss(self):
+        from poplar.models.hf import causal_lm_loss, masked_lm_loss_fn
+
+        return causal_lm_loss if self.task == "causal-lm" else masked_lm_loss_fn(self.mask_id())
+
+    def mask_id(self) -> int:
+        """The mask token a masked LM is trained with: its tokenizer's, else a trained tokenizer's (id 1)."""
+        tok = auto_tokenizer(self.directory) if self.has_tokenizer() else None
+        return tok.mask_token_id if tok is not None and tok.mask_token_id is not None else 1
+
+    def has_tokenizer(self) -> bool:
+        return any((Path(self.directory) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+    def random_batch(self, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random ``(inputs, targets)`` of ``n`` samples: enough to time and size a step."""
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randint(0, self.vocab_size, (n, self.seq_len + 1), generator=g)
+        return x[:, :-1], x[:, 1:]
+
+    def n_params(self) -> int:
+        return _inspect(self.directory, self.config_digest)["n_params"]
+
+    def cache_dict(self) -> dict:
+        """What changes a device's profile: the architecture and its sizes, not the weights' values."""
+        info = _inspect(self.directory, self.config_digest)
+        return {"model": "directory", "config": info["config"], "seq_len": self.seq_len,
+                "activation_checkpointing": self.activation_checkpointing, "shapes": info["shapes"]}
+
+
+@functools.lru_cache(maxsize=4)
+def auto_tokenizer(directory: str):
+    """The tokenizer saved in a model directory, read offline (one line where it cannot be, or is not a fast one)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as e:
+        line = next((x for x in str(e).splitlines() if x.strip()), type(e).__name__)
+        raise ValueError(f"--model {directory}: its tokenizer cannot be read ({line[:200]}): save it with "
+                         "tokenizer.save_pretrained, or remove the tokenizer files to train one on the data") from None
+    if not getattr(tok, "is_fast", False):
+        raise ValueError(f"--model {directory}: its tokenizer is not a fast one (no tokenizer.json): save a fast "
+                         "tokenizer (PreTrainedTokenizerFast) in the directory")
+    return tok
+
+
+def _auto_class(task: Task):
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    return AutoModelForCausalLM if task == "causal-lm" else AutoModelForMaskedLM
+
+
+@functools.lru_cache(maxsize=8)
+def _config(directory: str, digest: str):
+    """The directory's config, read once per process (``digest``: a changed file is read again)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+        line = next((x for x in str(e).splitlines() if x.strip()), type(e).__name__)
+        raise ValueError(f"--model {directory}: transformers cannot read its config.json ({line[:200]}): give a "
+                         "config of an architecture the installed transformers knows") from None
+
+
+def _task(config) -> Task:
+    names = list(getattr(config, "architectures", None) or [])
+    for name in names:
+        for suffix, task in TASK_SUFFIXES.items():
+            if name.endswith(suffix):
+                return task
+    if names:
+        raise ValueError(f"architecture {names[0]}: Poplar trains causal-LM (...ForCausalLM) and masked-LM "
+                         "(...ForMaskedLM) models: save the model with such a head")
+    return "causal-lm"
+
+
+@functools.lru_cache(maxsize=8)
+def _inspect(directory: str, digest: str) -> dict:
+    """The facts of a directory Poplar needs, from its config and a build on the meta device (nothing allocated)."""
+    config = _config(directory, digest)
+    task = _task(config)
+    try:
+        with torch.device("meta"):
+            model = _auto_class(task).from_config(config, dtype=torch.float32)
+    except Exception as e:   # an architecture this transformers cannot build: one line, not its traceback
+        line = next((x for x in str(e).splitlines() if x.strip()), type(e).__name__)
+        raise ValueError(f"--model {directory}: transformers cannot build {type(config).__name__} as a "
+                         f"{task} model ({line[:200]})") from None
+    params = dict(model.named_parameters())
+    aliases = {name: next(n for n, p in params.items() if p is q)
+               for name, q in model.named_parameters(remove_duplicate=False)}
+    path = Path(directory)
+    weights = [path / WEIGHTS] if (path / WEIGHTS).is_file() else []
+    if (path / WEIGHTS_INDEX).is_file():
+        index = json.loads((path / WEIGHTS_INDEX).read_text())
+        weights = sorted({path / f for f in index.get("weight_map", {}).values()})
+    if not weights and any(path.glob("pytorch_model*.bin")):
+        raise ValueError(f"--model {directory}: the weights are pickles (pytorch_model.bin), which Poplar does not "
+                         "unpickle: save the model again with save_pretrained (safetensors)")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    return {"config": _config_dict(config), "task": task, "vocab_size": int(vocab),
+            "positions": getattr(config, "max_position_embeddings", None),
+            "n_params": sum(p.numel() for p in params.values()),
+            "shapes": {n: list(p.shape) for n, p in model.state_dict().items()},
+            "aliases": aliases, "weights": [str(w) for w in weights]}
+
+
+def _config_dict(config) -> dict:
+    """The config's values that make the model what it is (not where it was saved or by which version)."""
+    out = config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"):
+        out.pop(volatile, None)
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _check_weights(directory: str, digest: str) -> None:
+    """The weights' names and shapes against the config's model, from the safetensors headers alone."""
+    from safetensors import safe_open
+
+    info = _inspect(directory, digest)
+    shapes, aliases = info["shapes"], info["aliases"]
+    found: dict[str, list[int]] = {}
+    for file in info["weights"]:
+        if not Path(file).is_file():
+            raise ValueError(f"--model {directory}: the weights' index names {Path(file).name}, which is not there")
+        try:
+            with safe_open(file, framework="pt") as f:
+                found.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
+        except Exception as e:
+            raise ValueError(f"--model {directory}: {Path(file).name} is not a safetensors file ({e}): save the "
+                             "model again with save_pretrained") from None
+    unexpected = sorted(set(found) - set(shapes))
+    if unexpected:
+        raise ValueError(f"--model {directory}: the weights hold {len(unexpected)} tensor(s) the config's model "
+                         f"has not (e.g. {unexpected[0]}): the weights are of another model")
+    for name, shape in found.items():
+        if shape != shapes[name]:
+            raise ValueError(f"--model {directory}: {name} is {shape} in the weights and {shapes[name]} in the "
+                             "config's model: the weights are of another size of model")
+    present = {aliases.get(n, n) for n in found}
+    missing = sorted(n for n in set(aliases) if aliases[n] not in present)
+    if missing:
+        raise ValueError(f"--model {directory}: the weights lack {len(missing)} parameter(s) of the model (e.g. "
+                         f"{missing[0]}): save the whole model, or train from scratch with pretrained: false")
+

@@ -1,0 +1,135 @@
+"""A user's own model and data: a Qwen2 directory the project has no preset of, a JSONL of prompt/completion pairs.
+
+Profiled, planned and trained from its pretrained weights on an emulated cluster, then
+exported; trained on plain ranks in every stage with an uneven plan (ZeRO-3 with uneven
+shares too), each exactly as one device trains it on the same global batches.
+"""
+
+import json
+
+import pytest
+import torch
+
+import poplar
+from poplar.data.prepare import prepare
+from poplar.data.records import DataFields
+from poplar.models.loss import IGNORE
+from poplar.train.config import load_config
+from poplar.train.dataset import prepare_data, workload_of
+from poplar.train.metrics import learning_rate
+from poplar.train.run import run_training
+from tests.pretrained import save_qwen2
+
+WORDS = "the cat sat on a mat while dogs ran in the park and birds sang over green hills".split()
+
+
+@pytest.fixture(autouse=True)
+def caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("POPLAR_DATA_CACHE", str(tmp_path / "data-cache"))
+    monkeypatch.setenv("POPLAR_CACHE_DIR", str(tmp_path / "profile-cache"))
+    monkeypatch.setenv("POPLAR_DILATION", "3")
+
+
+def write_pairs(path, n: int = 64, seed: int = 0):
+    """Prompt/completion pairs of unlike lengths (some completions cut off at the sequence's end)."""
+    import random
+
+    r = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"prompt": " ".join(r.choices(WORDS, k=r.randint(2, 14))),
+                                "completion": " ".join(r.choices(WORDS, k=r.randint(1, 10)))}) + "\n")
+    return path
+
+
+def reference(cfg, steps: int) -> tuple[dict, list[float]]:
+    """One device, the whole global batch a step: the same model, data, optimizer, schedule and clipping."""
+    wl = workload_of(cfg)
+    _, batches = prepare_data(cfg)
+    model = wl.build(seed=cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    whole = poplar.Plan(0, [cfg.global_batch], 1)
+    losses = []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+        loss = wl.loss(model, batches.local(step, whole, 0))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.engine.clip_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def test_only_the_completion_is_counted_and_weighted_by_tokens_over_the_global_batch(tmp_path):
+    model = save_qwen2(tmp_path / "qwen")
+    from poplar.models.pretrained import ModelDirectory
+
+    source = ModelDirectory(directory=str(model), seq_len=24)
+    rows = [{"prompt": "the cat", "completion": "sat on a mat"}, {"prompt": "a dog " * 30, "completion": "ran"},
+            {"prompt": "birds " * 3, "completion": "sang over green hills " * 3}]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepared = prepare(str(tmp_path / "pairs.jsonl"), DataFields(), source, 24, 1024)
+    tok = prepared.tokenizer
+    assert tok.vocab_size == 300 and prepared.tokens.shape == (2, 25)   # the second's completion is past the end
+    for row, (tokens, targets) in zip((rows[0], rows[2]), zip(prepared.tokens, prepared.targets)):
+        prompt, completion = tok.encode([row["prompt"]])[0], tok.encode([row["completion"]], special=False)[0]
+        whole = (prompt + completion + [tok.eos_id])[:25]
+        assert tokens[:len(whole)].tolist() == whole and (tokens[len(whole):] == tok.pad_id).all()
+        # the targets are the next tokens of the completion (and its end) alone: the prompt's and the padding's
+        # are not counted
+        n = len(whole) - len(prompt)
+        assert targets[len(prompt) - 1:len(whole) - 1].tolist() == whole[len(prompt):]
+        assert (targets[:len(prompt) - 1] == IGNORE).all() and (targets[len(whole) - 1:] == IGNORE).all() and n > 0
+    # a second preparation reads the cache: the same tensors
+    again = prepare(str(tmp_path / "pairs.jsonl"), DataFields(), source, 24, 1024)
+    assert torch.equal(again.tokens, prepared.tokens) and torch.equal(again.targets, prepared.targets)
+
+
+@pytest.mark.parametrize("stage, local, accum, shares", [
+    (0, [3, 5, 2], [1, 2, 1], None), (1, [4, 2, 6], [2, 1, 1], None), (2, [5, 3, 2], [1, 1, 1], None),
+    (3, [2, 6, 4], [1, 1, 1], [1, 3, 0.5])])
+def test_pairs_on_uneven_ranks_train_as_one_device_in_every_stage(tmp_path, stage, local, accum, shares):
+    model = save_qwen2(tmp_path / "qwen")
+    plan = poplar.Plan.from_local_batches(stage, local, accum, shard_shares=shares)
+    plan.save(tmp_path / "plan.json")
+    cfg = load_config(None, {"model": str(model), "data": str(write_pairs(tmp_path / "pairs.jsonl")),
+                             "seq_len": 24, "global_batch": plan.global_batch_size, "steps": 3, "lr": 1e-2,
+                             "cluster": "none", "plan": str(tmp_path / "plan.json"), "out": str(tmp_path / "run"),
+                             "export": str(tmp_path / "exported") if stage == 3 else None})
+    result = run_training(cfg, return_state=True, nproc=3)
+    want, losses = reference(cfg, 3)
+    assert result["losses"] == pytest.approx(losses, rel=1e-5)
+    for name, value in want.items():
+        torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+    if stage == 3:   # exported from ZeRO-3 with uneven shares: what from_pretrained loads is the trained model
+        check_export(result["exported"], result["state"], workload_of(cfg))
+
+
+def check_export(exported, state: dict, wl) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, local_files_only=True)
+    trained = wl.build()
+    trained.load_state_dict(state)
+    tokens = torch.randint(0, wl.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=tokens).logits, trained(input_ids=tokens).logits,
+                                   rtol=1e-5, atol=1e-5)
+    assert len(AutoTokenizer.from_pretrained(exported, local_files_only=True)) == wl.vocab_size
+
+
+def test_a_model_directory_is_profiled_planned_trained_from_its_weights_and_exported(tmp_path):
+    model = save_qwen2(tmp_path / "qwen", layers=3)
+    cfg = load_config(None, {"model": str(model), "data": str(write_pairs(tmp_path / "pairs.jsonl", n=96)),
+                             "seq_len": 24, "global_batch": 12, "steps": 2, "cluster": "both-differ",
+                             "stages": [1], "out": str(tmp_path / "run"), "export": str(tmp_path / "exported")})
+    result = run_training(cfg, return_state=True)
+    assert result["planning"] is not None and result["plan"].zero_stage == 1
+    # the first step's loss is the pretrained model's on that batch (not a fresh initialisation's)
+    _, losses = reference(cfg, 1)
+    assert result["losses"][0] == pytest.approx(losses[0], rel=1e-5)
+    fresh = cfg.model_copy(update={"pretrained": False})
+    assert abs(reference(fresh, 1)[1][0] - losses[0]) > 1e-3
+    check_export(result["exported"], result["state"], workload_of(cfg))
