@@ -8,13 +8,13 @@ import torch
 
 
 def save_tokenizer(directory: Path, vocab_size: int = 300):
-    """A byte-level BPE tokenizer trained on the embedded text, saved as a fast tokenizer (with eos and pad)."""
+    """A byte-level BPE tokenizer trained on the embedded text, saved as a fast tokenizer (with eos, pad, mask)."""
     from transformers import PreTrainedTokenizerFast
 
-    from poplar.data.text import EOT, embedded_text, train_tokenizer
+    from poplar.data.text import EOT, MASK, embedded_text, train_tokenizer
 
     tok = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(embedded_text()[:40], vocab_size),
-                                  eos_token=EOT, pad_token=EOT)
+                                  eos_token=EOT, pad_token=EOT, mask_token=MASK)
     tok.save_pretrained(directory)
     return tok
 
@@ -33,4 +33,29 @@ def save_qwen2(directory: Path, seed: int = 7, tokenizer: bool = True, layers: i
     model = Qwen2ForCausalLM(config).to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
+    return directory
+
+
+def save_family(directory: Path, family: str, seed: int = 7) -> Path:
+    """A small model of another family than Qwen2, with a tokenizer: GPT-2 (tied head, Conv1D layers), Mistral,
+    GPT-NeoX, BERT (a masked LM, tied decoder)."""
+    import transformers as tf
+
+    directory = Path(directory)
+    vocab = len(save_tokenizer(directory))
+    small = dict(vocab_size=vocab)
+    config, model_class = {
+        "gpt2": (tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
+                               attn_pdrop=0.0, **small), tf.GPT2LMHeadModel),
+        "mistral": (tf.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, max_position_embeddings=128, **small),
+                    tf.MistralForCausalLM),
+        "gpt-neox": (tf.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      max_position_embeddings=128, **small), tf.GPTNeoXForCausalLM),
+        "bert": (tf.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               max_position_embeddings=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                               **small), tf.BertForMaskedLM),
+    }[family]
+    torch.manual_seed(seed)
+    model_class(config).save_pretrained(directory)
     return directory

@@ -81,7 +81,10 @@ def _your_model(tmp: Path) -> None:
     config = json.loads((tmp / "qwen" / "config.json").read_text())
     for name, change in (("unknown-arch", {"model_type": "qwen9"}),
                          ("classifier", {"architectures": ["Qwen2ForSequenceClassification"]}),
-                         ("other-size", {"hidden_size": 48}), ("small-vocab", {"vocab_size": 280})):
+                         ("other-size", {"hidden_size": 48}), ("small-vocab", {"vocab_size": 280}),
+                         ("more-layers", {"num_hidden_layers": 3, "layer_types": ["full_attention"] * 3}),
+                         ("fewer-layers", {"num_hidden_layers": 1, "layer_types": ["full_attention"]}),
+                         ("invalid-config", {"num_hidden_layers": 3})):   # its layer_types name 2
         shutil.copytree(tmp / "qwen", tmp / name)
         (tmp / name / "config.json").write_text(json.dumps({**config, **change}))
     (tmp / "small-vocab" / "model.safetensors").unlink()    # a config alone: the tokenizer is what is wrong
@@ -217,8 +220,11 @@ CASES = [
     ("a model directory that does not exist", ["simulate", "--cluster", "both-differ", "--model", "{tmp}/nope/",
                                                "--global-batch", "8"], "no such directory", 2),
     ("an architecture transformers cannot build", _yours("unknown-arch"), "transformers cannot read", 2),
+    ("a config its own validators refuse", _yours("invalid-config"), "transformers cannot read its config.json", 2),
     ("an architecture Poplar does not train", _yours("classifier"), "Poplar trains causal-LM", 2),
     ("weights of another size than the config", _yours("other-size"), "in the weights and", 2),
+    ("weights that lack some of the model's tensors", _yours("more-layers"), "the weights lack 12 tensor(s)", 2),
+    ("weights with tensors the model has not", _yours("fewer-layers"), "the config's model has not", 2),
     ("a tokenizer larger than the model's vocabulary", _yours("small-vocab"), "the tokenizer gives 300 ids", 2),
     ("a data field that does not exist", _yours("qwen", "--data", "{tmp}/pairs.jsonl", "--set",
                                                 "data_fields.text=body"), "no field 'body'", 2),

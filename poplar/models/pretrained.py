@@ -12,8 +12,8 @@ profiler's sizes) no weight is read.
 Everything that can be wrong with a directory is said in one line when the source is
 made, before any profiling: no config, an architecture transformers cannot build or
 Poplar cannot train, weights whose names or shapes do not match the config, a sequence
-longer than the model's positions. The headers of the safetensors files are read for
-that, not their tensors.
+longer than the model's positions. The weights are checked by transformers' own loading
+on the meta device: their names and shapes, not their tensors.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def _config(directory: str, digest: str):
 
     try:
         return AutoConfig.from_pretrained(directory, local_files_only=True)
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+    except Exception as e:   # not JSON, an unknown model_type, values its validators refuse
         line = next((x for x in str(e).splitlines() if x.strip()), type(e).__name__)
         raise ValueError(f"--model {directory}: transformers cannot read its config.json ({line[:200]}): give a "
                          "config of an architecture the installed transformers knows") from None
@@ -208,8 +208,6 @@ def _inspect(directory: str, digest: str) -> dict:
         raise ValueError(f"--model {directory}: transformers cannot build {type(config).__name__} as a "
                          f"{task} model ({line[:200]})") from None
     params = dict(model.named_parameters())
-    aliases = {name: next(n for n, p in params.items() if p is q)
-               for name, q in model.named_parameters(remove_duplicate=False)}
     path = Path(directory)
     weights = [path / WEIGHTS] if (path / WEIGHTS).is_file() else []
     if (path / WEIGHTS_INDEX).is_file():
@@ -223,7 +221,7 @@ def _inspect(directory: str, digest: str) -> dict:
             "positions": getattr(config, "max_position_embeddings", None),
             "n_params": sum(p.numel() for p in params.values()),
             "shapes": {n: list(p.shape) for n, p in model.state_dict().items()},
-            "aliases": aliases, "weights": [str(w) for w in weights]}
+            "weights": [str(w) for w in weights]}
 
 
 def _config_dict(config) -> dict:
@@ -236,32 +234,34 @@ def _config_dict(config) -> dict:
 
 @functools.lru_cache(maxsize=8)
 def _check_weights(directory: str, digest: str) -> None:
-    """The weights' names and shapes against the config's model, from the safetensors headers alone."""
-    from safetensors import safe_open
+    """The weights' names and shapes against the config's model: transformers' own loading (its renamings of old
+    names, its tied weights) on the meta device, where no tensor is read."""
+    from transformers.utils import logging as hf_logging
 
     info = _inspect(directory, digest)
-    shapes, aliases = info["shapes"], info["aliases"]
-    found: dict[str, list[int]] = {}
     for file in info["weights"]:
         if not Path(file).is_file():
             raise ValueError(f"--model {directory}: the weights' index names {Path(file).name}, which is not there")
-        try:
-            with safe_open(file, framework="pt") as f:
-                found.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
-        except Exception as e:
-            raise ValueError(f"--model {directory}: {Path(file).name} is not a safetensors file ({e}): save the "
-                             "model again with save_pretrained") from None
-    unexpected = sorted(set(found) - set(shapes))
-    if unexpected:
-        raise ValueError(f"--model {directory}: the weights hold {len(unexpected)} tensor(s) the config's model "
-                         f"has not (e.g. {unexpected[0]}): the weights are of another model")
-    for name, shape in found.items():
-        if shape != shapes[name]:
-            raise ValueError(f"--model {directory}: {name} is {shape} in the weights and {shapes[name]} in the "
-                             "config's model: the weights are of another size of model")
-    present = {aliases.get(n, n) for n in found}
-    missing = sorted(n for n in set(aliases) if aliases[n] not in present)
-    if missing:
-        raise ValueError(f"--model {directory}: the weights lack {len(missing)} parameter(s) of the model (e.g. "
-                         f"{missing[0]}): save the whole model, or train from scratch with pretrained: false")
-
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()    # its load report is said here, in one line
+    hf_logging.disable_progress_bar()
+    try:
+        _, found = _auto_class(info["task"]).from_pretrained(
+            directory, device_map="meta", output_loading_info=True, ignore_mismatched_sizes=True, local_files_only=True)
+    except Exception as e:
+        line = next((x for x in str(e).splitlines() if x.strip()), type(e).__name__)
+        raise ValueError(f"--model {directory}: its weights cannot be read ({line[:200]}): save the model again "
+                         "with save_pretrained") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if found["mismatched_keys"]:
+        name, saved, wanted = sorted(found["mismatched_keys"])[0]
+        raise ValueError(f"--model {directory}: {name} is {list(saved)} in the weights and {list(wanted)} in the "
+                         "config's model: the weights are of another size of model")
+    for what, keys, fix in (("hold {} tensor(s) the config's model has not", found["unexpected_keys"],
+                             "the weights are of another model"),
+                            ("lack {} tensor(s) of the config's model", found["missing_keys"],
+                             "save the whole model, or train from scratch with pretrained: false")):
+        if keys:
+            raise ValueError(f"--model {directory}: the weights {what.format(len(keys))} (e.g. {sorted(keys)[0]}): "
+                             f"{fix}")

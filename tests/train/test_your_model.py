@@ -18,7 +18,7 @@ from poplar.train.config import load_config
 from poplar.train.dataset import prepare_data, workload_of
 from poplar.train.metrics import learning_rate
 from poplar.train.run import run_training
-from tests.pretrained import save_qwen2
+from tests.pretrained import save_family, save_qwen2
 
 WORDS = "the cat sat on a mat while dogs ran in the park and birds sang over green hills".split()
 
@@ -133,3 +133,20 @@ def test_a_model_directory_is_profiled_planned_trained_from_its_weights_and_expo
     fresh = cfg.model_copy(update={"pretrained": False})
     assert abs(reference(fresh, 1)[1][0] - losses[0]) > 1e-3
     check_export(result["exported"], result["state"], workload_of(cfg))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "mistral", "gpt-neox", "bert", "qwen2-tied"])
+def test_each_family_trains_on_its_own_tokenizer_s_text_as_one_device(tmp_path, family):
+    """Another architecture each (tied heads, a masked LM): ZeRO-3 with uneven shares on 2 ranks, plain text."""
+    model = (save_qwen2(tmp_path / "m", tie=True) if family == "qwen2-tied" else save_family(tmp_path / "m", family))
+    (tmp_path / "text.txt").write_text("\n\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))) * 6)
+    plan = poplar.Plan.from_local_batches(3, [5, 3], 1, shard_shares=[1, 2])
+    plan.save(tmp_path / "plan.json")
+    cfg = load_config(None, {"model": str(model), "data": str(tmp_path / "text.txt"), "seq_len": 16,
+                             "global_batch": 8, "steps": 2, "lr": 1e-2, "cluster": "none",
+                             "plan": str(tmp_path / "plan.json"), "out": str(tmp_path / "run")})
+    result = run_training(cfg, return_state=True, nproc=2)
+    want, losses = reference(cfg, 2)
+    assert result["losses"] == pytest.approx(losses, rel=1e-5)
+    for name, value in want.items():
+        torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
