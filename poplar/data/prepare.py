@@ -42,12 +42,16 @@ def prepare(source: str, fields: DataFields, model_source, seq_len: int, vocab_s
     from poplar.data.text import data_cache_dir, load_text
     from poplar.data.tokenizer import tokenizer_of
 
-    records = read_records(source, fields) if is_table(source) else Records("text", docs=load_text(source))
-    docs = records.docs if records.kind == "text" else [p + c for p, c in records.pairs or []] or None
+    def read() -> Records:
+        return read_records(source, fields) if is_table(source) else Records("text", docs=load_text(source))
+
     has_own = getattr(model_source, "directory", None) is not None and model_source.has_tokenizer()
-    tok = tokenizer_of(model_source, docs, vocab_size) if (records.kind != "ids" or has_own) else None
-    if records.kind != "text" and getattr(model_source, "task", "causal-lm") != "causal-lm":
-        raise ValueError(f"--data {source!r}: {records.kind} train a causal LM; a masked LM trains on text")
+    records = None if has_own else read()    # the model's own tokenizer: the cache is looked up before reading
+    if has_own or records.kind != "ids":
+        docs = None if records is None else records.docs or [p + c for p, c in records.pairs or []]
+        tok = tokenizer_of(model_source, docs, vocab_size)
+    else:
+        tok = None
     key = _key(source, fields, tok, seq_len)
     path = data_cache_dir() / f"prepared-{key}.pt"
     if path.exists():
@@ -56,6 +60,9 @@ def prepare(source: str, fields: DataFields, model_source, seq_len: int, vocab_s
             return Prepared(saved["tokens"], saved.get("targets"), tok)
         except Exception:   # a damaged cache file: it is only a cache
             path.unlink(missing_ok=True)
+    records = records or read()
+    if records.kind != "text" and getattr(model_source, "task", "causal-lm") != "causal-lm":
+        raise ValueError(f"--data {source!r}: {records.kind} train a causal LM; a masked LM trains on text")
     prepared = _cut(records, tok, seq_len, model_source, source)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")

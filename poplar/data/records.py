@@ -128,14 +128,19 @@ def _records(table, source: str, fields: DataFields) -> Records:
             raise ValueError(f"--data {source!r}: the text field {text!r} is empty in every row")
         return Records("text", docs=docs)
     if "input_ids" in columns:
-        return Records("ids", ids=[list(map(int, r)) for r in table["input_ids"]],
-                       labels=[list(map(int, r)) for r in table["labels"]] if "labels" in columns else None)
+        return Records("ids", ids=_column(table, "input_ids"),
+                       labels=_column(table, "labels") if "labels" in columns else None)
     raise ValueError(f"--data {source!r}: no 'text', 'prompt' + 'completion' or 'input_ids' field (it has "
                      f"{', '.join(columns)}): name the text's field with data_fields.text=...")
 
 
+def _column(table, field: str) -> list:
+    """A field's values as Python objects, read from the Arrow column at once (not row by row)."""
+    return table.data.column(field).to_pylist()
+
+
 def _strings(table, field: str, source: str) -> list[str]:
-    values = table[field]
+    values = _column(table, field)
     bad = next((v for v in values if v is not None and not isinstance(v, str)), None)
     if bad is not None:
         raise ValueError(f"--data {source!r}: the field {field!r} holds {type(bad).__name__} values, not text")

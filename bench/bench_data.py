@@ -1,0 +1,76 @@
+"""Data preparation of a JSONL of prompt/completion pairs with a model directory's tokenizer: first run, then cached.
+
+    python bench/bench_data.py                 # 100,000 pairs
+    python bench/bench_data.py --pairs 20000 --seq-len 256
+
+Writes the pairs (seeded, words drawn from the embedded text), a small Qwen2 directory
+with a byte-level BPE tokenizer trained here (``--vocab`` ids), and times
+:func:`poplar.data.prepare.prepare` twice in fresh caches (Poplar's and ``datasets``'):
+the first run reads the JSONL, tokenises every pair (``tokenizers``, on every core) and
+cuts the samples; the second reads the prepared tensors back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def write_pairs(path: Path, n: int, seed: int = 0) -> None:
+    from poplar.data.text import embedded_text
+
+    words = " ".join(embedded_text()).split()
+    r = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"prompt": " ".join(r.choices(words, k=r.randint(8, 60))),
+                                "completion": " ".join(r.choices(words, k=r.randint(4, 40)))}) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=100_000)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=8192)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        os.environ.update(POPLAR_DATA_CACHE=str(tmp / "poplar-data"), HF_DATASETS_CACHE=str(tmp / "hf-datasets"))
+        from poplar.data.prepare import prepare
+        from poplar.data.records import DataFields
+        from poplar.models.pretrained import ModelDirectory
+        from tests.pretrained import save_qwen2, save_tokenizer
+
+        save_qwen2(tmp / "model", tokenizer=False)
+        save_tokenizer(tmp / "model", args.vocab)
+        config = json.loads((tmp / "model" / "config.json").read_text())
+        (tmp / "model" / "config.json").write_text(json.dumps({**config, "vocab_size": args.vocab,
+                                                                "max_position_embeddings": 4096}))
+        (tmp / "model" / "model.safetensors").unlink()    # its tokenizer is what is timed: a config is enough
+        source = ModelDirectory(directory=str(tmp / "model"), seq_len=args.seq_len)
+        start = time.perf_counter()
+        write_pairs(tmp / "pairs.jsonl", args.pairs)
+        size = (tmp / "pairs.jsonl").stat().st_size
+        print(f"wrote {args.pairs:,} pairs ({size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f} s; "
+              f"{os.cpu_count()} cores; tokenizer of {args.vocab:,} ids")
+        times = []
+        for attempt in ("first run", "cached"):
+            start = time.perf_counter()
+            prepared = prepare(str(tmp / "pairs.jsonl"), DataFields(), source, args.seq_len, args.vocab)
+            times.append(time.perf_counter() - start)
+            counted = int((prepared.targets != -100).sum())
+            print(f"{attempt}: {times[-1]:.2f} s, {len(prepared.tokens):,} samples of {args.seq_len + 1} tokens, "
+                  f"{counted:,} completion tokens counted")
+        print(f"cached / first: {times[1] / times[0]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
