@@ -26,7 +26,7 @@ SLOW = {
     "test_bad_input.py",
     "test_bench.py", "test_bench_engine.py", "test_demo.py", "test_launch.py", "train/test_checkpoint.py",
     "train/test_faults.py", "train/test_real_devices.py", "train/test_train.py", "train/test_two_node.py",
-    "train/test_watchdog.py",
+    "train/test_watchdog.py", "train/test_your_model.py",
 }
 # modules whose assertions are about time
 PACED = {
