@@ -58,8 +58,10 @@ class PoplarTrainer(Trainer):
     """A ``transformers.Trainer`` whose every optimizer step is Poplar's engine on the plan.
 
     ``plan``: a :class:`~poplar.Plan`, its dict or a ``plan.json``; or leave it out and give
-    ``cluster`` (a cluster file or preset) with ``workload`` (the model to profile) to have one
-    planned for the global batch (``stages``: the ZeRO stages to consider). ``cluster`` also
+    ``cluster`` (a cluster file or preset) to have one planned for the global batch: the
+    model given profiled on samples of ``train_dataset`` collated by the Trainer's collator
+    (cached: a second run reads the profile), or the preset named by ``workload``
+    (``stages``: the ZeRO stages to consider). ``cluster`` also
     gives each rank its emulated device, which paces and memory-checks its steps.
     ``engine_config``: further :class:`~poplar.engine.config.EngineConfig` options (clipping
     and precision come from ``TrainingArguments``: ``max_grad_norm``, ``bf16``). Everything
@@ -75,14 +77,35 @@ class PoplarTrainer(Trainer):
             init_distributed()
         args = args if args is not None else TrainingArguments(output_dir="tmp_trainer", report_to="none")
         global_batch = global_batch_of(args)
-        self.plan = _plan_for(args, global_batch, plan, cluster, workload, stages, engine_config, model)
+        yours = plan is None and cluster is not None and workload is None   # profile the model and data given
+        if yours and trainer_kwargs.get("train_dataset") is None and len(trainer_args) < 2:
+            raise ValueError("planning from a cluster profiles your model on samples of train_dataset: give "
+                             "train_dataset (or a plan)")
+        if not yours:
+            self.plan = _plan_for(args, global_batch, plan, cluster, workload, stages, engine_config, model)
         self.cluster, self.engine_config = cluster, engine_config
         self.runtime: Runtime | None = None     # built with the optimizer, when training starts
         super().__init__(model, poplar_args(args), *trainer_args, **trainer_kwargs)
+        if yours:   # the Trainer's collator and column removal exist only now
+            from poplar.integrations.module_source import ModuleSource, model_output_loss
+
+            source = ModuleSource(self.model, model_output_loss, *self._train_samples())
+            self.plan = _plan_for(args, global_batch, None, cluster, source, stages, engine_config, self.model)
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> PlanLoader:
         """This rank's plan slice of every global batch, after the Trainer's column removal and collator."""
+        dataset, collate = self._train_samples()
+        sampler = PlanBatchSampler(len(dataset), self.plan, self.args.process_index, shuffle=self._shuffle,
+                                   seed=self._data_seed)
+        workers = self.args.dataloader_num_workers
+        extra = (dict(persistent_workers=self.args.dataloader_persistent_workers,
+                      prefetch_factor=self.args.dataloader_prefetch_factor) if workers > 0 else {})
+        return PlanLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+                          pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(), **extra)
+
+    def _train_samples(self):
+        """The training dataset after the Trainer's column removal, and its collator: what every batch is made of."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         dataset, collate = self.train_dataset, self.data_collator
@@ -93,13 +116,7 @@ class PoplarTrainer(Trainer):
         if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
             raise TypeError(f"{type(dataset).__name__} is not a map-style dataset (len and indexing): Poplar gives "
                             "each rank its samples by index; wrap an iterable dataset in a list or a Dataset")
-        sampler = PlanBatchSampler(len(dataset), self.plan, self.args.process_index, shuffle=self._shuffle,
-                                   seed=self._data_seed)
-        workers = self.args.dataloader_num_workers
-        extra = (dict(persistent_workers=self.args.dataloader_persistent_workers,
-                      prefetch_factor=self.args.dataloader_prefetch_factor) if workers > 0 else {})
-        return PlanLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
-                          pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(), **extra)
+        return dataset, collate
 
     def get_total_train_batch_size(self, args) -> int:
         return self.plan.global_batch_size

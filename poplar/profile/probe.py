@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from poplar.devices.base import Device
+from poplar.engine.batch import split_batch
 from poplar.precision import cast_model, torch_dtype
 from poplar.workload import Workload, as_workload
 
@@ -44,7 +45,7 @@ def _search(device: Device, wl: Workload, state_bytes: int, limit: int, dtype) -
 def forward_backward(device: Device, model, wl: Workload, micro_batch: int) -> None:
     """One forward and backward of ``micro_batch`` samples on ``device``."""
     # in a frame of its own, so the batch and the graph die with it
-    batch = tuple(t.to(device.torch_device) for t in wl.random_batch(micro_batch, seed=micro_batch))
+    (batch,) = split_batch(wl.random_batch(micro_batch, seed=micro_batch), micro_batch, device.torch_device)
     wl.loss(model, batch).backward()
     device.synchronize()   # an asynchronous failure surfaces here, not in the next probe
 

@@ -61,3 +61,29 @@ def train(rank: int, world_size: int, plan: dict, out: str, cluster: str, resume
 def train_cases(rank: int, world_size: int, cases: list[tuple[dict, dict]], out: str, cluster: str) -> list[dict]:
     """Several runs one after another in the same ranks (one spawn): ``(plan, training keywords)`` each."""
     return [train(rank, world_size, plan, f"{out}/case-{i}", cluster, **kw) for i, (plan, kw) in enumerate(cases)]
+
+
+def train_twice(rank: int, world_size: int, out: str, cluster: str) -> list[dict]:
+    """Two runs planned from the cluster alone (the model and data profiled), one after the other: each one's
+    result, whether it profiled (the cache's files changed) and its plan."""
+    import os
+    from pathlib import Path
+
+    def cache_files() -> dict:
+        root = Path(os.environ["POPLAR_CACHE_DIR"])
+        return {str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()} if root.exists() else {}
+
+    runs = []
+    for i in range(2):
+        before = cache_files()
+        from poplar.integrations.hf import PoplarTrainer
+
+        trainer = PoplarTrainer(model=build_model(), args=training_args(f"{out}/run-{i}", world_size),
+                                train_dataset=token_samples(), cluster=cluster, stages=(1,))
+        plan = trainer.plan.to_dict()
+        trainer.train()
+        state = trainer.runtime.engine.full_state_dict()
+        logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+        trainer.close()
+        runs.append({"state": state, "logs": logs, "plan": plan, "profiled": cache_files() != before})
+    return runs if rank == 0 else []

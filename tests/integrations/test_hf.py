@@ -143,9 +143,9 @@ def args(**kw):
      "same number of accumulation steps"),
     (dict(plan=poplar.Plan(0, [3], [1])), "the plan splits 3 samples per step, the TrainingArguments give 4"),
     (dict(), "Poplar needs a plan"),
-    (dict(cluster="both-differ"), "Poplar needs a plan"),
+    (dict(cluster="both-differ"), "give train_dataset"),
     (dict(plan=poplar.Plan(0, [4], [1]), train_sampling_strategy="group_by_length"), "train_sampling_strategy"),
-], ids=["world-size", "stage2-unequal-accum", "global-batch", "no-plan", "cluster-without-workload", "sampling"])
+], ids=["world-size", "stage2-unequal-accum", "global-batch", "no-plan", "cluster-without-data", "sampling"])
 def test_bad_input_is_one_line_before_any_process_group(given, message):
     from poplar.integrations.hf import PoplarTrainer
 
@@ -171,3 +171,18 @@ def test_the_trainers_optimizer_steps_nothing_and_its_scheduler_sets_the_engines
     schedule.step()
     assert torch.equal(param.detach(), torch.ones(3)) and param.grad is not None
     assert inner.param_groups[0]["lr"] == 0.75 and schedule.get_last_lr() == [0.75]
+
+
+@pytest.mark.slow
+def test_the_users_model_is_profiled_on_its_data_planned_and_trained_as_one_device_and_cached(env, tmp_path,
+                                                                                            monkeypatch):
+    """No plan and no preset: a cluster alone. The model given is profiled on samples of the dataset as the
+    Trainer collates them, planned, trained exactly as one device; a second run reads the profile from the cache."""
+    monkeypatch.setenv("POPLAR_CACHE_DIR", str(tmp_path / "profiles"))
+    first, second = spawn(W.train_twice, 3, str(tmp_path), CLUSTER3, timeout_s=600)[0]
+    want, logs = reference(0.0, 0.0)
+    for run in (first, second):
+        assert poplar.Plan.from_dict(run["plan"]).global_batch_size == W.GLOBAL_BATCH
+        assert_same_params(run["state"], want, atol=1e-5)
+        assert [loss for loss, _ in run["logs"]] == pytest.approx([loss for loss, _ in logs], abs=1e-5)
+    assert first["profiled"] and not second["profiled"]      # measured once, then read from the cache
