@@ -66,7 +66,7 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     if launch.restarted:   # torchrun restarted the group after a failure: continue from the newest checkpoint
         cfg = cfg.model_copy(update={"resume": True})
     if launch.in_process:
-        return _run_in_process(cfg, launch, cluster, return_state, progress, chosen)
+        return _exported(cfg, _run_in_process(cfg, launch, cluster, return_state, progress, chosen))
     if chosen:
         print(chosen, flush=True)
     from poplar.launch import spawn
@@ -81,7 +81,14 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     write_run_files(cfg, out_dir, plan, result, cluster)
     ranks = spawn(train_rank, launch.world_size, cfg, launch, plan.to_dict(), wl, cluster, return_state,
                   timeout_s=timeout_s)
-    return _finish(cfg, out_dir, poplar.Plan.from_dict(ranks[0]["plan"]), result, ranks[0])
+    return _exported(cfg, _finish(cfg, out_dir, poplar.Plan.from_dict(ranks[0]["plan"]), result, ranks[0]))
+
+
+def _exported(cfg: TrainConfig, result: dict) -> dict:
+    """After the ranks are done (their group left): the model written where ``--export`` says, by rank 0 (or the
+    launcher) of a run that reached its last step (not one preempted or stopped early: `poplar export` later)."""
+    done = "summary" in result and not result.get("preempted") and (cfg.stop_at or cfg.steps) >= cfg.steps
+    return {**result, "exported": export_run(cfg.out, cfg.export) if cfg.export and done else None}
 
 
 def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: bool, progress=None,
@@ -129,6 +136,4 @@ def _finish(cfg: TrainConfig, out_dir: Path, plan, result, mine: dict) -> dict:
 
     records = read_log(out_dir / "log.jsonl")
     report = plot_runs({cfg.baseline: records}, out_dir / "report.png", title=f"{cfg.model}, {plan}")
-    exported = export_run(out_dir, cfg.export) if cfg.export and mine.get("preempted") is None else None
-    return {**mine, "plan": plan, "planning": result, "summary": summarize(records), "report": report,
-            "exported": exported}
+    return {**mine, "plan": plan, "planning": result, "summary": summarize(records), "report": report}
