@@ -44,8 +44,10 @@ def test_demo_then_bench_on_an_emulated_cluster(tmp_path):
         for a, b in zip(logs["poplar"], logs[name]):
             assert abs(a["loss"] - b["loss"]) < 1e-4, (name, a["loss"], b["loss"])
     # the benchmark reuses the demo's profile (same workload) and measures all three
+    # DeepSpeed beside Poplar in the bench: tests/peers/test_deepspeed.py; its column is there either way
     bench = subprocess.run([sys.executable, "-m", "poplar.cli.main", "bench", "--cluster", "memory-bound",
-                            "--global-batch", "24", "--steps", "3", "--json", str(tmp_path / "bench.json")], cwd=ROOT, env=env,
+                            "--global-batch", "24", "--steps", "3", "--no-peers", "--json", str(tmp_path / "bench.json")],
+                           cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=600)
     assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
     (result,) = json.loads((tmp_path / "bench.json").read_text())

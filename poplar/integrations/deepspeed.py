@@ -35,11 +35,14 @@ _UNUSED_ARGS = ("args", "mpu", "mesh_param", "distributed_port", "dist_init_requ
 
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, collate_fn=None, config=None, config_params=None, *,
-               plan=None, cluster=None, workload=None, **unused):
+               plan=None, cluster=None, workload=None, loss=None, **unused):
     """DeepSpeed's ``initialize``, trained by Poplar: ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     ``model_parameters`` is accepted and not needed (the engine shards the model's own);
     ``lr_scheduler``: a scheduler built on ``optimizer``, or a callable of the optimizer.
+    Without a plan or a ``workload``, a ``cluster`` plans the model given, profiled on
+    samples of ``training_data`` (collated by ``collate_fn``) with ``loss(model, batch)``
+    (default: the model's own output, a scalar or one with ``.loss``).
     """
     from poplar.engine.dist import init_distributed
 
@@ -64,6 +67,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     plan, cluster, workload, _ = from_environment(plan if plan is not None else poplar.get("plan"),
                                                   cluster if cluster is not None else poplar.get("cluster"),
                                                   workload or poplar.get("workload"), settings.global_batch)
+    if plan is None and cluster is not None and workload is None:   # the model given, profiled on its data
+        workload = _module_source(model, loss, training_data, collate_fn)
     plan = _plan(ctx.world_size, settings, engine_config, plan, cluster, workload, model)
     opt = _optimizer(optimizer, settings)
     runtime = Runtime(model, opt, plan, engine_config, cluster=cluster)
@@ -76,6 +81,17 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         loader = plan_loader(training_data, plan, runtime.rank, collate_fn=collate_fn, seed=seed, micro_batches=True)
         engine.loader = loader
     return engine, runtime.engine.optimizer, loader, lr_scheduler
+
+
+def _module_source(model, loss, training_data, collate_fn):
+    from torch.utils.data import default_collate
+
+    from poplar.integrations.module_source import ModuleSource, output_loss
+
+    if training_data is None:
+        raise ValueError("planning from a cluster profiles your model on samples of training_data: give "
+                         "training_data= (or a plan, or workload=)")
+    return ModuleSource(model, loss or output_loss, training_data, collate_fn or default_collate)
 
 
 def _plan(world_size: int, settings, config: EngineConfig, plan, cluster, workload, model=None):

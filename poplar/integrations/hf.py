@@ -87,9 +87,9 @@ class PoplarTrainer(Trainer):
         self.runtime: Runtime | None = None     # built with the optimizer, when training starts
         super().__init__(model, poplar_args(args), *trainer_args, **trainer_kwargs)
         if yours:   # the Trainer's collator and column removal exist only now
-            from poplar.integrations.module_source import ModuleSource, model_output_loss
+            from poplar.integrations.module_source import ModuleSource, output_loss
 
-            source = ModuleSource(self.model, model_output_loss, *self._train_samples())
+            source = ModuleSource(self.model, output_loss, *self._train_samples())
             self.plan = _plan_for(args, global_batch, None, cluster, source, stages, engine_config, self.model)
 
     # ------------------------------------------------------------------ data

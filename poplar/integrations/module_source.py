@@ -33,7 +33,9 @@ class ModuleSource:
                              "a map-style dataset with samples (len and indexing)")
         self.module, self._loss, self.dataset, self.collate = module, loss, dataset, collate
         self._name = name or type(module).__name__
-        self.seq_len = _tokens_per_sample(self.random_batch(1))
+        sample = self.random_batch(1)
+        self.seq_len = _tokens_per_sample(sample)
+        _check_loss(module, loss, sample)
 
     @property
     def name(self) -> str:
@@ -73,7 +75,27 @@ def _tokens_per_sample(batch) -> int:
     return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 1
 
 
-def model_output_loss(model, batch) -> torch.Tensor:
-    """A Hugging Face model's own loss of a collated batch (``labels`` inside it)."""
-    out = model(**batch)
-    return out["loss"] if isinstance(out, dict) else out.loss
+def output_loss(model, batch) -> torch.Tensor:
+    """The model's own loss of a batch: its output where that is a scalar, else the output's ``loss`` (a Hugging
+    Face model given ``labels``). A dict batch is passed as keywords, a tuple or list as arguments."""
+    if isinstance(batch, dict):
+        out = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        out = model(*batch)
+    else:
+        out = model(batch)
+    if isinstance(out, torch.Tensor):
+        return out
+    return out["loss"] if isinstance(out, dict) else getattr(out, "loss", out)
+
+
+def _check_loss(module: torch.nn.Module, loss: Callable, sample) -> None:
+    """The loss of one sample is a scalar (a forward here, without gradients), or one line says what to give."""
+    from poplar.engine.batch import split_batch
+
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    with torch.no_grad():
+        value = loss(module, split_batch(sample, 1, device)[0])
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise ValueError(f"the model's loss of a batch is {type(value).__name__}, not a scalar: give loss= (a "
+                         "function of the model and a batch), or workload= (a preset), or a plan")

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import poplar
-from tests.models import make_batches, make_model
+from tests.models import lm_loss, make_batches, make_model
 
 
 def dataset(n_steps: int, global_batch: int) -> TensorDataset:
@@ -33,13 +33,13 @@ def run(engine, batches, stop_at: int | None = None, overflow_from: float = floa
 def train(rank, world_size, cases, cluster, n_steps, save_at=None, load=None, out=None, overflow_from=float("inf")):
     """Each (plan, config) case in turn; with ``save_at``/``load``, a checkpoint written or resumed under ``out``."""
     results = []
-    for plan, config in cases:
-        plan = poplar.Plan.from_dict(plan)
+    for plan, config in cases:   # no plan: planned from the cluster, the model profiled with lm_loss on its data
+        plan = poplar.Plan.from_dict(plan) if plan is not None else None
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
         engine, _, loader, _ = poplar.initialize(model=model, optimizer=opt, config=config, plan=plan,
-                                                 training_data=dataset(n_steps, plan.global_batch_size),
-                                                 cluster=cluster)
+                                                 training_data=dataset(n_steps, config["train_batch_size"]),
+                                                 cluster=cluster, loss=lm_loss if plan is None else None)
         client = engine.load_checkpoint(load)[1] if load is not None else None
         batches = iter(loader)      # one pass over the data, however it is cut by a checkpoint
         scales = []
@@ -51,6 +51,7 @@ def train(rank, world_size, cases, cluster, n_steps, save_at=None, load=None, ou
         with torch.no_grad():    # evaluation: a forward outside any step (ZeRO-3 gathers as it goes)
             logits = engine(dataset(1, 2).tensors[0])
         results.append({"state": state if rank == 0 else None, "steps": engine.global_steps,
+                        "plan": engine.runtime.plan.to_dict(), "cache": _cache_files(),
                         "loss": engine.last_loss, "client": client, "logits": logits, "scales": scales,
                         "skipped": engine.skipped_steps})
         engine.close()
@@ -72,3 +73,12 @@ def planned_here(rank, world_size, cache: str, config: dict):
     out = {"plan": engine.runtime.plan.to_dict(), "steps": engine.global_steps}
     engine.close()
     return out
+
+
+def _cache_files() -> dict:
+    """The profile cache's files and their modification times (a profile measured again rewrites its file)."""
+    import os
+    from pathlib import Path
+
+    root = Path(os.environ.get("POPLAR_CACHE_DIR", "/nonexistent"))
+    return {str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}

@@ -104,6 +104,20 @@ def test_without_a_plan_the_ranks_profile_the_named_workload_on_the_cluster_and_
     #                                                                  which a busy host at this fixed pace can skew)
 
 
+def test_with_a_cluster_alone_the_model_given_is_profiled_on_its_data_planned_and_trained_as_one_device(
+        tmp_path, monkeypatch):
+    """No plan, no preset: the ranks profile the user's module with its loss on samples of its training data, plan,
+    and train exactly as one device; a second run reads the profile from the cache."""
+    monkeypatch.setenv("POPLAR_CACHE_DIR", str(tmp_path / "cache"))
+    cases = [(None, config(1, 12))] * 2
+    ranks = spawn(ds_workers.train, 3, cases, CLUSTER, N_STEPS, timeout_s=300)
+    for got in ranks[0]:
+        assert got["steps"] == N_STEPS and poplar.Plan.from_dict(got["plan"]).global_batch_size == 12
+        assert_same(got["state"], reference(12), 1e-5)
+    first, second = (got["cache"] for got in ranks[0])
+    assert first and first == second      # the profiles written by the first run, read (not rewritten) by the second
+
+
 def test_a_workload_that_is_not_the_model_is_refused_before_profiling():
     from poplar.workload import Workload
 

@@ -88,6 +88,7 @@ def test_the_profiler_and_the_simulator_follow_the_one_procedure(patched, monkey
     from poplar.profile.options import ProfileOptions
     from poplar.simulate.profile import simulate_stages
 
+    monkeypatch.setenv("POPLAR_DILATION", "3")     # what is checked is which sizes are dissected: a fast pace
     if patched:
         monkeypatch.setattr(procedure, "anatomy_rows", lambda n: [0])
     measured = spawn(profiled_anatomy_sizes, 1, CLUSTER, patched, timeout_s=240)[0]
