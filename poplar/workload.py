@@ -178,11 +178,18 @@ def _check_buildable(wl: Workload) -> None:
 
 
 def model_source(model: str, **fields) -> ModelSource:
-    """``--model``'s source: a Hugging Face model directory (a path, :mod:`poplar.models.pretrained`) or a preset;
+    """``--model``'s source: a Hugging Face model directory (a path, :mod:`poplar.models.pretrained`), a factory
+    (``package.module:name``, :mod:`poplar.models.factory`) or a preset;
     ``fields`` (``seq_len``, ``vocab_size``, ``activation_checkpointing``; None: the default) as each takes them."""
+    from poplar.models.factory import as_source, looks_like_factory
     from poplar.models.pretrained import ModelDirectory, looks_like_directory
 
     fields = {k: v for k, v in fields.items() if v is not None}
+    if looks_like_factory(model):
+        try:
+            return as_source(model, fields.get("seq_len"), fields.get("activation_checkpointing", False))
+        except ValidationError as e:
+            raise ValueError(e.errors()[0]["msg"].removeprefix("Value error, ")) from None
     if looks_like_directory(model):
         fields.pop("vocab_size", None)    # a directory's vocabulary is its config's
         try:
@@ -200,6 +207,10 @@ def as_workload(x: str | dict | ModelSource) -> ModelSource:
             from poplar.models.pretrained import ModelDirectory
 
             return ModelDirectory(**x)
+        if "factory" in x:
+            from poplar.models.factory import FactorySource
+
+            return FactorySource(**x)
         return Workload(**x)
     if isinstance(x, str):
         return model_source(x)

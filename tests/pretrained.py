@@ -59,3 +59,29 @@ def save_family(directory: Path, family: str, seed: int = 7) -> Path:
     torch.manual_seed(seed)
     model_class(config).save_pretrained(directory)
     return directory
+
+
+def factory_lm():
+    """A user's own causal LM, for ``--model tests.pretrained:factory_lm``: token ids to logits, 320 ids."""
+    from tests.models import TinyLM
+
+    return TinyLM(vocab=320, d=16, layers=2)
+
+
+def factory_not_a_module():
+    return "a string"
+
+
+class _Pooled(torch.nn.Module):
+    """Token ids to one vector a sample: no logits a position."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(320, 8)
+
+    def forward(self, ids):
+        return self.embed(ids).mean(1)
+
+
+def factory_no_logits():
+    return _Pooled()

@@ -217,6 +217,12 @@ CASES = [
     # contradicting command lines
     ("--nproc against the cluster file", _train("--nproc", "2", "--out", "{tmp}/r"), "describes 3 devices", 2),
     ("a model directory with no config", _yours("no-config"), "has no config.json", 2),
+    ("a factory that cannot be imported", _train("--model", "nopkg.models:make", "--out", "{tmp}/r"),
+     "module 'nopkg.models' cannot be imported", 2),
+    ("a factory that returns no module", _train("--model", "tests.pretrained:factory_not_a_module", "--out",
+                                                "{tmp}/r"), "returned str, not an nn.Module", 2),
+    ("a factory's module whose output is no logits", _train("--model", "tests.pretrained:factory_no_logits",
+                                                            "--out", "{tmp}/r"), "cannot be read as logits", 2),
     ("a model directory that does not exist", ["simulate", "--cluster", "both-differ", "--model", "{tmp}/nope/",
                                                "--global-batch", "8"], "no such directory", 2),
     ("an architecture transformers cannot build", _yours("unknown-arch"), "transformers cannot read", 2),

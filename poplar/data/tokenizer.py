@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -58,15 +57,15 @@ def tokenizer_of(model_source, docs: list[str] | None, vocab_size: int) -> TextT
     """The model's own tokenizer where its directory has one; else one trained on ``docs``, checked against the
     model's vocabulary."""
     directory = getattr(model_source, "directory", None)
+    model_vocab = getattr(model_source, "vocab_size", None) if model_source is not None else None
     if directory is not None and model_source.has_tokenizer():
         tok = model_tokenizer(directory)
     else:
         if docs is None:
             raise ValueError("the data is already token ids, and the model has no tokenizer to read text with")
-        tok = trained_tokenizer(docs, vocab_size if directory is None else min(vocab_size, model_source.vocab_size))
-    model_vocab = getattr(model_source, "vocab_size", None) if directory is not None else None
+        tok = trained_tokenizer(docs, min(vocab_size, model_vocab) if model_vocab else vocab_size)
     if model_vocab is not None and tok.vocab_size > model_vocab:
-        raise ValueError(f"the tokenizer gives {tok.vocab_size} ids and {Path(directory).name} embeds "
+        raise ValueError(f"the tokenizer gives {tok.vocab_size} ids and {model_source.name} embeds "
                          f"{model_vocab}: give the model's own tokenizer, or resize its embeddings")
     return tok
 

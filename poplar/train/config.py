@@ -34,8 +34,9 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field("llama-tiny", description="model preset (poplar.workload), or a Hugging Face model "
-                       "directory or its config.json (poplar.models.pretrained)")
+    model: str = Field("llama-tiny", description="model preset (poplar.workload), a Hugging Face model "
+                       "directory or its config.json (poplar.models.pretrained), or package.module:factory "
+                       "(poplar.models.factory)")
     pretrained: bool = Field(True, description="a model directory's training starts from its weights (false: "
                              "initialised afresh)")
     export: str | None = Field(None, description="at the end, write the trained model here as a directory "
@@ -116,11 +117,12 @@ class TrainConfig(BaseModel):
     @field_validator("model")
     @classmethod
     def _model(cls, v: str) -> str:
+        from poplar.models.factory import looks_like_factory
         from poplar.models.pretrained import looks_like_directory
         from poplar.workload import MODEL_PRESETS, HF_PRESETS
 
-        if looks_like_directory(v):
-            return v    # checked whole (config, weights) when the run starts, before anything is profiled
+        if looks_like_directory(v) or looks_like_factory(v):
+            return v    # checked whole (config, weights; the factory) when the run starts, before anything is profiled
         if v not in MODEL_PRESETS and v not in HF_PRESETS:
             raise ValueError(f"{v!r} is not a model preset: choose one of {', '.join([*MODEL_PRESETS, *HF_PRESETS])}, "
                              "or give a model directory's path (./my-model)")

@@ -1,7 +1,8 @@
 """A run's model and data: the model source its config names, and the global batches of its data.
 
-``model`` is a preset's name or a Hugging Face model directory
-(:class:`~poplar.models.pretrained.ModelDirectory`); the data is prepared once
+``model`` is a preset's name, a Hugging Face model directory
+(:class:`~poplar.models.pretrained.ModelDirectory`) or a factory
+(:mod:`poplar.models.factory`); the data is prepared once
 (:func:`poplar.data.prepare.prepare`: the model's tokenizer, or one trained on the text;
 cached, so the ranks read back the launcher's).
 """
@@ -14,20 +15,24 @@ from poplar.train.config import TrainConfig
 from poplar.workload import ModelSource, Workload
 
 
-def model_directory(cfg: TrainConfig):
-    """The config's model directory (None: a preset), checked in one line before anything runs."""
+def own_model(cfg: TrainConfig):
+    """The config's own model, a directory or a factory (None: a preset), checked in one line before anything
+    runs."""
+    from poplar.models.factory import looks_like_factory
     from poplar.models.pretrained import looks_like_directory
 
-    if not looks_like_directory(cfg.model):
-        return None
-    return _directory(cfg.model, cfg.seq_len, cfg.activation_checkpointing, cfg.pretrained)
+    if looks_like_factory(cfg.model):
+        return _own(cfg.model, cfg.seq_len, cfg.activation_checkpointing)
+    if looks_like_directory(cfg.model):
+        return _own(cfg.model, cfg.seq_len, cfg.activation_checkpointing, pretrained=cfg.pretrained)
+    return None
 
 
 @functools.lru_cache(maxsize=4)
-def _directory(model: str, seq_len: int, checkpointing: bool, pretrained: bool):
+def _own(model: str, seq_len: int, checkpointing: bool, **fields):
     from poplar.workload import model_source
 
-    return model_source(model, seq_len=seq_len, activation_checkpointing=checkpointing, pretrained=pretrained)
+    return model_source(model, seq_len=seq_len, activation_checkpointing=checkpointing, **fields)
 
 
 def prepare_data(cfg: TrainConfig):
@@ -35,16 +40,16 @@ def prepare_data(cfg: TrainConfig):
     from poplar.data.prepare import prepare
     from poplar.data.text import GlobalBatches
 
-    prepared = prepare(cfg.data, cfg.data_fields, model_directory(cfg), cfg.seq_len, cfg.vocab_size)
+    prepared = prepare(cfg.data, cfg.data_fields, own_model(cfg), cfg.seq_len, cfg.vocab_size)
     return prepared.tokenizer, GlobalBatches(prepared.tokens, cfg.global_batch, seed=cfg.seed,
                                              targets=prepared.targets)
 
 
 def workload_of(cfg: TrainConfig) -> ModelSource:
-    """The model the run trains: its directory, or a preset of the tokenizer's vocabulary."""
-    directory = model_directory(cfg)
+    """The model the run trains: its own (a directory, a factory), or a preset of the tokenizer's vocabulary."""
+    own = own_model(cfg)
     tok, _ = prepare_data(cfg)
-    if directory is not None:
-        return directory
+    if own is not None:
+        return own
     return Workload(model=cfg.model, seq_len=cfg.seq_len, vocab_size=tok.vocab_size if tok else cfg.vocab_size,
                     activation_checkpointing=cfg.activation_checkpointing)

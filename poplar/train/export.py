@@ -28,12 +28,16 @@ def check_export_dir(out: str | Path) -> Path:
 
 
 def check_exportable(model_source) -> None:
-    """Only a Hugging Face model can be written as one (the built-in presets are Poplar's own modules)."""
+    """Only a Hugging Face model can be written as one: a model directory or a Hugging Face preset (the built-in
+    presets and a factory's modules are the user's or Poplar's own)."""
+    from poplar.models.pretrained import ModelDirectory
     from poplar.workload import Workload
 
-    if isinstance(model_source, Workload) and model_source.family == "tiny":
-        raise ValueError(f"--export: {model_source.name} is a built-in model, not a Hugging Face one: train a "
-                         "Hugging Face preset (llama-tiny, ...) or a model directory to export it")
+    hf = isinstance(model_source, ModelDirectory) or (isinstance(model_source, Workload) and
+                                                       model_source.family != "tiny")
+    if not hf:
+        raise ValueError(f"--export: {model_source.name} is not a Hugging Face model: export a model directory "
+                         "or a Hugging Face preset (its checkpoints hold the weights of any model)")
 
 
 def export_run(run_dir: str | Path, out: str | Path, timeout_s: float = 600) -> Path:

@@ -150,3 +150,18 @@ def test_each_family_trains_on_its_own_tokenizer_s_text_as_one_device(tmp_path, 
     assert result["losses"] == pytest.approx(losses, rel=1e-5)
     for name, value in want.items():
         torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_factory_s_module_is_trained_on_the_text_as_one_device(tmp_path):
+    """``--model package.module:factory``: the module the factory returns (ids to logits), on uneven ranks."""
+    (tmp_path / "text.txt").write_text("\n\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))) * 6)
+    plan = poplar.Plan.from_local_batches(1, [5, 3], [2, 1])
+    plan.save(tmp_path / "plan.json")
+    cfg = load_config(None, {"model": "tests.pretrained:factory_lm", "data": str(tmp_path / "text.txt"),
+                             "seq_len": 16, "global_batch": 8, "steps": 2, "lr": 1e-2, "cluster": "none",
+                             "plan": str(tmp_path / "plan.json"), "out": str(tmp_path / "run")})
+    result = run_training(cfg, return_state=True, nproc=2)
+    want, losses = reference(cfg, 2)
+    assert workload_of(cfg).vocab_size == 320 and result["losses"] == pytest.approx(losses, rel=1e-5)
+    for name, value in want.items():
+        torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
