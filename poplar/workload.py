@@ -18,11 +18,11 @@ import math
 import os
 
 import torch
-from typing import Callable, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from poplar.models import checkpointing
+from poplar.models.source import ModelSource
 from poplar.models import MODEL_PRESETS, build_model
 from poplar.models import causal_lm_loss as tiny_loss
 from poplar.models.hf import HF_PRESETS, build_hf_model, causal_lm_loss, family, masked_lm_loss_fn
@@ -30,41 +30,6 @@ from poplar.models.hf import HF_PRESETS, build_hf_model, causal_lm_loss, family,
 HF_DEFAULT_SEQ_LEN = 128
 HF_DEFAULT_VOCAB = 2048
 MASK_ID = 1     # the tokenizer's second special token (poplar.data.text.MASK)
-
-
-@runtime_checkable
-class ModelSource(Protocol):
-    """What a model source implements: all that Poplar's profiler, simulator, planner and trainer ask of a model.
-
-    It must pickle (spawned ranks get it as it is) and build the same model in every
-    process from the same ``seed``.
-    """
-
-    seq_len: int    # tokens per sample (what throughput in tokens counts)
-
-    @property
-    def name(self) -> str:
-        """What messages, profiles and plans call the model."""
-
-    def build(self, seed: int = 0) -> torch.nn.Module:
-        """The model, initialised from ``seed``; under ``torch.device("meta")`` or fake tensors, of any size."""
-
-    @property
-    def loss(self) -> Callable:
-        """``loss(model, micro_batch)``: the scalar loss of a micro-batch (a batch as :meth:`random_batch` gives)."""
-
-    def random_batch(self, n: int, seed: int = 0):
-        """A batch of ``n`` samples of the right shapes: enough to time and size a step."""
-
-    def n_params(self) -> int:
-        """The model's parameters (without building it where that can be avoided)."""
-
-    def cache_dict(self) -> dict:
-        """Everything about the model that changes a device's profile (the profile cache's key)."""
-
-    def identity(self) -> dict:
-        """A stable identity in JSON values: equal for sources that build the same model with the same batches and
-        loss (checkpoints record it, caches are keyed on it)."""
 
 
 class Workload(BaseModel):

@@ -43,7 +43,7 @@ def load_factory(spec: str):
 
 def as_source(spec: str, seq_len: int | None = None, activation_checkpointing: bool = False):
     """The factory's own :class:`~poplar.workload.ModelSource`, or a :class:`FactorySource` of its module."""
-    from poplar.workload import ModelSource
+    from poplar.models.source import ModelSource
 
     made = load_factory(spec)
     if isinstance(made, ModelSource) and not isinstance(made, torch.nn.Module):

@@ -1,0 +1,48 @@
+"""What Poplar needs of a model: :class:`ModelSource` (re-exported as ``poplar.workload.ModelSource``).
+
+The profiler, the simulator, the planner, the measurements and training all need the
+same things of a model, and nothing else: build it (seeded; on real, meta or fake
+tensors), a batch of ``n`` samples, the loss of a micro-batch, its parameter count, a
+stable identity for the caches, and a name to say.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class ModelSource(Protocol):
+    """What a model source implements: all that Poplar's profiler, simulator, planner and trainer ask of a model.
+
+    It must pickle (spawned ranks get it as it is) and build the same model in every
+    process from the same ``seed``.
+    """
+
+    seq_len: int    # tokens per sample (what throughput in tokens counts)
+
+    @property
+    def name(self) -> str:
+        """What messages, profiles and plans call the model."""
+
+    def build(self, seed: int = 0) -> torch.nn.Module:
+        """The model, initialised from ``seed``; under ``torch.device("meta")`` or fake tensors, of any size."""
+
+    @property
+    def loss(self) -> Callable:
+        """``loss(model, micro_batch)``: the scalar loss of a micro-batch (a batch as :meth:`random_batch` gives)."""
+
+    def random_batch(self, n: int, seed: int = 0):
+        """A batch of ``n`` samples of the right shapes: enough to time and size a step."""
+
+    def n_params(self) -> int:
+        """The model's parameters (without building it where that can be avoided)."""
+
+    def cache_dict(self) -> dict:
+        """Everything about the model that changes a device's profile (the profile cache's key)."""
+
+    def identity(self) -> dict:
+        """A stable identity in JSON values: equal for sources that build the same model with the same batches and
+        loss (checkpoints record it, caches are keyed on it)."""
