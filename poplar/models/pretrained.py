@@ -36,8 +36,14 @@ Task = Literal["causal-lm", "masked-lm"]
 
 
 def looks_like_directory(model: str) -> bool:
-    """Whether ``--model`` names a path (a model directory or its config.json) rather than a preset."""
-    return "/" in model or model.endswith(".json") or model.startswith(".") or Path(model).is_dir()
+    """Whether ``--model`` names a path (a model directory or its config.json) rather than a preset (a preset's
+    name is one even where a directory of that name is here: ``./tiny`` is the directory)."""
+    from poplar.models import MODEL_PRESETS
+    from poplar.models.hf import HF_PRESETS
+
+    if "/" in model or model.endswith(".json") or model.startswith("."):
+        return True
+    return model not in MODEL_PRESETS and model not in HF_PRESETS and Path(model).is_dir()
 
 
 class ModelDirectory(BaseModel):
