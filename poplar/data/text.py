@@ -168,6 +168,8 @@ class GlobalBatches:
             raise ValueError(f"global batch {global_batch} is larger than the {len(sequences)} sequences of the "
                              "data: use more text, shorter sequences or a smaller batch")
         self.sequences, self.global_batch, self.seed, self.targets = sequences, global_batch, seed, targets
+        # each sample's counted targets, once: a step's weight sums the global batch's (every rank, every step)
+        self.counted = None if targets is None else (targets != IGNORE).sum(1)
         self.per_epoch = len(sequences) // global_batch
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -191,6 +193,6 @@ class GlobalBatches:
         tokens = self.sequences[idx[lo:hi]]
         if self.targets is None:
             return tokens[:, :-1], tokens[:, 1:]
-        counted = int((self.targets[idx] != IGNORE).sum())
+        counted = int(self.counted[idx].sum())
         weight = torch.full((hi - lo,), self.global_batch / max(counted, 1), dtype=torch.float32)
         return tokens[:, :-1], self.targets[idx[lo:hi]], weight

@@ -59,10 +59,10 @@ class ModelDirectory(BaseModel):
 
     def model_post_init(self, _context) -> None:
         path = Path(self.directory)
-        if path.name == "config.json" or path.is_file():
-            path = path.parent if path.name == "config.json" else path
-            if not (path / "config.json").is_file():
+        if path.is_file() or path.name == "config.json":
+            if path.name != "config.json":
                 raise ValueError(f"--model {self.directory}: not a model directory or its config.json")
+            path = path.parent
         if not path.exists():
             raise ValueError(f"--model {self.directory}: no such directory (a preset is named without a path)")
         if not (path / "config.json").is_file():
