@@ -46,6 +46,7 @@ from poplar.engine.state_dict import EngineState
 from poplar.engine.units import build_units
 from poplar.engine.unshard import Unsharder
 from poplar.engine.update import NonFiniteError, Update, UpdateOutOfMemoryError
+from poplar.engine.weights import WeightReader, check_empty_model, has_meta_parameters, names_of, read_weights
 from poplar.plan import Plan
 from poplar.stages import stage
 
@@ -56,7 +57,7 @@ class Engine:
     """Trains ``model`` with ``plan`` over ``comm``'s process group. Build it with :func:`initialize`."""
 
     def __init__(self, model: nn.Module, optimizer: OptimizerFactory, plan: Plan, config: EngineConfig,
-                 comm: Comm | None = None):
+                 comm: Comm | None = None, weights: WeightReader | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(plan, Plan):
@@ -73,7 +74,11 @@ class Engine:
         self.stage = stage(plan.zero_stage)
         self.compute_dtype = config.compute_dtype
 
-        if any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):
+        empty = has_meta_parameters(model)
+        if empty:   # its values are read into the shards (poplar.engine.weights)
+            check_empty_model(model, self.device, weights)
+            names = names_of(model)
+        elif any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):
             model.to(self.device)   # (a model already there is left as built: its tensors may be a subclass's)
         check_same_everywhere(self.comm, plan, model, self.device)
         self.model = model
@@ -89,6 +94,8 @@ class Engine:
         self.units = [FlatUnit(i, s.module, s.name, s.params, stage=self.stage, layout=self.shard_layout,
                                compute_dtype=self.compute_dtype, device=self.device)
                       for i, s in enumerate(specs)]
+        if empty:
+            read_weights(model, self.units, weights, names)
 
         self._reducer = GradReducer(self.units, self.stage, config.max_inflight_reduces,
                                     before_launch=lambda: self._batch_check.confirm())
@@ -319,14 +326,16 @@ class Engine:
 
 
 def initialize(model: nn.Module, optimizer: OptimizerFactory, plan: Plan, config: EngineConfig | dict | None = None,
-               *, comm: Comm | None = None, **overrides) -> Engine:
+               *, comm: Comm | None = None, weights: WeightReader | None = None, **overrides) -> Engine:
     """Wrap ``model`` for heterogeneous ZeRO training with ``plan``.
 
     Joins the default process group (torchrun's environment, NCCL on CUDA ranks, gloo on
     CPU), broadcasts rank 0's weights, shards what the stage shards and builds the
     optimizer on the shards. ``comm``: the :class:`~poplar.engine.collectives.Comm` every
     collective goes through (default: the default group's, unobserved); a device's
-    ``device.comm`` lets the device see them.
+    ``device.comm`` lets the device see them. A model built with its parameters on the
+    meta device is read from ``weights`` straight into each rank's shards
+    (:mod:`poplar.engine.weights`): no rank holds the whole model.
 
     Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -345,4 +354,4 @@ def initialize(model: nn.Module, optimizer: OptimizerFactory, plan: Plan, config
         config = EngineConfig(**{**config, **overrides})
     elif overrides:
         config = config.model_copy(update=overrides)
-    return Engine(model, optimizer, plan, config, comm)
+    return Engine(model, optimizer, plan, config, comm, weights)

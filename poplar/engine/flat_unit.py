@@ -22,6 +22,7 @@ per parameter and :meth:`~FlatUnit.post_backward` when its backward is done,
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 
@@ -117,13 +118,40 @@ class FlatUnit:
         return self.layout.shard_comm
 
     def _build_params(self, device: torch.device) -> None:
-        """The flat parameter (and its fp32 master), identical on every rank: rank 0's values."""
+        """The flat parameter (and its fp32 master), identical on every rank: rank 0's values.
+
+        Parameters on the meta device have no values yet (:mod:`poplar.engine.weights` reads them into the
+        master): they are replaced by new parameters, views into the flat buffer (``replaced``, by the old
+        one's ``id``), and in ZeRO-3 nothing but the shard is ever allocated."""
+        empty = any(s.param.is_meta for s in self.slots)
+        dtype = self.compute_dtype
+        mixed = dtype != torch.float32
+        if empty and self.shard_params:
+            self.master = nn.Parameter(torch.zeros(self.shard_numel, device=device))
+            self.param_shard = self.master.data if not mixed else self.master.data.to(dtype)
+            self.full_param = torch.empty(self.padded_numel, dtype=dtype, device=device)
+        else:
+            self._build_full(device, empty)
+        self.param_state = ParamState.UNSHARDED
+        self.replaced: dict[int, nn.Parameter] = {}
+        for i, s in enumerate(self.slots):   # the module's parameters become views into the flat buffer
+            view = self.full_param[s.offset:s.offset + s.numel].view(s.shape)
+            if s.param.is_meta:   # (its own version counter, as a view's data: not the flat buffer's)
+                new = nn.Parameter(torch.empty(0, dtype=dtype, device=device))
+                self.replaced[id(s.param)] = new
+                self.slots[i] = s = dataclasses.replace(s, param=new)
+            s.param.data = view
+        if self.shard_params:
+            self._free_full()
+
+    def _build_full(self, device: torch.device, empty: bool) -> None:
         full = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            for s in self.slots:
-                full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-        # over the world: only the unit's own elements, since each group pads it to its own size
-        self.comm.broadcast(full[:self.numel], src=0)
+        if not empty:
+            with torch.no_grad():
+                for s in self.slots:
+                    full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+            # over the world: only the unit's own elements, since each group pads it to its own size
+            self.comm.broadcast(full[:self.numel], src=0)
         dtype = self.compute_dtype
         mixed = dtype != torch.float32
         if not self.shard_params:
@@ -137,11 +165,6 @@ class FlatUnit:
             self.master = nn.Parameter(self._my_shard(full).clone())
             self.param_shard = self.master.data if not mixed else self.master.data.to(dtype)
             self.full_param = torch.empty(self.padded_numel, dtype=dtype, device=device)
-        self.param_state = ParamState.UNSHARDED
-        for s in self.slots:   # the module's parameters become views into the flat buffer
-            s.param.data = self.full_param[s.offset:s.offset + s.numel].view(s.shape)
-        if self.shard_params:
-            self._free_full()
 
     # -- parameters ---------------------------------------------------------------------
     def _my_shard(self, flat: torch.Tensor) -> torch.Tensor:

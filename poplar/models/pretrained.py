@@ -123,6 +123,34 @@ class ModelDirectory(BaseModel):
         model.config.use_cache = False     # a generation cache is of no use in training
         return checkpointing.enable(model) if self.activation_checkpointing else model
 
+    def build_empty(self, device: torch.device | str = "cpu"):
+        """``(model, weights)``: the model with its parameters on the meta device and its buffers on ``device``,
+        and the reader of its weights (:mod:`poplar.models.weights`), for the engine to read each rank's shards
+        alone; None where the model starts from no weights, or the checkpoint names a parameter otherwise than
+        the model does (transformers' renamings: :meth:`build` loads it whole)."""
+        from poplar.models.weights import SafetensorsWeights, parameters_on_meta
+
+        if not (self.pretrained and self.has_weights):
+            return None
+        with parameters_on_meta(), torch.device(device):
+            model = _auto_class(self.task).from_config(_config(self.directory, self.config_digest),
+                                                       dtype=torch.float32)
+        model.config.use_cache = False
+        weights = SafetensorsWeights(self.directory, getattr(model, "base_model_prefix", ""))
+        names: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        if any(weights.key(tuple(n)) is None for n in names.values()):
+            return None
+        with torch.no_grad():   # saved buffers as saved (the rest as the model computes them)
+            for name, buf in model.named_buffers():
+                key = weights.key((name,))
+                saved = weights.read_whole(key) if key is not None else None
+                if saved is not None and saved.shape == buf.shape:
+                    buf.copy_(saved)
+        model = checkpointing.enable(model) if self.activation_checkpointing else model
+        return model, weights
+
     @property
     def loss(self):
         from poplar.models.hf import causal_lm_loss, masked_lm_loss_fn

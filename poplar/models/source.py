@@ -46,3 +46,12 @@ class ModelSource(Protocol):
     def identity(self) -> dict:
         """A stable identity in JSON values: equal for sources that build the same model with the same batches and
         loss (checkpoints record it, caches are keyed on it)."""
+
+
+def build_for_rank(source: ModelSource, seed: int, device: torch.device | str = "cpu"):
+    """``(model, weights)``: the model a rank trains. Where the source can (an optional ``build_empty(device)``,
+    as a model directory's), its parameters on the meta device and ``weights`` the reader the engine fills each
+    rank's shards from (no rank holds the whole model); otherwise built whole from ``seed`` and ``weights`` None."""
+    build_empty = getattr(source, "build_empty", None)
+    found = build_empty(device) if build_empty is not None else None
+    return found if found is not None else (source.build(seed=seed), None)

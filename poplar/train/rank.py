@@ -17,11 +17,12 @@ from poplar.engine import initialize
 
 
 class RankRuntime:
-    """This rank's engine on its ``device`` (entered), ``optimizer`` a factory of the engine's optimizer."""
+    """This rank's engine on its ``device`` (entered), ``optimizer`` a factory of the engine's optimizer,
+    ``weights`` where the model's parameters are to be read into the shards (:mod:`poplar.engine.weights`)."""
 
-    def __init__(self, device, model, optimizer, plan, config=None):
+    def __init__(self, device, model, optimizer, plan, config=None, weights=None):
         self.device = device
-        self.engine = initialize(model, optimizer, plan, config, comm=device.comm)
+        self.engine = initialize(model, optimizer, plan, config, comm=device.comm, weights=weights)
         self.steps_s: list[float] = []     # each step's time on the device's clock
         self.step_walls: list[tuple[float, float]] = []   # when each began and ended on this host (perf_counter)
 

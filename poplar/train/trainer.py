@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from poplar.engine.collectives import Comm
+from poplar.models.source import build_for_rank
 from poplar.train.checkpointer import Checkpointer
 from poplar.train.config import TrainConfig
 from poplar.train.dataset import prepare_data
@@ -40,9 +41,9 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, plan, wl: Workload, device, rank: int, world_size: int):
         self.cfg, self.wl, self.device, self.rank, self.world_size = cfg, wl, device, rank, world_size
         _, self.batches = prepare_data(cfg)
-        model = wl.build(seed=cfg.seed)
+        model, weights = build_for_rank(wl, cfg.seed, device.torch_device)   # read into the shards where it can
         optimizer = lambda params: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # noqa: E731
-        self.runtime = RankRuntime(device, model, optimizer, plan, cfg.engine)   # as the integrations' ranks
+        self.runtime = RankRuntime(device, model, optimizer, plan, cfg.engine, weights=weights)   # as integrations
         self.engine = self.runtime.engine
         self.comm = Comm()   # the loop's own small collectives (SIGTERM agreed, figures gathered): unpaced
         self.faults = FaultInjector.for_rank(rank)
