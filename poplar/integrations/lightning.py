@@ -68,7 +68,7 @@ except ImportError:   # pragma: no cover - only without Lightning
 from poplar.engine.config import EngineConfig
 from poplar.engine.dist import choose_backend, init_distributed, shutdown
 from poplar.integrations import lightning_checkpoint as checkpoints
-from poplar.integrations.lightning_data import plan_train_loader
+from poplar.integrations.lightning_data import module_source, plan_train_loader
 from poplar.integrations.lightning_options import engine_config, loss_of, take_weights
 from poplar.integrations.runtime import (Runtime, cluster_spec, from_environment, load_plan, optimizer_factory,
                                          resolve_plan)
@@ -77,16 +77,18 @@ from poplar.plan import Plan
 __all__ = ["PoplarStrategy"]
 
 _NEEDS_A_PLAN = ("PoplarStrategy needs a plan: give plan= (a poplar.Plan or a plan.json from `poplar plan`), or "
-                 "cluster=, workload= and global_batch= to plan one (Trainer(strategy='poplar') reads them from "
-                 "POPLAR_PLAN, or POPLAR_CLUSTER, POPLAR_WORKLOAD and POPLAR_GLOBAL_BATCH)")
+                 "cluster= to plan one for your module and data (Trainer(strategy='poplar') reads them from "
+                 "POPLAR_PLAN, or POPLAR_CLUSTER)")
 
 
 class PoplarStrategy(ParallelStrategy):
     """Heterogeneity-aware ZeRO data parallelism for Lightning (see the module's docstring).
 
-    ``plan``: a :class:`~poplar.Plan`, its dict or a ``plan.json``; without one, ``cluster``,
-    ``workload`` (the Poplar model preset to profile) and ``global_batch`` plan it (every rank
-    profiling) over ``stages``. ``cluster``: a cluster file or preset whose emulated (or real)
+    ``plan``: a :class:`~poplar.Plan`, its dict or a ``plan.json``; without one, it is planned
+    on ``cluster`` over ``stages`` (every rank profiling) for ``global_batch`` samples (default:
+    the train loader's ``batch_size`` on every rank): the LightningModule itself profiled on
+    samples of its training data as its loader collates them, or ``workload`` (a Poplar model
+    preset) where given. ``cluster``: a cluster file or preset whose emulated (or real)
     devices the ranks take (none: this host's GPU or CPU). Left out, they come from
     ``POPLAR_PLAN``, ``POPLAR_CLUSTER``, ``POPLAR_WORKLOAD``, ``POPLAR_GLOBAL_BATCH``. ``config``: the
     engine's :class:`~poplar.engine.config.EngineConfig` (or its dict). ``shuffle``, ``seed``: the
@@ -101,7 +103,7 @@ class PoplarStrategy(ParallelStrategy):
         super().__init__(**kwargs)
         plan, cluster, workload, global_batch = from_environment(plan, cluster, workload, global_batch)
         self._plan = load_plan(plan) if plan is not None else None
-        if self._plan is None and (cluster is None or workload is None or global_batch is None):
+        if self._plan is None and cluster is None:
             raise ValueError(_NEEDS_A_PLAN)
         self._cluster = cluster_spec(cluster)
         if self._plan is not None and self._cluster is not None and self._cluster.world_size != self._plan.world_size:
@@ -182,8 +184,9 @@ class PoplarStrategy(ParallelStrategy):
             atexit.register(shutdown)
         self.set_world_ranks()
         super().setup_environment()
-        self._plan = resolve_plan(self._world, self._plan, cluster=self._cluster, workload=self._workload,
-                                  global_batch=self._global_batch, stages=self._stages, config=self._config)
+        if self._plan is not None or self._workload is not None:   # else the module is profiled in setup
+            self._plan = resolve_plan(self._world, self._plan, cluster=self._cluster, workload=self._workload,
+                                      global_batch=self._global_batch, stages=self._stages, config=self._config)
 
     # ------------------------------------------------------------------ checks and set-up
     def connect(self, model) -> None:
@@ -209,10 +212,20 @@ class PoplarStrategy(ParallelStrategy):
             raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers: PoplarStrategy "
                              "steps one; return one optimizer")
         optimizer_factory(self.optimizers[0])   # its one-line refusals, before the engine is built
+        if self._plan is None:
+            self._plan = self._plan_module(trainer, module)
         self.runtime = Runtime(module, self.optimizers[0], self._plan, self._config, cluster=self._cluster)
         self._live, self._trained = True, False
         self.model = module
         self.optimizers = [self.runtime.engine.optimizer]
+
+    def _plan_module(self, trainer, module) -> Plan:
+        """A cluster and no workload: the module itself profiled on its training data (every rank), and planned;
+        the global batch, where not given, is the loader's ``batch_size`` on every rank (as DDP's)."""
+        source, batch_size = module_source(trainer, module, loss_of)
+        global_batch = self._global_batch or (batch_size or 1) * self._world
+        return resolve_plan(self._world, None, cluster=self._cluster, workload=source, global_batch=global_batch,
+                            stages=self._stages, config=self._config, model=module)
 
     def _broadcast_weights(self) -> None:
         """Evaluation without training: every rank evaluates rank 0's weights."""

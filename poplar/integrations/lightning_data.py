@@ -80,3 +80,29 @@ def plan_train_loader(dataloader, plan: Plan, rank: int, *, shuffle: bool, seed:
     # a loader without automatic batching has a per-sample collate_fn: batches take the default one
     collate_fn = dataloader.collate_fn if dataloader.batch_sampler is not None else None
     return PlanDataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **options)
+
+
+def module_source(trainer, module, loss_of) -> tuple:
+    """``(source, batch_size)``: the user's module as a :class:`~poplar.integrations.module_source.ModuleSource`
+    profiled on samples of its training data, collated as its loader collates them (``loss_of`` reads the loss
+    from what ``training_step`` returns), and the loader's ``batch_size``.
+
+    The profiled copy is detached from the trainer (its ``self.log`` calls do nothing).
+    """
+    import copy
+
+    from torch.utils.data import default_collate
+
+    from poplar.integrations.module_source import ModuleSource
+
+    # Lightning keeps where the training data come from (fit's loader, the module's or the datamodule's
+    # train_dataloader) in the fit loop's source, with no public accessor before the loop sets it up (2.6, pinned)
+    loader = trainer.fit_loop._data_source.dataloader()
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        raise TypeError("planning from a cluster alone profiles your module on its training data: give one torch "
+                        f"DataLoader over a map-style dataset (got {type(loader).__name__}), or workload= or a plan")
+    collate = loader.collate_fn if loader.batch_sampler is not None else default_collate
+    detached = copy.deepcopy(module, memo={id(trainer): None})
+    source = ModuleSource(detached, lambda m, batch: loss_of(m.training_step(batch, 0)), loader.dataset, collate,
+                          name=type(module).__name__)
+    return source, loader.batch_size

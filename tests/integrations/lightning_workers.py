@@ -156,3 +156,24 @@ def lightning_runs(rank, world_size, cases, ckpt_dir, two_ranks, two_ranks_clip)
     for name in (LAST_STEP, EPOCH_END, MID_EPOCH):
         resumed[name] = fit(plan, "both-differ", two_ranks_clip, ckpt=os.path.join(ckpt_dir, name))
     return {"runs": runs, "resumed": resumed}
+
+
+def fit_twice_from_cluster(rank, world_size, cluster: str) -> list[dict]:
+    """Two fits planned from the cluster alone (LitTiny itself profiled on its loader's samples), one after the
+    other: each one's final state (rank 0), losses, plan, and whether it profiled (the cache's files changed)."""
+    warnings.filterwarnings("ignore")
+
+    def cache_files() -> dict:
+        root = Path(os.environ["POPLAR_CACHE_DIR"])
+        return {str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()} if root.exists() else {}
+
+    runs = []
+    for _ in range(2):
+        before = cache_files()
+        lit, record = LitTiny(), Record()
+        strategy = PoplarStrategy(cluster=cluster, global_batch=GLOBAL_BATCH, stages=(1, 3), seed=SEED)
+        trainer = pl.Trainer(strategy=strategy, max_steps=N_STEPS, callbacks=[record], **QUIET)
+        trainer.fit(lit, DataLoader(dataset(), batch_size=4, shuffle=True))
+        runs.append({"state": {k: v.clone() for k, v in lit.state_dict().items()} if rank == 0 else None,
+                     "losses": record.losses, "plan": strategy.plan.to_dict(), "profiled": cache_files() != before})
+    return runs

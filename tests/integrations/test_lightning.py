@@ -26,7 +26,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from poplar.integrations.lightning import PoplarStrategy  # noqa: E402
 from tests.integrations.lightning_workers import (  # noqa: E402
     CLUSTER, EPOCH_END, GLOBAL_BATCH, LAST_STEP, MID_EPOCH, N_STEPS, OPTIMIZER, QUIET, LitTiny, dataset,
-    global_batches, lightning_runs, schedule, val_set)
+    fit_twice_from_cluster, global_batches, lightning_runs, schedule, val_set)
 from tests.models import lm_loss, reference_train  # noqa: E402
 
 CLIP = 0.05
@@ -163,6 +163,24 @@ def test_lightnings_precisions_are_the_engines(precision, engine):
     module = SimpleNamespace(automatic_optimization=True)
     config = engine_config(trainer, module, SimpleNamespace(precision=precision), EngineConfig())
     assert config.mixed_precision == engine
+
+
+@pytest.mark.slow
+def test_a_users_module_is_profiled_on_its_data_planned_and_trained_as_one_device_and_cached(tmp_path,
+                                                                                            monkeypatch):
+    """A cluster alone, no plan and no preset: the LightningModule itself is profiled on samples of its loader's
+    dataset as the loader collates them, planned, trained exactly as one device; a second fit reads the profile
+    from the cache."""
+    monkeypatch.setenv("POPLAR_CACHE_DIR", str(tmp_path / "profiles"))
+    first, second = spawn(fit_twice_from_cluster, 3, CLUSTER, timeout_s=600)[0]
+    want, losses, _ = reference(None)
+    for run in (first, second):
+        plan = poplar.Plan.from_dict(run["plan"])
+        assert plan.global_batch_size == GLOBAL_BATCH and plan.zero_stage in (1, 3)
+        assert run["losses"] == pytest.approx(losses, abs=1e-5)
+        for name, value in want.items():
+            torch.testing.assert_close(run["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert first["profiled"] and not second["profiled"]      # measured once, then read from the cache
 
 
 def test_no_plan_is_refused():
