@@ -61,6 +61,25 @@ def save_family(directory: Path, family: str, seed: int = 7) -> Path:
     return directory
 
 
+def save_classifier(directory: Path, family: str = "qwen2", num_labels: int = 3, seed: int = 7) -> Path:
+    """A small sequence classifier (Qwen2: its last token's head; BERT: its first's, pooled) with a tokenizer."""
+    import transformers as tf
+
+    directory = Path(directory)
+    tok = save_tokenizer(directory)
+    small = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=128, num_labels=num_labels)
+    config, model_class = {
+        "qwen2": (tf.Qwen2Config(num_key_value_heads=2, pad_token_id=tok.pad_token_id, **small),
+                  tf.Qwen2ForSequenceClassification),
+        "bert": (tf.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **small),
+                 tf.BertForSequenceClassification),
+    }[family]
+    torch.manual_seed(seed)
+    model_class(config).save_pretrained(directory)
+    return directory
+
+
 def factory_lm():
     """A user's own causal LM, for ``--model tests.pretrained:factory_lm``: token ids to logits, 320 ids."""
     from tests.models import TinyLM

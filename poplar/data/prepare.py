@@ -8,7 +8,9 @@ one (:func:`poplar.data.tokenizer.tokenizer_of`) and gives :class:`Prepared`:
   next token counted;
 - a prompt/completion pair is one sample: prompt, completion, end-of-text, cut to
   ``seq_len + 1`` and padded; only the completion's tokens (and its end) are counted;
-- ids are samples as they are (their ``labels`` where given), cut and padded alike.
+- ids are samples as they are (their ``labels`` where given), cut and padded alike;
+- a text with a label is one sample of a sequence classifier: its ids cut to ``seq_len``
+  and padded with the model's padding id, and its label (:mod:`poplar.models.classify`).
 
 The launcher prepares; the ranks read the same tensors back from the cache (keyed by
 the data's bytes, the tokenizer, the sequence length and the fields), so tokenising a
@@ -27,7 +29,7 @@ import torch
 from poplar.data.records import DataFields, Records, is_table, read_records
 from poplar.models.loss import IGNORE
 
-VERSION = 1   # of the cached format: a change of how samples are cut is another cache
+VERSION = 2   # of the cached format: a change of how samples are cut is another cache
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Prepared:
     tokens: torch.Tensor             # [n, seq_len + 1] ids
     targets: torch.Tensor | None     # [n, seq_len] next-token targets, IGNORE where not counted; None: all counted
     tokenizer: object | None         # the TextTokenizer (None: ids given, and the model has none)
+    labels: torch.Tensor | None = None   # a classifier's: a label a sample (``tokens`` are then [n, seq_len])
 
 
 def prepare(source: str, fields: DataFields, model_source, seq_len: int, vocab_size: int) -> Prepared:
@@ -57,23 +60,36 @@ def prepare(source: str, fields: DataFields, model_source, seq_len: int, vocab_s
     if path.exists():
         try:
             saved = torch.load(path, weights_only=True)
-            return Prepared(saved["tokens"], saved.get("targets"), tok)
+            return Prepared(saved["tokens"], saved.get("targets"), tok, saved.get("labels"))
         except Exception:   # a damaged cache file: it is only a cache
             path.unlink(missing_ok=True)
-    records = records or read()
-    if records.kind != "text" and getattr(model_source, "task", "causal-lm") != "causal-lm":
-        raise ValueError(f"--data {source!r}: {records.kind} train a causal LM; a masked LM trains on text")
+    records = _for_task(records or read(), getattr(model_source, "task", "causal-lm"), source)
     prepared = _cut(records, tok, seq_len, model_source, source)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save({"tokens": prepared.tokens, "targets": prepared.targets}, tmp)
+    torch.save({"tokens": prepared.tokens, "targets": prepared.targets, "labels": prepared.labels}, tmp)
     tmp.replace(path)
     return prepared
+
+
+def _for_task(records: Records, task: str, source: str) -> Records:
+    """The records as the model's task reads them (one line where it cannot)."""
+    if task == "sequence-classification":
+        if records.kind != "labelled":
+            raise ValueError(f"--data {source!r}: a sequence classifier trains on rows of a text and a label: give "
+                             "a table with 'text' and 'label' fields (or name them: data_fields.text, .label)")
+        return records
+    records = records.as_text()
+    if records.kind != "text" and task != "causal-lm":
+        raise ValueError(f"--data {source!r}: {records.kind} train a causal LM; a masked LM trains on text")
+    return records
 
 
 def _cut(records: Records, tok, seq_len: int, model_source, source: str) -> Prepared:
     from poplar.data.text import pack
 
+    if records.kind == "labelled":
+        return _classified(records, tok, seq_len, model_source, source)
     if records.kind == "text":
         return Prepared(pack(records.docs, tok.backend, seq_len, eos_id=tok.eos_id), None, tok)
     if records.kind == "pairs":
@@ -104,6 +120,19 @@ def _padded(samples: list[tuple[list[int], list[int]]], seq_len: int, pad: int, 
         raise ValueError(f"--data {source!r}: no sample has a counted token within {seq_len} tokens (every "
                          "completion is past the sequence's end): use a longer seq_len or shorter prompts")
     return Prepared(tokens[kept].contiguous(), targets[kept].contiguous(), tok)
+
+
+def _classified(records: Records, tok, seq_len: int, model_source, source: str) -> Prepared:
+    """Each text's ids cut to ``seq_len`` and padded with the model's padding id, and its label."""
+    from poplar.models.classify import label_tensor
+
+    labels = label_tensor(records.classes, model_source.config, source)
+    pad = model_source.pad_id()
+    tokens = torch.full((len(records.docs), seq_len), pad, dtype=torch.long)
+    for i, ids in enumerate(tok.encode(records.docs, special=True)):
+        ids = ids[:seq_len]
+        tokens[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return Prepared(tokens, None, tok, labels)
 
 
 def _check_ids(records: Records, model_source, source: str) -> None:

@@ -6,7 +6,8 @@ recognised by the fields' names, as TRL's SFT trainer does, unless named
 
 - ``text``: documents, packed into sequences as plain text is;
 - ``prompt`` + ``completion``: one sample each, the loss on the completion's tokens only;
-- ``input_ids`` (+ ``labels``): samples already tokenised (``labels`` of -100 not counted).
+- ``input_ids`` (+ ``labels``): samples already tokenised (``labels`` of -100 not counted);
+- ``text`` + ``label``: a sequence classifier's samples (a causal or masked LM reads the text alone).
 
 :func:`read_records` returns a :class:`Records`: the documents, the pairs or the ids,
 with nothing tokenised yet (:mod:`poplar.data.prepare` does that).
@@ -30,15 +31,21 @@ class DataFields(BaseModel):
     text: str | None = Field(None, description="the field of documents (default: 'text')")
     prompt: str | None = Field(None, description="the field of prompts (default: 'prompt')")
     completion: str | None = Field(None, description="the field of completions (default: 'completion')")
+    label: str | None = Field(None, description="the field of a classifier's labels (default: 'label')")
 
 
 @dataclass
 class Records:
-    kind: str                                    # "text", "pairs" or "ids"
+    kind: str                                    # "text", "pairs", "ids" or "labelled"
     docs: list[str] | None = None                # text
     pairs: list[tuple[str, str]] | None = None   # pairs: (prompt, completion)
     ids: list[list[int]] | None = None           # ids
     labels: list[list[int]] | None = None        # ids, where given
+    classes: list | None = None                  # labelled: a label a row (beside docs, every row kept)
+
+    def as_text(self) -> "Records":
+        """Labelled rows as documents alone (what a language model trains on)."""
+        return Records("text", docs=[d for d in self.docs if d.strip()]) if self.kind == "labelled" else self
 
 
 def is_table(source: str) -> bool:
@@ -113,6 +120,12 @@ def _records(table, source: str, fields: DataFields) -> Records:
 
     prompt, completion = pick(fields.prompt, "prompt"), pick(fields.completion, "completion")
     text = pick(fields.text, "text")
+    label = pick(fields.label, "label")
+    if label is not None and text is not None:
+        return Records("labelled", docs=_strings(table, text, source), classes=_column(table, label))
+    if fields.label is not None:
+        raise ValueError(f"--data {source!r}: a label field needs a text field beside it (it has "
+                         f"{', '.join(columns)}): name it with data_fields.text=...")
     if fields.text is None and (fields.prompt or fields.completion or (prompt and completion)):
         if not (prompt and completion):
             raise ValueError(f"--data {source!r}: a prompt field needs a completion field beside it (it has "

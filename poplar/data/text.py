@@ -163,11 +163,13 @@ class GlobalBatches:
     partial batch of an epoch is dropped, so every batch is whole).
     """
 
-    def __init__(self, sequences: torch.Tensor, global_batch: int, seed: int = 0, targets: torch.Tensor | None = None):
+    def __init__(self, sequences: torch.Tensor, global_batch: int, seed: int = 0, targets: torch.Tensor | None = None,
+                 labels: torch.Tensor | None = None):
         if global_batch > len(sequences):
             raise ValueError(f"global batch {global_batch} is larger than the {len(sequences)} sequences of the "
                              "data: use more text, shorter sequences or a smaller batch")
         self.sequences, self.global_batch, self.seed, self.targets = sequences, global_batch, seed, targets
+        self.labels = labels    # a classifier's: the sequences are its inputs, a label each
         # each sample's counted targets, once: a step's weight sums the global batch's (every rank, every step)
         self.counted = None if targets is None else (targets != IGNORE).sum(1)
         self.per_epoch = len(sequences) // global_batch
@@ -185,12 +187,14 @@ class GlobalBatches:
         return self.sequences[self._indices(step)]
 
     def local(self, step: int, plan, rank: int) -> tuple[torch.Tensor, ...]:
-        """This rank's ``(inputs, targets)`` of step ``step``, by the plan's slice; where some targets are not
-        counted, ``(inputs, targets, weight)`` (:mod:`poplar.models.loss`: the global batch's samples over its
-        counted tokens, for each sample)."""
+        """This rank's ``(inputs, targets)`` of step ``step``, by the plan's slice (a classifier's: ``(inputs,
+        labels)``); where some targets are not counted, ``(inputs, targets, weight)`` (:mod:`poplar.models.loss`:
+        the global batch's samples over its counted tokens, for each sample)."""
         lo, hi = plan.sample_range(rank)
         idx = self._indices(step)
         tokens = self.sequences[idx[lo:hi]]
+        if self.labels is not None:
+            return tokens, self.labels[idx[lo:hi]]
         if self.targets is None:
             return tokens[:, :-1], tokens[:, 1:]
         counted = int(self.counted[idx].sum())

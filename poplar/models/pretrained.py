@@ -1,9 +1,9 @@
 """A user's own model: a Hugging Face model directory (or its ``config.json``), with its weights where present.
 
 :class:`ModelDirectory` is the :class:`~poplar.workload.ModelSource` of a directory that
-``save_pretrained`` wrote (or of a ``config.json`` alone): any causal-LM or masked-LM
-architecture the installed ``transformers`` builds (Llama, Qwen2, Mistral, GPT-2,
-GPT-NeoX, BERT, ...). Built for real, it is the pretrained model: ``from_pretrained``
+``save_pretrained`` wrote (or of a ``config.json`` alone): any causal-LM, masked-LM or
+sequence-classification architecture the installed ``transformers`` builds (Llama, Qwen2,
+Mistral, GPT-2, GPT-NeoX, BERT, ...; :mod:`poplar.models.classify` for the last). Built for real, it is the pretrained model: ``from_pretrained``
 reads the directory's safetensors (one file or a sharded index), in fp32 whatever the
 checkpoint's dtype (the engine keeps fp32 master weights; the precision option decides
 what it computes in). Built on the meta device or fake tensors (the simulator, the
@@ -31,8 +31,9 @@ from poplar.models import checkpointing
 
 DEFAULT_SEQ_LEN = 128
 WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
-TASK_SUFFIXES = {"ForCausalLM": "causal-lm", "LMHeadModel": "causal-lm", "ForMaskedLM": "masked-lm"}
-Task = Literal["causal-lm", "masked-lm"]
+TASK_SUFFIXES = {"ForCausalLM": "causal-lm", "LMHeadModel": "causal-lm", "ForMaskedLM": "masked-lm",
+                 "ForSequenceClassification": "sequence-classification"}
+Task = Literal["causal-lm", "masked-lm", "sequence-classification"]
 
 
 def looks_like_directory(model: str) -> bool:
@@ -82,6 +83,8 @@ class ModelDirectory(BaseModel):
                              "(max_position_embeddings): use a shorter sequence")
         if self.pretrained and info["weights"]:
             _check_weights(self.directory, digest)
+        if info["task"] == "sequence-classification":
+            self.pad_id()
 
     @property
     def name(self) -> str:
@@ -119,8 +122,8 @@ class ModelDirectory(BaseModel):
             model = auto.from_pretrained(self.directory, dtype=torch.float32, local_files_only=True)
         else:
             torch.manual_seed(seed)
-            model = auto.from_config(_config(self.directory, self.config_digest), dtype=torch.float32)
-        model.config.use_cache = False     # a generation cache is of no use in training
+            model = auto.from_config(self.config, dtype=torch.float32)
+        self._configure(model)
         return checkpointing.enable(model) if self.activation_checkpointing else model
 
     def build_empty(self, device: torch.device | str = "cpu"):
@@ -133,9 +136,9 @@ class ModelDirectory(BaseModel):
         if not (self.pretrained and self.has_weights):
             return None
         with parameters_on_meta(), torch.device(device):
-            model = _auto_class(self.task).from_config(_config(self.directory, self.config_digest),
+            model = _auto_class(self.task).from_config(self.config,
                                                        dtype=torch.float32)
-        model.config.use_cache = False
+        self._configure(model)
         weights = SafetensorsWeights(self.directory, getattr(model, "base_model_prefix", ""))
         names: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -151,11 +154,41 @@ class ModelDirectory(BaseModel):
         model = checkpointing.enable(model) if self.activation_checkpointing else model
         return model, weights
 
+    def _configure(self, model) -> None:
+        model.config.use_cache = False     # a generation cache is of no use in training
+        if self.task == "sequence-classification":   # its head finds each sample's last token by the padding
+            model.config.pad_token_id = self.pad_id()
+
     @property
     def loss(self):
+        from poplar.models.classify import ClassifierLoss
         from poplar.models.hf import causal_lm_loss, masked_lm_loss_fn
 
+        if self.task == "sequence-classification":
+            return ClassifierLoss(self.pad_id())
         return causal_lm_loss if self.task == "causal-lm" else masked_lm_loss_fn(self.mask_id())
+
+    @property
+    def config(self):
+        """The directory's transformers config (read once)."""
+        return _config(self.directory, self.config_digest)
+
+    @property
+    def num_labels(self) -> int:
+        return self.config.num_labels
+
+    def pad_id(self) -> int:
+        """The padding id a classifier's samples are padded with and its head skips: the config's, else its
+        tokenizer's (one line where there is neither: the head could not tell a sample's last token)."""
+        config = self.config
+        pad = config.pad_token_id
+        if pad is None and self.has_tokenizer():
+            pad = auto_tokenizer(self.directory).pad_token_id
+        if pad is None:
+            raise ValueError(f"--model {self.directory}: a sequence classifier needs a padding token (its head reads "
+                             "each sample's last one): set pad_token_id in config.json or a pad_token in its "
+                             "tokenizer")
+        return int(pad)
 
     def mask_id(self) -> int:
         """The mask token a masked LM is trained with: its tokenizer's, else a trained tokenizer's (id 1)."""
@@ -166,9 +199,14 @@ class ModelDirectory(BaseModel):
         return any((Path(self.directory) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
 
     def random_batch(self, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Random ``(inputs, targets)`` of ``n`` samples: enough to time and size a step."""
+        """Random ``(inputs, targets)`` of ``n`` samples: enough to time and size a step (a classifier's targets
+        are a label a sample)."""
         g = torch.Generator().manual_seed(seed)
         x = torch.randint(0, self.vocab_size, (n, self.seq_len + 1), generator=g)
+        if self.task == "sequence-classification":
+            from poplar.models.classify import random_labels
+
+            return x[:, :-1], random_labels(n, self.num_labels, self.config, g)
         return x[:, :-1], x[:, 1:]
 
     def n_params(self) -> int:
@@ -199,9 +237,10 @@ def auto_tokenizer(directory: str):
 
 
 def _auto_class(task: Task):
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+    import transformers
 
-    return AutoModelForCausalLM if task == "causal-lm" else AutoModelForMaskedLM
+    return getattr(transformers, {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
+                                  "sequence-classification": "AutoModelForSequenceClassification"}[task])
 
 
 @functools.lru_cache(maxsize=8)
@@ -224,8 +263,9 @@ def _task(config) -> Task:
             if name.endswith(suffix):
                 return task
     if names:
-        raise ValueError(f"architecture {names[0]}: Poplar trains causal-LM (...ForCausalLM) and masked-LM "
-                         "(...ForMaskedLM) models: save the model with such a head")
+        raise ValueError(f"architecture {names[0]}: Poplar trains causal-LM (...ForCausalLM), masked-LM "
+                         "(...ForMaskedLM) and sequence-classification (...ForSequenceClassification) models: save "
+                         "the model with such a head")
     return "causal-lm"
 
 

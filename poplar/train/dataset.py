@@ -42,7 +42,7 @@ def prepare_data(cfg: TrainConfig):
 
     prepared = prepare(cfg.data, cfg.data_fields, own_model(cfg), cfg.seq_len, cfg.vocab_size)
     return prepared.tokenizer, GlobalBatches(prepared.tokens, cfg.global_batch, seed=cfg.seed,
-                                             targets=prepared.targets)
+                                             targets=prepared.targets, labels=prepared.labels)
 
 
 def workload_of(cfg: TrainConfig) -> ModelSource:

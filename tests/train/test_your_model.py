@@ -18,7 +18,7 @@ from poplar.train.config import load_config
 from poplar.train.dataset import prepare_data, workload_of
 from poplar.train.metrics import learning_rate
 from poplar.train.run import run_training
-from tests.pretrained import save_family, save_qwen2
+from tests.pretrained import save_classifier, save_family, save_qwen2
 
 WORDS = "the cat sat on a mat while dogs ran in the park and birds sang over green hills".split()
 
@@ -146,6 +146,40 @@ def test_each_family_trains_on_its_own_tokenizer_s_text_as_one_device(tmp_path, 
                              "global_batch": 8, "steps": 2, "lr": 1e-2, "cluster": "none",
                              "plan": str(tmp_path / "plan.json"), "out": str(tmp_path / "run")})
     result = run_training(cfg, return_state=True, nproc=2)
+    want, losses = reference(cfg, 2)
+    assert result["losses"] == pytest.approx(losses, rel=1e-5)
+    for name, value in want.items():
+        torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def write_labelled(path, n: int = 48, labels: int = 3, seed: int = 0):
+    """Texts of unlike lengths with a label each (a regression's: a number)."""
+    import random
+
+    r = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            label = r.randrange(labels) if labels > 1 else r.uniform(-1, 1)
+            f.write(json.dumps({"text": " ".join(r.choices(WORDS, k=r.randint(2, 30))), "label": label}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("family, labels, stage, local, shares", [
+    ("qwen2", 3, 3, [2, 6, 4], [1, 3, 0.5]), ("bert", 2, 1, [5, 3, 4], None), ("qwen2", 1, 2, [4, 4, 4], None)],
+    ids=["qwen2-3-classes-zero3", "bert-2-classes-zero1", "qwen2-regression-zero2"])
+def test_a_sequence_classifier_trains_on_labelled_text_as_one_device(tmp_path, family, labels, stage, local, shares):
+    """Texts padded to the sequence and a label each, the head's loss (cross-entropy, or squared error where
+    there is one label): uneven ranks train exactly as one device on the same global batches."""
+    model = save_classifier(tmp_path / "cls", family, num_labels=labels)
+    plan = poplar.Plan.from_local_batches(stage, local, 1, shard_shares=shares)
+    plan.save(tmp_path / "plan.json")
+    cfg = load_config(None, {"model": str(model), "data": str(write_labelled(tmp_path / "rows.jsonl", labels=labels)),
+                             "seq_len": 24, "global_batch": plan.global_batch_size, "steps": 2, "lr": 1e-2,
+                             "cluster": "none", "plan": str(tmp_path / "plan.json"), "out": str(tmp_path / "run")})
+    _, batches = prepare_data(cfg)
+    inputs, targets = batches.local(0, plan, 0)
+    assert inputs.shape[1] == 24 and targets.shape == (inputs.shape[0],)    # a label a sample
+    result = run_training(cfg, return_state=True, nproc=3)
     want, losses = reference(cfg, 2)
     assert result["losses"] == pytest.approx(losses, rel=1e-5)
     for name, value in want.items():
