@@ -73,14 +73,20 @@ def _setup(tmp: Path, earlier_run: Path) -> None:
 
 def _your_model(tmp: Path) -> None:
     """A user's model directories and data files, each wrong in one way (:mod:`tests.pretrained`)."""
-    from tests.pretrained import save_qwen2
+    from tests.pretrained import save_classifier, save_qwen2
 
     save_qwen2(tmp / "qwen")
+    save_classifier(tmp / "cls")
+    shutil.copytree(tmp / "cls", tmp / "cls-no-pad")
+    for f in (tmp / "cls-no-pad").glob("*token*"):
+        f.unlink()
+    no_pad = json.loads((tmp / "cls-no-pad" / "config.json").read_text())
+    (tmp / "cls-no-pad" / "config.json").write_text(json.dumps({**no_pad, "pad_token_id": None}))
     (tmp / "no-config").mkdir()
     (tmp / "no-config" / "model.safetensors").write_bytes(b"")
     config = json.loads((tmp / "qwen" / "config.json").read_text())
     for name, change in (("unknown-arch", {"model_type": "qwen9"}),
-                         ("classifier", {"architectures": ["Qwen2ForSequenceClassification"]}),
+                         ("token-classifier", {"architectures": ["Qwen2ForTokenClassification"]}),
                          ("other-size", {"hidden_size": 48}), ("small-vocab", {"vocab_size": 280}),
                          ("more-layers", {"num_hidden_layers": 3, "layer_types": ["full_attention"] * 3}),
                          ("fewer-layers", {"num_hidden_layers": 1, "layer_types": ["full_attention"]}),
@@ -94,6 +100,7 @@ def _your_model(tmp: Path) -> None:
     (tmp / "bodies.jsonl").write_text("".join(json.dumps({"body": r["prompt"]}) + "\n" for r in rows))
     (tmp / "long.jsonl").write_text("".join(json.dumps({"input_ids": list(range(200))}) + "\n" for _ in rows))
     (tmp / "text.parquet").write_text("this is text, not parquet\n" * 20)
+    (tmp / "labels.jsonl").write_text("".join(json.dumps({"text": f"row {i}", "label": i % 8}) + "\n" for i in range(40)))
     (tmp / "full-dir").mkdir()
     (tmp / "full-dir" / "keep.txt").write_text("the user's file\n")
 
@@ -227,7 +234,13 @@ CASES = [
                                                "--global-batch", "8"], "no such directory", 2),
     ("an architecture transformers cannot build", _yours("unknown-arch"), "transformers cannot read", 2),
     ("a config its own validators refuse", _yours("invalid-config"), "transformers cannot read its config.json", 2),
-    ("an architecture Poplar does not train", _yours("classifier"), "Poplar trains causal-LM", 2),
+    ("an architecture Poplar does not train", _yours("token-classifier"), "Poplar trains causal-LM", 2),
+    ("a classifier with no padding token", _yours("cls-no-pad", "--data", "{tmp}/labels.jsonl"),
+     "needs a padding token", 2),
+    ("a label past the classifier's labels", _yours("cls", "--data", "{tmp}/labels.jsonl"),
+     "the model has 3 labels", 2),
+    ("a classifier's data without labels", _yours("cls", "--data", "{tmp}/pairs.jsonl"),
+     "rows of a text and a label", 2),
     ("weights of another size than the config", _yours("other-size"), "in the weights and", 2),
     ("weights that lack some of the model's tensors", _yours("more-layers"), "the weights lack 12 tensor(s)", 2),
     ("weights with tensors the model has not", _yours("fewer-layers"), "the config's model has not", 2),
