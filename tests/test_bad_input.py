@@ -229,7 +229,7 @@ CASES = [
     ("a factory that returns no module", _train("--model", "tests.pretrained:factory_not_a_module", "--out",
                                                 "{tmp}/r"), "returned str, not an nn.Module", 2),
     ("a factory's module whose output is no logits", _train("--model", "tests.pretrained:factory_no_logits",
-                                                            "--out", "{tmp}/r"), "cannot be read as logits", 2),
+                                                            "--out", "{tmp}/r"), "read as logits", 2),
     ("a model directory that does not exist", ["simulate", "--cluster", "both-differ", "--model", "{tmp}/nope/",
                                                "--global-batch", "8"], "no such directory", 2),
     ("an architecture transformers cannot build", _yours("unknown-arch"), "transformers cannot read", 2),

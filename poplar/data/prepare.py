@@ -19,8 +19,10 @@ large file happens once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +42,14 @@ class Prepared:
     labels: torch.Tensor | None = None   # a classifier's: a label a sample (``tokens`` are then [n, seq_len])
 
 
-def prepare(source: str, fields: DataFields, model_source, seq_len: int, vocab_size: int) -> Prepared:
-    """``source``'s samples for ``model_source`` (a preset's Workload-to-be or a ModelDirectory); see the module."""
+def prepare(source: str, fields: DataFields, model_source, seq_len: int, vocab_size: int,
+            phase: Callable[[str], None] | None = None) -> Prepared:
+    """``source``'s samples for ``model_source`` (a preset's Workload-to-be or a ModelDirectory); see the module.
+    ``phase(what)`` is told when the long part begins (tokenising, on a first run): a progress display's."""
     from poplar.data.text import data_cache_dir, load_text
     from poplar.data.tokenizer import tokenizer_of
+
+    phase = phase or (lambda what: None)
 
     def read() -> Records:
         return read_records(source, fields) if is_table(source) else Records("text", docs=load_text(source))
@@ -56,20 +62,42 @@ def prepare(source: str, fields: DataFields, model_source, seq_len: int, vocab_s
     else:
         tok = None
     key = _key(source, fields, tok, seq_len)
-    path = data_cache_dir() / f"prepared-{key}.pt"
-    if path.exists():
-        try:
-            saved = torch.load(path, weights_only=True)
-            return Prepared(saved["tokens"], saved.get("targets"), tok, saved.get("labels"))
-        except Exception:   # a damaged cache file: it is only a cache
-            path.unlink(missing_ok=True)
+    cached = _read_cache(data_cache_dir() / f"prepared-{key}.pt", tok)
+    if cached is not None:
+        return cached
     records = _for_task(records or read(), getattr(model_source, "task", "causal-lm"), source)
+    phase(f"tokenising {_rows(records):,} rows of {source} into samples of {seq_len} tokens (once: cached)")
     prepared = _cut(records, tok, seq_len, model_source, source)
+    path = data_cache_dir() / f"prepared-{key}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     torch.save({"tokens": prepared.tokens, "targets": prepared.targets, "labels": prepared.labels}, tmp)
     tmp.replace(path)
+    _LOADED.clear()
+    _LOADED[path] = prepared
     return prepared
+
+
+_LOADED: dict[Path, Prepared] = {}   # what this process prepared or read back, by cache file: read once
+
+
+def _read_cache(path: Path, tok) -> Prepared | None:
+    if path in _LOADED and path.exists():
+        return _LOADED[path]
+    if not path.exists():
+        return None
+    try:
+        saved = torch.load(path, weights_only=True)
+    except Exception:   # a damaged cache file: it is only a cache
+        path.unlink(missing_ok=True)
+        return None
+    _LOADED.clear()     # (one run's data at a time: the tensors may be large)
+    _LOADED[path] = Prepared(saved["tokens"], saved.get("targets"), tok, saved.get("labels"))
+    return _LOADED[path]
+
+
+def _rows(records: Records) -> int:
+    return len(records.docs or records.pairs or records.ids or [])
 
 
 def _for_task(records: Records, task: str, source: str) -> Records:
@@ -158,7 +186,16 @@ def _key(source: str, fields: DataFields, tok, seq_len: int) -> str:
     h.update(source.encode() if not files else b"")
     for f in files:
         h.update(str(f.relative_to(path) if path.is_dir() else f.name).encode())
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                h.update(chunk)
+        stat = f.stat()
+        h.update(_file_digest(str(f.resolve()), stat.st_size, stat.st_mtime_ns))
     return h.hexdigest()[:20]
+
+
+@functools.lru_cache(maxsize=256)
+def _file_digest(path: str, size: int, mtime_ns: int) -> bytes:
+    """A file's bytes hashed, once a process while its size and time stay (a run looks its data up often)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.digest()

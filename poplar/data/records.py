@@ -15,6 +15,7 @@ with nothing tokenised yet (:mod:`poplar.data.prepare` does that).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,11 +76,31 @@ def _table_files(path: Path) -> dict[str, list[str]]:
     return found
 
 
-def _load(source: str):
+@contextlib.contextmanager
+def _quiet_datasets():
+    """``datasets`` without its log and progress bars while it reads (a run's output is its own lines, a refusal
+    its one line); as it was after."""
     import datasets
 
-    datasets.disable_progress_bars()   # a run's output is its own lines (and a refusal its one line: no library log)
+    verbosity, bars = datasets.logging.get_verbosity(), not datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if not bars:
+            datasets.enable_progress_bars()
+
+
+def _load(source: str):
+    with _quiet_datasets():
+        return _load_table(source)
+
+
+def _load_table(source: str):
+    import datasets
+
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"--data {source!r}: no such file or directory")

@@ -90,12 +90,10 @@ def output_loss(model, batch) -> torch.Tensor:
 
 
 def _check_loss(module: torch.nn.Module, loss: Callable, sample) -> None:
-    """The loss of one sample is a scalar (a forward here, without gradients), or one line says what to give."""
+    """The loss of one sample is a finite scalar (a forward here, without gradients), or one line says what to give."""
     from poplar.engine.batch import split_batch
+    from poplar.models.source import check_scalar_loss
 
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    with torch.no_grad():
-        value = loss(module, split_batch(sample, 1, device)[0])
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        raise ValueError(f"the model's loss of a batch is {type(value).__name__}, not a scalar: give loss= (a "
-                         "function of the model and a batch), or workload= (a preset), or a plan")
+    check_scalar_loss(loss, module, split_batch(sample, 1, device)[0], type(module).__name__,
+                      "give loss= (a function of the model and a batch), or workload= (a preset), or a plan")

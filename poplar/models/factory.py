@@ -19,6 +19,8 @@ import importlib
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from poplar.models.source import check_scalar_loss
+
 
 def looks_like_factory(model: str) -> bool:
     """``package.module:name``: a factory to import, not a preset or a path."""
@@ -68,16 +70,9 @@ class FactorySource(BaseModel):
         if info["positions"] and self.seq_len > info["positions"]:
             raise ValueError(f"seq_len = {self.seq_len}: {self.factory} has {info['positions']} positions: use a "
                              "shorter sequence")
-        try:
-            with torch.no_grad():
-                value = self.loss(self.build(), self.random_batch(1))
-        except Exception as e:   # the module does not map ids to logits: one line, not its traceback
-            raise ValueError(f"--model {self.factory}: its output of token ids cannot be read as logits "
-                             f"({type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}): the module "
-                             "must map ids [n, seq] to logits [n, seq, vocab]") from None
-        if not isinstance(value, torch.Tensor) or value.numel() != 1 or not torch.isfinite(value):
-            raise ValueError(f"--model {self.factory}: the next-token loss of its output is not a finite scalar "
-                             "(the module must map ids [n, seq] to logits [n, seq, vocab])")
+        check_scalar_loss(self.loss, self.build(), self.random_batch(1), f"--model {self.factory}",
+                          "the module must map token ids [n, seq] to logits [n, seq, vocab] (the next-token loss "
+                          "is read as logits)")
 
     @property
     def name(self) -> str:

@@ -55,3 +55,18 @@ def build_for_rank(source: ModelSource, seed: int, device: torch.device | str = 
     build_empty = getattr(source, "build_empty", None)
     found = build_empty(device) if build_empty is not None else None
     return found if found is not None else (source.build(seed=seed), None)
+
+
+def check_scalar_loss(loss: Callable, model: torch.nn.Module, batch, what: str, fix: str) -> None:
+    """``loss(model, batch)`` (no gradients) is a finite scalar, or a ``ValueError`` in one line: ``what`` the
+    source is, what the loss raised or gave, and ``fix``, what to give instead (before anything is profiled)."""
+    try:
+        with torch.no_grad():
+            value = loss(model, batch)
+    except Exception as e:   # the model and the loss do not fit together: one line, not the traceback
+        first = str(e).splitlines()[0][:150] if str(e) else ""
+        raise ValueError(f"{what}: its loss of a batch cannot be computed ({type(e).__name__}: {first}): "
+                         f"{fix}") from None
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not bool(torch.isfinite(value).all()):
+        kind = type(value).__name__ if not isinstance(value, torch.Tensor) else f"a tensor of {value.numel()}"
+        raise ValueError(f"{what}: its loss of a batch is {kind}, not a finite scalar: {fix}")

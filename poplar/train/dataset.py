@@ -35,12 +35,21 @@ def _own(model: str, seq_len: int, checkpointing: bool, **fields):
     return model_source(model, seq_len=seq_len, activation_checkpointing=checkpointing, **fields)
 
 
-def prepare_data(cfg: TrainConfig):
-    """The tokenizer (None: the data is ids and the model has none) and the run's :class:`GlobalBatches`."""
+def prepare_data(cfg: TrainConfig, progress=None):
+    """The tokenizer (None: the data is ids and the model has none) and the run's :class:`GlobalBatches`.
+
+    ``progress``: a factory of a progress display (``progress(title)``, as the CLI's), shown only while the data
+    are tokenised (a first run; later ones read them back from the cache)."""
+    import contextlib
+
     from poplar.data.prepare import prepare
     from poplar.data.text import GlobalBatches
 
-    prepared = prepare(cfg.data, cfg.data_fields, own_model(cfg), cfg.seq_len, cfg.vocab_size)
+    with contextlib.ExitStack() as shown:
+        def phase(what: str) -> None:
+            if progress is not None:
+                shown.enter_context(progress(f"data: {cfg.data}")).phase(what)
+        prepared = prepare(cfg.data, cfg.data_fields, own_model(cfg), cfg.seq_len, cfg.vocab_size, phase=phase)
     return prepared.tokenizer, GlobalBatches(prepared.tokens, cfg.global_batch, seed=cfg.seed,
                                              targets=prepared.targets, labels=prepared.labels)
 

@@ -72,6 +72,7 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     from poplar.launch import spawn
 
     out_dir = check_out(cfg)
+    prepare_data(cfg, progress)     # once, shown: the ranks read it back
     wl = workload_of(cfg)
     if cfg.export:
         check_exportable(wl)
@@ -107,7 +108,7 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
             if say:
                 print(say, flush=True)
             out_dir.mkdir(parents=True, exist_ok=True)
-            prepare_data(cfg)                   # trains and caches the tokenizer once
+            prepare_data(cfg, progress)         # trains and caches the tokenizer once
         dist.barrier()
         wl = workload_of(cfg)
         if cfg.export:
