@@ -60,10 +60,41 @@ HF_PRESETS: dict[str, tuple[str, dict]] = {
 MASK_FRACTION = 0.15
 
 
+def runs_as_on_real_tensors() -> None:
+    """transformers' masks take the path a real step takes on fake tensors too (the simulator's, the FLOP count's).
+
+    Before it builds a causal mask, transformers reads the position ids' values to tell
+    whether a row packs several sequences; a fake tensor has no values, so it assumes one
+    does and builds a mask (a dozen operators a step) that a real step, whose ids it made
+    itself (0, 1, ... in every row), never builds. The check's own operators still run on a
+    fake tensor (a real step runs them too); its answer is a real step's: not packed. Real
+    tensors are answered as before. Idempotent; where transformers has no such check,
+    nothing changes.
+    """
+    import transformers.masking_utils as masking
+
+    find = getattr(masking, "find_packed_sequence_indices", None)
+    if find is None or getattr(find, "poplar_real_path", False):
+        return
+
+    def find_packed(position_ids):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        packed = find(position_ids)
+        if isinstance(packed, FakeTensor):
+            (packed[:, -1] == 0).all()
+            return None
+        return packed
+
+    find_packed.poplar_real_path = True
+    masking.find_packed_sequence_indices = find_packed
+
+
 def build_hf_model(name: str, vocab_size: int, seed: int = 0, **overrides) -> torch.nn.Module:
     """A freshly initialised model of preset ``name`` (any field of its config can be overridden)."""
     if name not in HF_PRESETS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(HF_PRESETS)}")
+    runs_as_on_real_tensors()
     family, cfg = HF_PRESETS[name]
     cfg = {**cfg, **overrides, "vocab_size": vocab_size}
     torch.manual_seed(seed)

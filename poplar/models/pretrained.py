@@ -239,6 +239,10 @@ def auto_tokenizer(directory: str):
 def _auto_class(task: Task):
     import transformers
 
+    from poplar.models.hf import runs_as_on_real_tensors
+
+    runs_as_on_real_tensors()
+
     return getattr(transformers, {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
                                   "sequence-classification": "AutoModelForSequenceClassification"}[task])
 

@@ -80,3 +80,46 @@ def test_a_line_checked_at_another_world_size_is_drawn_through_two_sizes():
     assert second.at(6, 1).flops[0] == 19.0 and calls == [2, 3] and second.held == {1}
     calls.clear()
     assert Steps(record, checked=first.held).at(6, 2).flops[0] == 19.0 and calls == [2, 3, 4]   # not checked for 2
+
+
+class _Named(Recorder):
+    """A recorder that also writes down each priced operator's name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = len(self)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if len(self) > before:
+            self.names.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("family", ["llama-tiny", "qwen2", "gpt2", "mistral", "gpt-neox", "bert"])
+def test_fake_tensors_run_the_operators_a_real_step_runs(tmp_path, family):
+    """A step of a Hugging Face model on fake tensors (the simulator's) runs the very operators, in order, that a
+    real step runs: transformers takes the real tensors' path for masks (no packed rows, no mask built)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from poplar.workload import model_source
+    from tests.pretrained import save_family, save_qwen2
+
+    if family == "llama-tiny":
+        wl = Workload(model=family, seq_len=24, vocab_size=300)
+    else:
+        directory = save_qwen2(tmp_path / "m") if family == "qwen2" else save_family(tmp_path / "m", family)
+        wl = model_source(str(directory), seq_len=24)
+    batch = wl.random_batch(3)
+    real = _Named()
+    model = wl.build()
+    with real:
+        wl.loss(model, batch).backward()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        model = wl.build()
+        fake = _Named()
+        with fake:
+            wl.loss(model, tuple(mode.from_tensor(t) for t in batch)).backward()
+    assert fake.names == real.names and len(real.names) > 50
