@@ -236,6 +236,17 @@ def _same_run(path: Path, meta: dict, expect: dict) -> None:
                                   f"{value!r}: resume with the same {key}, or start a new run (another --out)")
 
 
+def read_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill ``tensors`` (plain tensors, each of its saved key's whole shape) from the checkpoint at ``path``, in
+    this process alone (no process group): a unit's fp32 master at a time, for an export."""
+    import warnings
+
+    path = Path(path)
+    with _dcp_errors("read", path, "it is damaged: export the one before it"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")   # (one process is meant)
+        dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
+
+
 def load_checkpoint(engine, path: str | Path, expect: dict) -> dict:
     """Restore ``engine`` from ``path`` (every rank; any world size, plan and stage). Returns its meta.
 

@@ -1,11 +1,12 @@
 """A model out of a run: its newest checkpoint as a directory ``from_pretrained`` loads (``poplar export``).
 
-The checkpoint is read as training reads one (:func:`poplar.train.checkpoint.load_checkpoint`:
-any world size, plan and stage) into one rank's engine of the run's own units, whose
-full parameters go into the model and out through ``save_pretrained`` (config,
-safetensors); beside them the tokenizer the run trained with: the model directory's own,
-or the one trained on the run's text, saved as a fast tokenizer. Nothing is overwritten:
-the output directory must be new or empty.
+The checkpoint holds each unit's fp32 master whole (whatever world size, plan and stage
+wrote it); the export reads one unit at a time, cuts it into the unit's parameters by
+the model's own layout (built on the meta device) and writes it as a safetensors file of
+its own under an index, as ``save_pretrained`` writes a sharded model, with the config;
+beside them the tokenizer the run trained with: the model directory's own, or the one
+trained on the run's text, saved as a fast tokenizer. No process holds the whole model.
+Nothing is overwritten: the output directory must be new or empty.
 """
 
 from __future__ import annotations
@@ -40,11 +41,10 @@ def check_exportable(model_source) -> None:
                          "or a Hugging Face preset (its checkpoints hold the weights of any model)")
 
 
-def export_run(run_dir: str | Path, out: str | Path, timeout_s: float = 600) -> Path:
+def export_run(run_dir: str | Path, out: str | Path) -> Path:
     """Write the run's newest intact checkpoint to ``out`` as a Hugging Face model directory; returns ``out``."""
     import yaml
 
-    from poplar.launch import spawn
     from poplar.workload import as_workload
 
     run_dir, out = Path(run_dir), check_export_dir(out)
@@ -59,30 +59,60 @@ def export_run(run_dir: str | Path, out: str | Path, timeout_s: float = 600) -> 
     meta = read_meta(checkpoint)
     wl = as_workload(meta["workload"])
     check_exportable(wl)
-    state = spawn(_full_state, 1, cfg, wl, checkpoint, meta, timeout_s=timeout_s)[0]
-    model = wl.build(seed=cfg.seed)
-    model.load_state_dict(state)
     out.mkdir(exist_ok=True)
-    model.save_pretrained(out)
+    _write_weights(cfg, wl, checkpoint, meta, out)
     _save_tokenizer(cfg, wl, out)
     return out
 
 
-def _full_state(rank: int, world_size: int, cfg: TrainConfig, wl, checkpoint: Path, meta: dict) -> dict:
-    """One rank: the run's units in an engine of its own, the checkpoint loaded, the full parameters returned."""
+def _write_weights(cfg: TrainConfig, wl, checkpoint: Path, meta: dict, out: Path) -> None:
+    """The model's config, and its weights unit by unit: each unit's fp32 master read from the checkpoint whole
+    (any stage, world size and plan wrote it), cut into its parameters and written as a safetensors file of its
+    own, under an index; then the saved buffers. One unit in memory at a time, never the whole model."""
+    import json
+
     import torch
+    from safetensors.torch import save_file
 
-    import poplar
-    from poplar.engine import initialize
-    from poplar.train.checkpoint import load_checkpoint
-    from poplar.train.checkpointer import EXPECTED_KEYS
+    from poplar.engine.units import build_units
+    from poplar.engine.weights import names_of
+    from poplar.train.checkpoint import read_tensors
 
-    plan = poplar.Plan(0, [meta["global_batch"]], 1)
-    engine = initialize(wl.build(seed=cfg.seed), lambda p: torch.optim.AdamW(p, lr=cfg.lr), plan, cfg.engine)
-    load_checkpoint(engine, checkpoint, {k: meta[k] for k in EXPECTED_KEYS})
-    state = engine.full_state_dict()
-    engine.close()
-    return state
+    with torch.device("meta"):
+        model = wl.build(seed=cfg.seed)
+    specs = build_units(model, cfg.engine.unit_classes, cfg.engine.unit_numel)
+    if [{"name": s.name, "numel": sum(p.numel() for p in s.params)} for s in specs] != meta.get("layout"):
+        raise CheckpointError(f"checkpoint {checkpoint} holds other units than {wl.name} is cut into: export it "
+                              "with the engine options it was trained with")
+    names = names_of(model)
+    params = {n for ns in names.values() for n in ns}
+    buffers = {f"buffer.{k}": torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()
+               if k not in params}
+    n = len(specs) + bool(buffers)
+    files, weight_map, total = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)], {}, 0
+    for i, spec in enumerate(specs):
+        flat = {f"unit{i}.master": torch.empty(sum(p.numel() for p in spec.params))}
+        read_tensors(checkpoint, flat)
+        tensors, offset = {}, 0
+        for p in spec.params:   # a tied parameter once, under its first name (from_pretrained ties the rest)
+            tensors[names[id(p)][0]] = flat[f"unit{i}.master"][offset:offset + p.numel()].view(p.shape).clone()
+            offset += p.numel()
+        total += _save(tensors, out / files[i], weight_map, save_file)
+    if buffers:
+        read_tensors(checkpoint, buffers)
+        total += _save({k.removeprefix("buffer."): v for k, v in buffers.items()}, out / files[-1], weight_map,
+                       save_file)
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+    model.config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(out)
+
+
+def _save(tensors: dict, path: Path, weight_map: dict, save_file) -> int:
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    weight_map.update({name: path.name for name in tensors})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _save_tokenizer(cfg: TrainConfig, wl, out: Path) -> None:
