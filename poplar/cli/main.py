@@ -45,7 +45,7 @@ def demo(
     console = _console()
     try:
         run_demo(steps=steps, cluster=cluster, out=out, global_batch=global_batch, console=console,
-                 progress=lambda title: Progress(console, title))
+                 progress=lambda title, **kw: Progress(console, title, **kw))
     except BAD_INPUT_ERRORS as e:
         _error(console, e)
         raise typer.Exit(2) from None
@@ -222,7 +222,8 @@ def train(
     try:
         cfg = load_config(config, {**overrides, **_set_options(set_)})
         shown = os.environ.get("RANK", "0") == "0"   # under torchrun, rank 0 reports the profiling
-        result = run_training(cfg, nproc=nproc, progress=(lambda title: Progress(console, title)) if shown else None)
+        shows = (lambda title, **kw: Progress(console, title, **kw)) if shown else None
+        result = run_training(cfg, nproc=nproc, progress=shows)
     except BAD_INPUT_ERRORS as e:
         _error(console, e)
         raise typer.Exit(2) from None

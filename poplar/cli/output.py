@@ -48,8 +48,10 @@ class Progress:
     both-differ: stage 0: done (N s)
     """
 
-    def __init__(self, out: Console, title: str, steps: int = 4, heartbeat_s: float = HEARTBEAT_S):
+    def __init__(self, out: Console, title: str, steps: int = 4, heartbeat_s: float = HEARTBEAT_S,
+                 after_s: float = 0.0):
         self.out, self.title, self.steps, self.heartbeat_s = out, title, steps, heartbeat_s
+        self.after_s = after_s   # shown only once the wait has lasted this long (a quick one says nothing)
         self.prefix = title.split(":")[0]
         self._bar = None
         self._tasks: dict = {}
@@ -58,22 +60,43 @@ class Progress:
         self._doing = title
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._shown, self._closed, self._phase = False, False, None
+        self._timer: threading.Timer | None = None
 
     def __enter__(self) -> Progress:
-        say(self.out, self.title)
-        if self.out.is_terminal:
-            from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
-            from rich.progress import Progress as Bars
-
-            self._bar = Bars(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=self.out,
-                             transient=True)
-            self._bar.start()
+        if self.after_s > 0:
+            self._timer = threading.Timer(self.after_s, self._show)
+            self._timer.daemon = True
+            self._timer.start()
         else:
-            self._thread = threading.Thread(target=self._heartbeat, daemon=True)
-            self._thread.start()
+            self._show()
         return self
 
+    def _show(self) -> None:
+        with self._lock:
+            if self._shown or self._closed:
+                return
+            self._shown = True
+            say(self.out, self.title)
+            if self.out.is_terminal:
+                from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+                from rich.progress import Progress as Bars
+
+                self._bar = Bars(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=self.out,
+                                 transient=True)
+                self._bar.start()
+            else:
+                self._thread = threading.Thread(target=self._heartbeat, daemon=True)
+                self._thread.start()
+            if self._phase is not None:   # the wait under way when it is shown late
+                self._show_phase(self._phase)
+
     def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
         self._stop.set()
         if self._bar is not None:
             self._bar.stop()
@@ -82,6 +105,12 @@ class Progress:
 
     def phase(self, what: str) -> None:
         """Another long wait begins (measuring, after profiling): a line in a log, a bar of its own in a terminal."""
+        with self._lock:
+            self._phase = what
+            if self._shown:
+                self._show_phase(what)
+
+    def _show_phase(self, what: str) -> None:
         self._last, self._doing = time.monotonic(), what
         if self._bar is not None:
             self._tasks[what] = self._bar.add_task(what, total=None)

@@ -15,6 +15,9 @@ from poplar.train.config import TrainConfig
 from poplar.workload import ModelSource, Workload
 
 
+SHOWN_AFTER_S = 2.0   # data tokenised quicker than this are not shown
+
+
 def own_model(cfg: TrainConfig):
     """The config's own model, a directory or a factory (None: a preset), checked in one line before anything
     runs."""
@@ -38,8 +41,9 @@ def _own(model: str, seq_len: int, checkpointing: bool, **fields):
 def prepare_data(cfg: TrainConfig, progress=None):
     """The tokenizer (None: the data is ids and the model has none) and the run's :class:`GlobalBatches`.
 
-    ``progress``: a factory of a progress display (``progress(title)``, as the CLI's), shown only while the data
-    are tokenised (a first run; later ones read them back from the cache)."""
+    ``progress``: a factory of a progress display (``progress(title, after_s=...)``, as the CLI's), shown only
+    while the data are tokenised (a first run; later ones read them back from the cache), and only once that has
+    taken ``SHOWN_AFTER_S`` (a refusal of a small file stays its one line)."""
     import contextlib
 
     from poplar.data.prepare import prepare
@@ -48,10 +52,17 @@ def prepare_data(cfg: TrainConfig, progress=None):
     with contextlib.ExitStack() as shown:
         def phase(what: str) -> None:
             if progress is not None:
-                shown.enter_context(progress(f"data: {cfg.data}")).phase(what)
+                shown.enter_context(progress(f"data: {cfg.data}", after_s=SHOWN_AFTER_S)).phase(what)
         prepared = prepare(cfg.data, cfg.data_fields, own_model(cfg), cfg.seq_len, cfg.vocab_size, phase=phase)
     return prepared.tokenizer, GlobalBatches(prepared.tokens, cfg.global_batch, seed=cfg.seed,
                                              targets=prepared.targets, labels=prepared.labels)
+
+
+def named_model(cfg: TrainConfig) -> ModelSource:
+    """The model the run trains as far as its name and sample length go, without reading the data (a preset's
+    vocabulary is the tokenizer's, known only after): what a given plan is checked against, first."""
+    return own_model(cfg) or Workload(model=cfg.model, seq_len=cfg.seq_len,
+                                      activation_checkpointing=cfg.activation_checkpointing)
 
 
 def workload_of(cfg: TrainConfig) -> ModelSource:

@@ -22,7 +22,7 @@ from pathlib import Path
 import poplar
 from poplar.train.checkpointer import check_resume
 from poplar.train.config import TrainConfig
-from poplar.train.dataset import prepare_data, workload_of
+from poplar.train.dataset import named_model, prepare_data, workload_of
 from poplar.train.export import check_export_dir, check_exportable, export_run
 from poplar.plan import check_global_batch
 from poplar.train.launching import Launch, cluster_of, on_planned_ranks, precision_of, resolve_launch
@@ -72,11 +72,12 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     from poplar.launch import spawn
 
     out_dir = check_out(cfg)
+    given = given_plan(cfg, named_model(cfg), launch.world_size, cluster)   # before the data: a wrong plan, at once
     prepare_data(cfg, progress)     # once, shown: the ranks read it back
     wl = workload_of(cfg)
     if cfg.export:
         check_exportable(wl)
-    plan, result = _plan(cfg, wl, launch.world_size, cluster, False, progress)
+    plan, result = _plan(cfg, wl, given, launch.world_size, cluster, False, progress)
     out_dir.mkdir(parents=True, exist_ok=True)     # only now: a run refused writes nothing
     cfg, launch, cluster = on_planned_ranks(cfg, launch, plan, result.ranks if result else None, out_dir, cluster)
     write_run_files(cfg, out_dir, plan, result, cluster)
@@ -101,6 +102,7 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
     from poplar.engine.dist import init_distributed, shutdown
 
     out_dir = check_out(cfg, launch.restarted)    # every rank sees the same directory: all refuse alike
+    given = given_plan(cfg, named_model(cfg), launch.world_size, cluster)
     init_distributed()
     rank = dist.get_rank()
     try:
@@ -113,7 +115,7 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
         wl = workload_of(cfg)
         if cfg.export:
             check_exportable(wl)
-        plan, result = _plan(cfg, wl, launch.world_size, cluster, True, progress)
+        plan, result = _plan(cfg, wl, given, launch.world_size, cluster, True, progress)
         if rank == 0:
             write_run_files(cfg, out_dir, plan, result, cluster)
         dist.barrier()
@@ -125,9 +127,9 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
         shutdown()
 
 
-def _plan(cfg: TrainConfig, wl: ModelSource, world_size: int, cluster, distributed: bool, progress):
-    """The plan given (read once) or made, after a resume that would fail is refused; and the planner's result."""
-    given = given_plan(cfg, wl, world_size, cluster)
+def _plan(cfg: TrainConfig, wl: ModelSource, given, world_size: int, cluster, distributed: bool, progress):
+    """The plan ``given`` (:func:`given_plan`, read once) or made, after a resume that would fail is refused; and
+    the planner's result."""
     check_resume(cfg, wl, cfg.global_batch if given is None else given.global_batch_size)
     return get_plan(cfg, wl, world_size, given, cluster, distributed=distributed, progress=progress)
 

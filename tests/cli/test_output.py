@@ -56,6 +56,18 @@ def test_a_log_gets_a_line_per_stage_and_a_heartbeat_in_a_quiet_wait():
                                                      r"the last report\)", b) for b in beats), beats
 
 
+def test_a_wait_shown_after_a_while_says_nothing_when_quick_and_its_phase_when_long():
+    quick = log()
+    with Progress(quick, "data: rows.jsonl", after_s=0.5) as progress:
+        progress.phase("tokenising 12 rows")
+    long = log()
+    with Progress(long, "data: rows.jsonl", after_s=0.2, heartbeat_s=60) as progress:
+        progress.phase("tokenising 100,000 rows")
+        time.sleep(0.6)
+    assert quick.file.getvalue() == ""
+    assert long.file.getvalue().splitlines() == ["data: rows.jsonl", "tokenising 100,000 rows"]
+
+
 def test_events_may_name_the_device_kind():
     out = log()
     with Progress(out, "c: profiling") as progress:
