@@ -86,13 +86,14 @@ CASES = [(s, layout, p) for s, layout, p in itertools.product(range(4), LAYOUTS,
          if not (s == 0 and layout == "shares")]
 
 
-@pytest.mark.parametrize("tie,dtype", [(False, torch.float32), (True, torch.bfloat16)], ids=["fp32", "bf16-tied"])
-def test_weights_read_into_every_stage_and_layout_equal_from_pretrained(tmp_path, tie, dtype):
-    directory = save_qwen2(tmp_path / "qwen", tie=tie, dtype=dtype, max_shard_size="30KB")
-    assert (directory / "model.safetensors.index.json").is_file()    # a sharded checkpoint
-    results = spawn(load_cases, WORLD, str(directory), CASES, timeout_s=240)
+def test_weights_read_into_every_stage_and_layout_equal_from_pretrained(tmp_path):
+    """Two sharded checkpoints, fp32 (untied) and bf16 (tied head), each in every case, in one group of ranks."""
+    saved = [save_qwen2(tmp_path / "fp32", max_shard_size="30KB"),
+             save_qwen2(tmp_path / "bf16-tied", tie=True, dtype=torch.bfloat16, max_shard_size="30KB")]
+    assert all((d / "model.safetensors.index.json").is_file() for d in saved)    # sharded checkpoints
+    results = spawn(load_directories, WORLD, [str(d) for d in saved], CASES, timeout_s=240)
     for rank, rank_results in enumerate(results):
-        for case, r in zip(CASES, rank_results):
+        for case, r in zip([c for _ in saved for c in CASES], rank_results):
             alone = case[1] == "hybrid" and rank == 2    # a node of one rank holds its copy whole
             assert r["keys"], case
             assert r["err"] == 0.0, (case, r["err"])
@@ -100,6 +101,10 @@ def test_weights_read_into_every_stage_and_layout_equal_from_pretrained(tmp_path
             assert r["read"] == r["held"] and (case[0] == 0 or alone or r["read"] < r["total"] * 0.75), (case, r)
             tol = 1e-5 if case[2] == "fp32" else 3e-2
             assert abs(r["loss"] - r["want_loss"]) <= tol * max(1.0, abs(r["want_loss"])), (case, r)
+
+
+def load_directories(rank, world_size, directories: list[str], cases: list) -> list:
+    return [r for d in directories for r in load_cases(rank, world_size, d, cases)]
 
 
 def test_a_meta_model_without_weights_is_refused_in_one_line():

@@ -176,7 +176,7 @@ def test_a_users_module_is_profiled_on_its_data_planned_and_trained_as_one_devic
     want, losses, _ = reference(None)
     for run in (first, second):
         plan = poplar.Plan.from_dict(run["plan"])
-        assert plan.global_batch_size == GLOBAL_BATCH and plan.zero_stage in (1, 3)
+        assert plan.global_batch_size == GLOBAL_BATCH and plan.zero_stage == 1
         assert run["losses"] == pytest.approx(losses, abs=1e-5)
         for name, value in want.items():
             torch.testing.assert_close(run["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
