@@ -66,12 +66,7 @@ def train_cases(rank: int, world_size: int, cases: list[tuple[dict, dict]], out:
 def train_twice(rank: int, world_size: int, out: str, cluster: str) -> list[dict]:
     """Two runs planned from the cluster alone (the model and data profiled), one after the other: each one's
     result, whether it profiled (the cache's files changed) and its plan."""
-    import os
-    from pathlib import Path
-
-    def cache_files() -> dict:
-        root = Path(os.environ["POPLAR_CACHE_DIR"])
-        return {str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()} if root.exists() else {}
+    from tests.integrations import profile_cache_files as cache_files
 
     runs = []
     for i in range(2):

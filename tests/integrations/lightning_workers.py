@@ -161,12 +161,9 @@ def lightning_runs(rank, world_size, cases, ckpt_dir, two_ranks, two_ranks_clip)
 def fit_twice_from_cluster(rank, world_size, cluster: str) -> list[dict]:
     """Two fits planned from the cluster alone (LitTiny itself profiled on its loader's samples), one after the
     other: each one's final state (rank 0), losses, plan, and whether it profiled (the cache's files changed)."""
+    from tests.integrations import profile_cache_files as cache_files
+
     warnings.filterwarnings("ignore")
-
-    def cache_files() -> dict:
-        root = Path(os.environ["POPLAR_CACHE_DIR"])
-        return {str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()} if root.exists() else {}
-
     runs = []
     for _ in range(2):
         before = cache_files()
