@@ -188,6 +188,10 @@ class EmulatedDevice(Device):
             stack.enter_context(WorkCounter(self.gpu, add=self._advance))
             yield
 
+    def slow(self, factor: float) -> None:
+        """From the next step on, compute at ``factor`` of the declared speed (1: as declared again)."""
+        self.gpu = GpuModel.of(self.kind).slowed(factor)
+
     def _advance(self, seconds: float) -> None:
         self.T += seconds
 

@@ -2,16 +2,19 @@
 
 ``POPLAR_FAULT="kill@backward:rank=1:step=3"`` makes rank 1 send itself SIGKILL when
 the backward pass of step 3 (counted from 1) begins. What: ``kill`` (SIGKILL),
-``term`` (SIGTERM, as a scheduler's preemption), or ``shrink`` (an emulated device's
+``term`` (SIGTERM, as a scheduler's preemption), ``shrink`` (an emulated device's
 memory shrinks to the fraction ``to`` of itself, as when another process takes some:
-``shrink@step:rank=1:step=3:to=0.5``). Where:
+``shrink@step:rank=1:step=3:to=0.5``), or ``slow`` (an emulated device computes at the
+fraction ``to`` of its declared speed from that step on, as a card that throttles;
+``until=U``: at its speed again from step ``U``: ``slow@step:rank=1:step=5:to=0.6:until=12``).
+Where:
 
 - ``forward``, ``backward``: as the model's forward / backward pass starts;
 - ``collective``: while the other ranks wait inside a collective for this one (it
   lingers a moment before dying, so they are surely in it);
 - ``save``: in the middle of writing a checkpoint (this rank's shard written, the
   checkpoint not yet complete);
-- ``step``: as the step begins (``shrink`` only).
+- ``step``: as the step begins (``shrink`` and ``slow`` only).
 
 The fault fires once, in torchrun's first attempt (a restarted group runs clean).
 Unset, nothing here costs anything.
@@ -27,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 WHERE = ("forward", "backward", "collective", "save", "step")
-WHAT = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "shrink": None}
+WHAT = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "shrink": None, "slow": None}
+AT_STEP = ("shrink", "slow")   # what strikes as a step begins (and only there)
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class Fault:
     rank: int
     step: int
     to: float = 0.5
+    until: int | None = None    # slow: the step from which the device is at its speed again
 
     @classmethod
     def parse(cls, text: str) -> Fault:
@@ -44,15 +49,17 @@ class Fault:
             head, *fields = text.strip().split(":")
             what, where = head.split("@")
             kv = dict(f.split("=", 1) for f in fields)
-            fault = cls(what, where, int(kv.pop("rank")), int(kv.pop("step")), float(kv.pop("to", 0.5)))
-            if kv or what not in WHAT or where not in WHERE or (what == "shrink") != (where == "step"):
+            until = kv.pop("until", None)
+            fault = cls(what, where, int(kv.pop("rank")), int(kv.pop("step")), float(kv.pop("to", 0.5)),
+                        None if until is None else int(until))
+            if kv or what not in WHAT or where not in WHERE or (what in AT_STEP) != (where == "step"):
                 raise ValueError
-            if not 0 < fault.to <= 1:
+            if not 0 < fault.to <= 1 or (until is not None and (what != "slow" or fault.until <= fault.step)):
                 raise ValueError
         except (ValueError, KeyError):
             raise ValueError(f"POPLAR_FAULT={text!r}: write WHAT@WHERE:rank=R:step=S with WHAT one of "
                              f"{', '.join(WHAT)} and WHERE one of {', '.join(WHERE)} (shrink@step:...:to=F, "
-                             "0 < F <= 1)") from None
+                             "0 < F <= 1; slow@step:...:to=F[:until=U], U after S)") from None
         return fault
 
 
@@ -109,6 +116,11 @@ class FaultInjector:
     def on_step_start(self, step: int) -> None:
         self.step = step
         f = self.fault
+        if f.what == "slow" and f.rank == self.rank and step in (f.step, f.until):
+            if not hasattr(self._device, "slow"):
+                raise ValueError("POPLAR_FAULT=slow@...: only an emulated device can be slowed")
+            self.fired = True
+            self._device.slow(f.to if step == f.step else 1.0)
         if self.fired or f.what != "shrink" or (f.rank, f.step) != (self.rank, step):
             return
         if getattr(self._device, "capacity", None) is None:
