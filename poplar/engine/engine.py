@@ -46,7 +46,7 @@ from poplar.engine.state_dict import EngineState
 from poplar.engine.units import build_units
 from poplar.engine.unshard import Unsharder
 from poplar.engine.update import NonFiniteError, Update, UpdateOutOfMemoryError
-from poplar.engine.weights import WeightReader, check_empty_model, has_meta_parameters, names_of, read_weights
+from poplar.engine.weights import WeightReader, check_empty_model, has_meta_parameters, read_weights
 from poplar.plan import Plan
 from poplar.stages import stage
 
@@ -77,7 +77,6 @@ class Engine:
         empty = has_meta_parameters(model)
         if empty:   # its values are read into the shards (poplar.engine.weights)
             check_empty_model(model, self.device, weights)
-            names = names_of(model)
         elif any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):
             model.to(self.device)   # (a model already there is left as built: its tensors may be a subclass's)
         check_same_everywhere(self.comm, plan, model, self.device)
@@ -95,7 +94,7 @@ class Engine:
                                compute_dtype=self.compute_dtype, device=self.device)
                       for i, s in enumerate(specs)]
         if empty:
-            read_weights(model, self.units, weights, names)
+            read_weights(model, self.units, weights)
 
         self._reducer = GradReducer(self.units, self.stage, config.max_inflight_reduces,
                                     before_launch=lambda: self._batch_check.confirm())

@@ -64,17 +64,21 @@ def choose_unit_modules(model: nn.Module, unit_classes=None, unit_numel: int = 1
     return chosen
 
 
+def names_of(model: nn.Module) -> dict[int, tuple[str, ...]]:
+    """Every name each parameter is registered under, by ``id`` (a tied parameter has several), in registration
+    order."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {k: tuple(v) for k, v in names.items()}
+
+
 def build_units(model: nn.Module, unit_classes=None, unit_numel: int = 1_000_000) -> list[UnitSpec]:
     """Cut ``model``'s trainable parameters into units (pre-order; the root is unit 0)."""
     modules = choose_unit_modules(model, unit_classes, unit_numel)
     specs = [UnitSpec(m, name) for name, m in modules]
-    # Where is each parameter registered? A tied parameter is registered more than once.
-    registrations: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if p.requires_grad:
-            registrations.setdefault(id(p), []).append(name)
-            params[id(p)] = p
+    params = {id(p): p for p in model.parameters() if p.requires_grad}
+    registrations = {k: v for k, v in names_of(model).items() if k in params}
 
     def inside(unit_name: str, param_name: str) -> bool:
         return unit_name == "" or param_name.startswith(unit_name + ".")

@@ -19,6 +19,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from poplar.engine.units import names_of
+
 
 @runtime_checkable
 class WeightReader(Protocol):
@@ -56,14 +58,6 @@ def check_empty_model(model: nn.Module, device: torch.device, reader) -> None:
                          "buffers and real parameters under torch.device(...) of the rank")
 
 
-def names_of(model: nn.Module) -> dict[int, tuple[str, ...]]:
-    """Every name each parameter is registered under (a tied parameter has several), by ``id``."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {k: tuple(v) for k, v in names.items()}
-
-
 @torch.no_grad()
 def read_into_master(unit, names: dict[int, tuple[str, ...]], reader: WeightReader) -> None:
     """Fill the elements of ``unit``'s fp32 master this rank holds from ``reader``, one parameter's slice at a
@@ -82,17 +76,17 @@ def read_into_master(unit, names: dict[int, tuple[str, ...]], reader: WeightRead
         master[a - lo:b - lo].copy_(values.reshape(-1))
 
 
-def read_weights(model: nn.Module, units, reader: WeightReader, names: dict[int, tuple[str, ...]]) -> None:
-    """Every unit's master from ``reader``, the model's parameters brought up to date from it, and the meta
-    parameters the units replaced swapped for their replacements wherever the model registers them."""
+def read_weights(model: nn.Module, units, reader: WeightReader) -> None:
+    """The meta parameters the units replaced swapped for their replacements wherever the model registers them,
+    every unit's master read from ``reader``, and the model's parameters brought up to date from it."""
     replaced = {k: v for u in units for k, v in u.replaced.items()}
-    names = {id(replaced[k]) if k in replaced else k: v for k, v in names.items()}   # the units' slots hold the new
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        if id(p) in replaced:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, replaced[id(p)])
+    names = names_of(model)
     for unit in units:
         read_into_master(unit, names, reader)
     works = [w for w in (u.refresh_params_after_step() for u in units) if w is not None]
     for w in works:
         w.wait()
-    for name, p in list(model.named_parameters(remove_duplicate=False)):
-        if id(p) in replaced:
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, replaced[id(p)])

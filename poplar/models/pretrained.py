@@ -3,10 +3,13 @@
 :class:`ModelDirectory` is the :class:`~poplar.workload.ModelSource` of a directory that
 ``save_pretrained`` wrote (or of a ``config.json`` alone): any causal-LM, masked-LM or
 sequence-classification architecture the installed ``transformers`` builds (Llama, Qwen2,
-Mistral, GPT-2, GPT-NeoX, BERT, ...; :mod:`poplar.models.classify` for the last). Built for real, it is the pretrained model: ``from_pretrained``
-reads the directory's safetensors (one file or a sharded index), in fp32 whatever the
-checkpoint's dtype (the engine keeps fp32 master weights; the precision option decides
-what it computes in). Built on the meta device or fake tensors (the simulator, the
+Mistral, GPT-2, GPT-NeoX, BERT, ...; :mod:`poplar.models.classify` for the last). Built
+for real, it is the pretrained model: ``from_pretrained`` reads the directory's
+safetensors (one file or a sharded index), in fp32 whatever the checkpoint's dtype (the
+engine keeps fp32 master weights; the precision option decides what it computes in).
+For training, :meth:`ModelDirectory.build_empty` gives it with its parameters on the meta
+device and a reader the engine fills each rank's shards from (:mod:`poplar.models.weights`).
+Built on the meta device or fake tensors (the simulator, the
 profiler's sizes) no weight is read.
 
 Everything that can be wrong with a directory is said in one line when the source is
@@ -28,9 +31,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from poplar.models import checkpointing
+from poplar.models.weights import WEIGHTS, WEIGHTS_INDEX
 
 DEFAULT_SEQ_LEN = 128
-WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
 TASK_SUFFIXES = {"ForCausalLM": "causal-lm", "LMHeadModel": "causal-lm", "ForMaskedLM": "masked-lm",
                  "ForSequenceClassification": "sequence-classification"}
 Task = Literal["causal-lm", "masked-lm", "sequence-classification"]
@@ -131,19 +134,16 @@ class ModelDirectory(BaseModel):
         and the reader of its weights (:mod:`poplar.models.weights`), for the engine to read each rank's shards
         alone; None where the model starts from no weights, or the checkpoint names a parameter otherwise than
         the model does (transformers' renamings: :meth:`build` loads it whole)."""
+        from poplar.engine.units import names_of
         from poplar.models.weights import SafetensorsWeights, parameters_on_meta
 
         if not (self.pretrained and self.has_weights):
             return None
         with parameters_on_meta(), torch.device(device):
-            model = _auto_class(self.task).from_config(self.config,
-                                                       dtype=torch.float32)
+            model = _auto_class(self.task).from_config(self.config, dtype=torch.float32)
         self._configure(model)
         weights = SafetensorsWeights(self.directory, getattr(model, "base_model_prefix", ""))
-        names: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(name)
-        if any(weights.key(tuple(n)) is None for n in names.values()):
+        if any(weights.key(n) is None for n in names_of(model).values()):
             return None
         with torch.no_grad():   # saved buffers as saved (the rest as the model computes them)
             for name, buf in model.named_buffers():

@@ -65,10 +65,11 @@ def named_model(cfg: TrainConfig) -> ModelSource:
                                       activation_checkpointing=cfg.activation_checkpointing)
 
 
-def workload_of(cfg: TrainConfig) -> ModelSource:
-    """The model the run trains: its own (a directory, a factory), or a preset of the tokenizer's vocabulary."""
+def workload_of(cfg: TrainConfig, prepared: tuple | None = None) -> ModelSource:
+    """The model the run trains: its own (a directory, a factory), or a preset of the tokenizer's vocabulary.
+    ``prepared``: what :func:`prepare_data` gave, where the caller has it (else the data are prepared here)."""
     own = own_model(cfg)
-    tok, _ = prepare_data(cfg)
+    tok, _ = prepared or prepare_data(cfg)
     if own is not None:
         return own
     return Workload(model=cfg.model, seq_len=cfg.seq_len, vocab_size=tok.vocab_size if tok else cfg.vocab_size,

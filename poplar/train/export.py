@@ -74,8 +74,7 @@ def _write_weights(cfg: TrainConfig, wl, checkpoint: Path, meta: dict, out: Path
     import torch
     from safetensors.torch import save_file
 
-    from poplar.engine.units import build_units
-    from poplar.engine.weights import names_of
+    from poplar.engine.units import build_units, names_of
     from poplar.train.checkpoint import read_tensors
 
     with torch.device("meta"):

@@ -73,8 +73,7 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
 
     out_dir = check_out(cfg)
     given = given_plan(cfg, named_model(cfg), launch.world_size, cluster)   # before the data: a wrong plan, at once
-    prepare_data(cfg, progress)     # once, shown: the ranks read it back
-    wl = workload_of(cfg)
+    wl = workload_of(cfg, prepare_data(cfg, progress))     # prepared once, shown: the ranks read it back
     if cfg.export:
         check_exportable(wl)
     plan, result = _plan(cfg, wl, given, launch.world_size, cluster, False, progress)
@@ -105,14 +104,15 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
     given = given_plan(cfg, named_model(cfg), launch.world_size, cluster)
     init_distributed()
     rank = dist.get_rank()
+    prepared = None    # rank 0's; the others read the cache it wrote
     try:
         if rank == 0:
             if say:
                 print(say, flush=True)
             out_dir.mkdir(parents=True, exist_ok=True)
-            prepare_data(cfg, progress)         # trains and caches the tokenizer once
+            prepared = prepare_data(cfg, progress)   # trains and caches the tokenizer once
         dist.barrier()
-        wl = workload_of(cfg)
+        wl = workload_of(cfg, prepared)
         if cfg.export:
             check_exportable(wl)
         plan, result = _plan(cfg, wl, given, launch.world_size, cluster, True, progress)
