@@ -182,6 +182,8 @@ def test_a_device_slowed_mid_run_computes_at_its_fraction_and_recovers_and_the_r
     from poplar.train.report import read_log
 
     monkeypatch.setenv("POPLAR_FAULT", "slow@step:rank=1:step=2:to=0.5:until=4")
+    # a pace at which the real work fits inside each span on a loaded host: the busy times are the declared ones
+    monkeypatch.setenv("POPLAR_DILATION", "100")
     slowed = run_training(load_config(None, _fields(tmp_path, "slowed")), return_state=True)
     _same(slowed["state"], reference)
     busy = {r["step"] + 1: r["busy_s"] for r in read_log(tmp_path / "slowed" / "log.jsonl")}   # (logged from 0)
