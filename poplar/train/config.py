@@ -29,6 +29,28 @@ FLAT_ENGINE_FIELDS = ("clip_grad_norm", "mixed_precision", "on_nonfinite")
 ENGINE_DEFAULTS = {"clip_grad_norm": 1.0}   # where training's default differs from the engine's
 
 
+class ReplanConfig(BaseModel):
+    """When a run plans again while it trains (:mod:`poplar.train.replan`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["auto", "off"] = Field("auto", description="auto: re-plan when the steps measure off the "
+                                         "prediction; off: keep the plan (a plan given with --plan, or a baseline, "
+                                         "is always kept)")
+    threshold: float = Field(0.1, gt=0, lt=1, description="a step or a rank's busy time this far off its prediction "
+                             "(a fraction) counts as off; a new plan must be predicted faster by half of it")
+    patience: int = Field(3, ge=1, description="steps in a row off the prediction before planning again")
+    every: int = Field(10, ge=1, description="at most one re-plan in this many steps")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_alone(cls, data: Any) -> Any:
+        """``replan: off`` (or ``auto``) for ``replan: {mode: off}``."""
+        if isinstance(data, bool):
+            return {"mode": "auto" if data else "off"}
+        return {"mode": data} if isinstance(data, str) else data
+
+
 class TrainConfig(BaseModel):
     """Everything `poplar train` needs; every field has a default that runs on a laptop."""
 
@@ -73,6 +95,8 @@ class TrainConfig(BaseModel):
     dead_rank_timeout_s: float = Field(30.0, gt=0, description="a rank silent this long is taken for dead and the "
                                        "run stops (a rank on the same host whose process is gone: at once)")
     log_every: int = Field(1, gt=0)
+    replan: ReplanConfig = Field(default_factory=ReplanConfig, description="re-planning while training from the "
+                                 "steps measured: mode auto|off, threshold, patience, every (e.g. --set replan=off)")
     profile_cache: bool = True
     peak_tflops: float | None = Field(None, gt=0, description="each GPU's peak dense TFLOP/s in the compute dtype, "
                                       "for model FLOPs utilisation where poplar does not know the GPU")

@@ -92,19 +92,28 @@ class StepLog:
     def step_started(self) -> None:
         self._overruns = self.device.overruns
 
-    def step_done(self, step: int, loss: float, grad_norm: float | None, skipped: bool, last: bool,
-                  loss_scale: float | None = None) -> None:
-        """``loss_scale``: fp16's, after the step (None in bf16 and fp32)."""
-        if not (step % self.cfg.log_every == 0 or last or skipped):
+    def due(self, step: int, last: bool, skipped: bool) -> bool:
+        """Whether step ``step`` (from 0) is logged."""
+        return step % self.cfg.log_every == 0 or last or skipped
+
+    def gather(self, grad_norm: float | None) -> StepFigures:
+        """Every rank's figures of the step just done (every rank calls this)."""
+        return StepFigures.gather(self.device, self.comm, self._overruns, self.peak, grad_norm)
+
+    def write(self, step: int, loss: float, figures: StepFigures, skipped: bool, loss_scale: float | None = None,
+              replan: dict | None = None) -> None:
+        """Rank 0: the step's record and line. ``loss_scale``: fp16's, after the step (None in bf16 and fp32);
+        ``replan``: the plan changed after this step (:class:`poplar.train.replan.Replan`'s record)."""
+        if self._file is None:
             return
-        figures = StepFigures.gather(self.device, self.comm, self._overruns, self.peak, grad_norm)
-        if self._file is not None:
-            record = self.record(step, loss, figures, skipped)
-            if loss_scale is not None:
-                record["loss_scale"] = loss_scale
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-            print(self.line(record, loss), flush=True)
+        record = self.record(step, loss, figures, skipped)
+        if loss_scale is not None:
+            record["loss_scale"] = loss_scale
+        if replan is not None:
+            record["replan"] = replan
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        print(self.line(record, loss), flush=True)
 
     def record(self, step: int, loss: float, fig: StepFigures, skipped: bool) -> dict:
         record = {"step": step, "loss": loss if math.isfinite(loss) else None, "lr": learning_rate(self.cfg, step),

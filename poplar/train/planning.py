@@ -47,6 +47,20 @@ def given_plan(cfg: TrainConfig, wl: Workload, world_size: int, cluster):
     return None
 
 
+def plan_basis(cfg: TrainConfig, result, world_size: int, cluster) -> dict | None:
+    """What the ranks plan again from as they measure (:class:`~poplar.planner.replan.PlanBasis`, as a dict): the
+    planner's profile and ranks, or, resuming on the same cluster with the run's own plan, what the run wrote
+    (``basis.json``); None where the plan was given."""
+    from poplar.planner.replan import PlanBasis
+
+    if result is not None:
+        return PlanBasis(result.profile, list(result.ranks)).to_dict() if result.profile is not None else None
+    written = Path(cfg.out) / "basis.json"
+    if cfg.resume and not cfg.plan and written.is_file() and same_cluster(cfg, world_size, cluster):
+        return json.loads(written.read_text())
+    return None
+
+
 def _discovered(distributed: bool):
     """Without a cluster file: the ranks' own GPUs, discovered."""
     from poplar.profile.discover import discover_cluster

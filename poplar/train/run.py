@@ -26,19 +26,22 @@ from poplar.train.dataset import named_model, prepare_data, workload_of
 from poplar.train.export import check_export_dir, check_exportable, export_run
 from poplar.plan import check_global_batch
 from poplar.train.launching import Launch, cluster_of, on_planned_ranks, precision_of, resolve_launch
-from poplar.train.planning import get_plan, given_plan
+from poplar.train.planning import get_plan, given_plan, plan_basis
 from poplar.train.run_dir import check_out, write_run_files
 from poplar.workload import ModelSource
 
 
 def train_rank(rank: int, world_size: int, cfg: TrainConfig, launch: Launch, plan_dict: dict, wl: ModelSource,
-               cluster=None, return_state: bool = False) -> dict:
+               cluster=None, return_state: bool = False, basis: dict | None = None) -> dict:
     """One rank: its device (``cluster``'s, read by the launcher), its :class:`~poplar.train.trainer.Trainer`, the
-    loop; rank 0's figures and the plan it ended with (lowered where a rank ran out of memory)."""
+    loop; rank 0's figures and the plan it ended with (re-planned, or lowered where a rank ran out of memory).
+    ``basis``: what it plans again from (:func:`~poplar.train.planning.plan_basis`)."""
+    from poplar.planner.replan import PlanBasis
     from poplar.train.trainer import Trainer
 
     with launch.device(rank, wl, cluster) as device:
-        trainer = Trainer(cfg, poplar.Plan.from_dict(plan_dict), wl, device, rank, world_size)
+        trainer = Trainer(cfg, poplar.Plan.from_dict(plan_dict), wl, device, rank, world_size,
+                          basis=None if basis is None else PlanBasis.from_dict(basis))
         out = trainer.train()
         state = trainer.engine.full_state_dict() if return_state else None
         plan = trainer.engine.plan.to_dict()
@@ -79,8 +82,9 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     plan, result = _plan(cfg, wl, given, launch.world_size, cluster, False, progress)
     out_dir.mkdir(parents=True, exist_ok=True)     # only now: a run refused writes nothing
     cfg, launch, cluster = on_planned_ranks(cfg, launch, plan, result.ranks if result else None, out_dir, cluster)
-    write_run_files(cfg, out_dir, plan, result, cluster)
-    ranks = spawn(train_rank, launch.world_size, cfg, launch, plan.to_dict(), wl, cluster, return_state,
+    basis = plan_basis(cfg, result, launch.world_size, cluster)
+    write_run_files(cfg, out_dir, plan, result, cluster, basis)
+    ranks = spawn(train_rank, launch.world_size, cfg, launch, plan.to_dict(), wl, cluster, return_state, basis,
                   timeout_s=timeout_s)
     return _exported(cfg, _finish(cfg, out_dir, poplar.Plan.from_dict(ranks[0]["plan"]), result, ranks[0]))
 
@@ -116,11 +120,11 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
         if cfg.export:
             check_exportable(wl)
         plan, result = _plan(cfg, wl, given, launch.world_size, cluster, True, progress)
+        basis = plan_basis(cfg, result, launch.world_size, cluster)
         if rank == 0:
-            write_run_files(cfg, out_dir, plan, result, cluster)
+            write_run_files(cfg, out_dir, plan, result, cluster, basis)
         dist.barrier()
-        mine = train_rank(rank, launch.world_size, cfg, launch, plan.to_dict(), wl, cluster,
-                          return_state)
+        mine = train_rank(rank, launch.world_size, cfg, launch, plan.to_dict(), wl, cluster, return_state, basis)
         plan = poplar.Plan.from_dict(mine["plan"])
         return _finish(cfg, out_dir, plan, result, mine) if rank == 0 else {**mine, "plan": plan}
     finally:

@@ -1,4 +1,5 @@
-"""A run's directory and the files that say what the run is: ``plan.json``, ``config.yaml``, ``cluster.json``.
+"""A run's directory and the files that say what the run is: ``plan.json``, ``config.yaml``, ``cluster.json``
+(and ``basis.json``, the profile a re-plan starts from).
 
 ``plan.json`` is one schema, written here and read by ``poplar.Plan.load`` (which
 ignores the planner's figures beside the plan): the plan the
@@ -66,10 +67,13 @@ def write_plan(out_dir: Path, plan, result=None, allocation: str = "poplar") -> 
     path.write_text(json.dumps(plan_record(plan, result, allocation), indent=2) + "\n")
 
 
-def write_run_files(cfg: TrainConfig, out_dir: Path, plan, result, cluster) -> None:
+def write_run_files(cfg: TrainConfig, out_dir: Path, plan, result, cluster, basis: dict | None = None) -> None:
+    """``basis``: what the ranks plan again from (:func:`poplar.train.planning.plan_basis`), kept for a resume."""
     import yaml
 
     write_plan(out_dir, plan, result, cfg.baseline)
+    if basis is not None and result is not None:
+        (out_dir / "basis.json").write_text(json.dumps(basis) + "\n")
     keep_aside(out_dir / "config.yaml")
     (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     (out_dir / "cluster.json").write_text(json.dumps(cluster_record(cluster, plan.world_size), indent=2) + "\n")

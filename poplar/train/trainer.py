@@ -6,6 +6,7 @@ optimizer step; ``train`` is the loop. Everything else is a component with one j
 - :class:`~poplar.train.checkpointer.Checkpointer`: resume, and save when due;
 - :class:`~poplar.train.metrics.StepLog`: every step's figures, gathered, logged, printed;
 - :class:`~poplar.train.recovery.StepRecovery`: a rank out of memory mid-step, recovered;
+- :class:`~poplar.train.replan.Replanner`: the steps held to the plan's prediction, a better plan taken;
 - :class:`~poplar.train.preemption.Preemption`: SIGTERM, a checkpoint and a clean exit;
 - :class:`~poplar.train.watchdog.Watchdog`: a dead rank stops every rank, with one line;
 - :class:`~poplar.train.faults.FaultInjector`: a fault armed by a test (``POPLAR_FAULT``).
@@ -30,6 +31,7 @@ from poplar.train.metrics import StepLog, flops_per_token, learning_rate
 from poplar.train.preemption import Preemption
 from poplar.train.rank import RankRuntime
 from poplar.train.recovery import StepRecovery
+from poplar.train.replan import replanner_for
 from poplar.train.run_dir import keep_log_before, write_plan
 from poplar.train.watchdog import Watchdog, lost_peer, store_address
 from poplar.workload import Workload
@@ -38,7 +40,9 @@ from poplar.workload import Workload
 class Trainer:
     """Trains ``wl`` with ``plan`` on this rank's ``device`` (the process group is joined already)."""
 
-    def __init__(self, cfg: TrainConfig, plan, wl: Workload, device, rank: int, world_size: int):
+    def __init__(self, cfg: TrainConfig, plan, wl: Workload, device, rank: int, world_size: int, basis=None):
+        """``basis``: the planning the plan came from (:class:`~poplar.planner.replan.PlanBasis`), to plan again
+        as the steps measure (None: the plan is kept)."""
         self.cfg, self.wl, self.device, self.rank, self.world_size = cfg, wl, device, rank, world_size
         _, self.batches = prepare_data(cfg)
         model, weights = build_for_rank(wl, cfg.seed, device.torch_device)   # read into the shards where it can
@@ -60,6 +64,7 @@ class Trainer:
         if rank == 0 and cfg.resume:
             keep_log_before(Path(cfg.out) / "log.jsonl", self.start)
         self.log = StepLog(cfg, rank, device, self.comm, plan.global_batch_size, flops_per_token(wl, cfg.engine))
+        self.replanner = replanner_for(cfg, basis, self.engine.plan, world_size)
         self.losses: list[float] = []
         self.preempted: int | None = None
 
@@ -100,9 +105,7 @@ class Trainer:
         self.log.step_started()
         loss = self.train_step(step)
         self.losses.append(loss)
-        self.log.step_done(step, loss, self.engine.last_grad_norm, self.engine.skipped_steps > skipped,
-                           last=step == self.last - 1,
-                           loss_scale=self.engine.loss_scale if self.engine.config.mixed_precision == "fp16" else None)
+        self._figures(step, loss, self.engine.skipped_steps > skipped)
         for c in self.callbacks:
             c.on_step_end(step + 1)
         stop = self.preemption.agreed()
@@ -115,9 +118,29 @@ class Trainer:
                       flush=True)
         return stop
 
+    def _figures(self, step: int, loss: float, skipped: bool) -> None:
+        """The step's figures gathered (where logged, or held to the plan's prediction), logged; a re-plan taken."""
+        due = self.log.due(step, step == self.last - 1, skipped)
+        if not due and self.replanner is None:
+            return
+        figures = self.log.gather(self.engine.last_grad_norm)
+        change = (self.replanner.observe(step + 1, figures)
+                  if self.replanner is not None and step + 1 < self.last else None)   # none after the last step
+        if due or change is not None:
+            self.log.write(step, loss, figures, skipped, replan=None if change is None else change.record(),
+                           loss_scale=self.engine.loss_scale if self.engine.config.mixed_precision == "fp16" else None)
+        if change is not None:
+            self.engine.set_plan(change.after)
+            self.checkpointer.plan_changed(change.after, step + 2)
+            if self.rank == 0:
+                print(change.line(), flush=True)
+                write_plan(Path(self.cfg.out), change.after)
+
     def _plan_lowered(self, plan, notice: dict) -> None:
-        """A rank ran out of memory: its micro-batch is lowered (every rank alike) and the step runs again."""
+        """A rank ran out of memory: its micro-batch is lowered (every rank alike) and the step runs again; the
+        profile's memory was wrong for it, so the plan is not searched again on it."""
         self.checkpointer.plan_changed(plan, notice["step"])
+        self.replanner = None
         if self.rank == 0:
             print(f"poplar: rank {notice['rank']} ran out of memory in step {notice['step']} with micro-batches of "
                   f"{notice['micro_batch']} ({notice['error']}); its micro-batches are lowered to "

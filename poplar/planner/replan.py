@@ -1,0 +1,99 @@
+"""Planning again while training: the profile's curves rescaled by what each rank now measures.
+
+A profile is taken once; a card that throttles, a neighbour that takes a GPU's memory
+bandwidth or a profile taken on another cluster make a rank compute slower (or faster)
+than its kind's curves say. :class:`PlanBasis` is what a run keeps of its planning to plan
+again: the profile and which of its ranks the plan's ranks are. :meth:`PlanBasis.cost`
+is the cost model with each plan rank's compute times multiplied by its ``speeds`` factor
+(1: as profiled; 2: twice the time), ranks of one kind with unlike factors split into kinds
+of their own; :meth:`PlanBasis.replan` searches the best split of the same global batch on
+it, in the plan's ZeRO stage, shape and shares (the engine keeps those in place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from poplar.plan import Plan
+from poplar.planner.cost import CostModel, Prediction
+from poplar.planner.search import allocate, measured_proportional, uniform
+from poplar.profile.profile import Profile, StageProfile
+
+SPEED_STEP = 0.01   # factors are kept to this: ranks of a kind this close share one rescaled kind
+
+
+def slowed_stage(sp: StageProfile, factor: float) -> StageProfile:
+    """``sp`` with every time ``factor`` times as long (its memory as it was)."""
+    anatomy = None if sp.anatomy is None else [
+        a.model_copy(update={f: getattr(a, f) * factor for f in ("before_loss_s", "before_norm_s", "gather_issue_s",
+                                                                 "gather_copy_s", "before_waits_s", "between_waits_s")})
+        for a in sp.anatomy]
+    return sp.model_copy(update={
+        "points": [(m, t * factor) for m, t in sp.points], "per_step_s": sp.per_step_s * factor, "anatomy": anatomy,
+        "share_steps": [(f, t * factor) for f, t in sp.share_steps],
+        "share_gathers": [(f, a * factor, b * factor) for f, a, b in sp.share_gathers]})
+
+
+def rescaled(profile: Profile, ranks: list[int], speeds: list[float]) -> Profile:
+    """``profile`` with plan rank ``i`` (profile rank ``ranks[i]``) computing ``speeds[i]`` times as long."""
+    kinds, devices = list(profile.ranks), dict(profile.devices)
+    for r, factor in zip(ranks, speeds):
+        factor = round(factor / SPEED_STEP) * SPEED_STEP
+        if abs(factor - 1.0) < SPEED_STEP / 2:
+            continue
+        base = profile.ranks[r]
+        name = f"{base} x{factor:.2f}"
+        if name not in devices:
+            dev = profile.devices[base]
+            devices[name] = dev.model_copy(update={"kind": name, "stages": {
+                s: slowed_stage(sp, factor) for s, sp in dev.stages.items()}})
+        kinds[r] = name
+    return profile.model_copy(update={"ranks": kinds, "devices": devices})
+
+
+@dataclass(frozen=True)
+class PlanBasis:
+    """What a run keeps of its planning to plan again: the profile, and the profile rank of each plan rank."""
+
+    profile: Profile
+    ranks: list[int]
+
+    def cost(self, plan: Plan, speeds: list[float] | None = None) -> CostModel:
+        """The cost model of ``plan``'s stage, shape and shares, each rank's compute times ``speeds`` times as long."""
+        profile = self.profile if speeds is None else rescaled(self.profile, self.ranks, speeds)
+        return CostModel(profile, plan.zero_stage, list(self.ranks), shaped=plan.shard_groups is not None,
+                         shares=list(plan.shard_shares) if plan.shard_shares else None)
+
+    def predict(self, plan: Plan, speeds: list[float] | None = None) -> Prediction:
+        return self.cost(plan, speeds).predict(plan)
+
+    def replan(self, plan: Plan, speeds: list[float]) -> tuple[Plan, Prediction]:
+        """The fastest split of ``plan``'s global batch at ``speeds`` (Poplar's search beside the baselines' splits,
+        as the planner picks), in its stage, shape and shares; and its prediction."""
+        cost = self.cost(plan, speeds)
+        best = plan, cost.predict(plan)
+        for search in (allocate, uniform, measured_proportional):
+            try:
+                found = _as(plan, search(cost, plan.global_batch_size))
+            except ValueError:     # this search finds no split (infeasible): the others may
+                continue
+            predicted = cost.predict(found)
+            if predicted.step_s < best[1].step_s:
+                best = found, predicted
+        return best
+
+    def to_dict(self) -> dict:
+        return {"profile": self.profile.model_dump(mode="json"), "ranks": list(self.ranks)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PlanBasis:
+        return cls(Profile.model_validate(data["profile"]), [int(r) for r in data["ranks"]])
+
+
+def _as(plan: Plan, found: Plan) -> Plan:
+    """``found``'s split with ``plan``'s shard groups and shares."""
+    if plan.shard_groups is not None:
+        found = found.with_shard_groups([list(g) for g in plan.shard_groups])
+    if plan.shard_shares:
+        found = found.with_shard_shares(list(plan.shard_shares))
+    return found

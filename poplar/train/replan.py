@@ -1,0 +1,115 @@
+"""A plan that follows the cluster: measured steps against the plan's prediction, a new plan where it pays.
+
+Every step every rank gathers each rank's step and busy time (:class:`~poplar.train.metrics.StepFigures`,
+one small all-gather), so every rank holds the same figures and :meth:`Replanner.observe`
+decides alike on every rank without a word more: the gather is the agreement. A step
+counts as *off* when its time, or a rank's busy time, is more than ``threshold`` from what
+the plan predicts. After ``patience`` such steps in a row (and not within ``every`` steps
+of the last re-plan), each rank's compute is rescaled by what it measured against its
+prediction (:class:`~poplar.planner.replan.PlanBasis`), the planner searches the same
+global batch again in the plan's stage, shape and shares, and the new plan is taken from
+the next step where it is predicted faster by more than half the threshold. Either way
+the rescaled prediction becomes the one steps are held to (with the step time's own
+residual, so a cost model a little off on this cluster is not re-planned over and over).
+
+Not counted: the first step after the start and after each change (a warm-up), and a
+step in which an emulated device's real work ran past its declared time (``overruns``:
+the host's time, not the device's). A new split of the same global batch leaves every
+update exactly what it was (:meth:`poplar.engine.engine.Engine.set_plan`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from poplar.plan import Plan
+from poplar.planner.replan import SPEED_STEP, PlanBasis
+
+
+@dataclass(frozen=True)
+class Replan:
+    """One re-plan: after step ``step`` (from 1), ``before`` gave way to ``after``."""
+
+    step: int
+    why: str
+    before: Plan
+    after: Plan
+    speeds: list[float]         # each rank's compute time over its profile's
+    measured_step_s: float      # the steps that led here (median)
+    kept_step_s: float          # the plan before, predicted at these speeds
+    predicted_step_s: float     # the plan after, predicted at these speeds
+
+    def record(self) -> dict:
+        return {"after_step": self.step, "why": self.why, "before": self.before.to_dict(),
+                "after": self.after.to_dict(), "speeds": self.speeds, "measured_step_s": self.measured_step_s,
+                "kept_step_s": self.kept_step_s, "predicted_step_s": self.predicted_step_s}
+
+    def line(self) -> str:
+        return (f"poplar: re-planned after step {self.step}: {self.why}; {self.before} -> {self.after}, "
+                f"predicted {self.kept_step_s * 1e3:.3g} -> {self.predicted_step_s * 1e3:.3g} ms a step "
+                f"(measured {self.measured_step_s * 1e3:.3g})")
+
+
+class Replanner:
+    """Holds a run's steps to its plan's prediction; see the module's docstring. ``config``:
+    :class:`~poplar.train.config.ReplanConfig`."""
+
+    def __init__(self, config, basis: PlanBasis, plan: Plan):
+        self.config, self.basis, self.plan = config, basis, plan
+        self.speeds = [1.0] * plan.world_size
+        self.expected = basis.predict(plan)
+        self.residual = 1.0            # measured step over predicted, where the speeds explain the busy times
+        self.window: list = []         # the off steps in a row, each's figures
+        self.last_change: int | None = None
+        self.settling = True
+
+    def observe(self, step: int, figures) -> Replan | None:
+        """After step ``step`` (from 1), with every rank's figures: the re-plan to train with from the next step."""
+        if self.settling or figures.overruns:
+            self.settling = False
+            return None
+        self.window = [*self.window, figures][-self.config.patience:] if self._off(figures) else []
+        if len(self.window) < self.config.patience or (
+                self.last_change is not None and step - self.last_change < self.config.every):
+            return None
+        return self._evaluate(step)
+
+    def _off(self, figures) -> bool:
+        limit = self.config.threshold
+        if abs(figures.step_s / (self.residual * self.expected.step_s) - 1) > limit:
+            return True
+        return any(abs(b / p - 1) > limit for b, p in zip(figures.busy_s, self.expected.busy_s) if p > 0)
+
+    def _evaluate(self, step: int) -> Replan | None:
+        busy = [statistics.median(f.busy_s[i] for f in self.window) for i in range(len(self.speeds))]
+        measured = statistics.median(f.step_s for f in self.window)
+        speeds = [_kept(s * b / p) if p > 0 else s for s, b, p in zip(self.speeds, busy, self.expected.busy_s)]
+        kept = self.basis.predict(self.plan, speeds)
+        found, predicted = self.basis.replan(self.plan, speeds)
+        why = _why(self.speeds, speeds, measured / (self.residual * self.expected.step_s))
+        self.speeds, self.window, self.residual = speeds, [], measured / kept.step_s
+        if found == self.plan or predicted.step_s * (1 + self.config.threshold / 2) > kept.step_s:
+            self.expected = kept
+            return None
+        change = Replan(step, why, self.plan, found, speeds, measured, kept.step_s, predicted.step_s)
+        self.plan, self.expected, self.last_change, self.settling = found, predicted, step, True
+        return change
+
+
+def _kept(speed: float) -> float:
+    return round(speed / SPEED_STEP) * SPEED_STEP
+
+
+def _why(before: list[float], after: list[float], off: float) -> str:
+    moved = [f"rank {i} computes at {1 / s:.2f}x its profile's speed (was {1 / b:.2f}x)"
+             for i, (b, s) in enumerate(zip(before, after)) if s != b]
+    return (", ".join(moved) or "the ranks compute as they did") + f"; steps measured {off:.2f}x the prediction"
+
+
+def replanner_for(cfg, basis: PlanBasis | None, plan: Plan, world_size: int) -> Replanner | None:
+    """The run's :class:`Replanner`, or None where its plan is kept: ``replan: off``, a plan given without the
+    planning it came from, a baseline's allocation (trained to be measured as it is), a rank alone."""
+    if cfg.replan.mode == "off" or basis is None or cfg.baseline != "poplar" or world_size < 2:
+        return None
+    return Replanner(cfg.replan, basis, plan)

@@ -1,0 +1,106 @@
+"""Re-planning while training (:mod:`poplar.train.replan`): when it happens, what it plans, and that it does not
+when nothing changed. The decisions are walked here on figures a cost model gives (seeded noise); the runs that
+re-plan on real ranks are in tests/train/test_replan_runs.py."""
+
+import random
+
+import pytest
+
+from poplar.planner.planner import plan_stage
+from poplar.planner.replan import PlanBasis
+from poplar.train.config import ReplanConfig, load_config
+from poplar.train.metrics import StepFigures
+from poplar.train.replan import Replanner, replanner_for
+from tests.planner.profiles import make_profile
+from tests.planner.test_replan import COMM
+
+PROFILE = make_profile({"fast": (1, 5e-4, 1e-3, 32), "slow": (2, 5e-4, 3e-3, 16)}, per_step=2e-4, comm=COMM)
+BASIS = PlanBasis(PROFILE, [0, 1, 2])
+
+
+def _plan(stage: int):
+    return plan_stage(PROFILE, stage, 36).poplar.plan
+
+
+def _figures(plan, speeds, rng: random.Random, noise: float, overruns: int = 0) -> StepFigures:
+    """A step of ``plan`` on ranks computing ``speeds`` times as long as profiled, each time off by up to ``noise``."""
+    p = BASIS.predict(plan, speeds)
+    jitter = lambda x: x * (1 + rng.uniform(-noise, noise))   # noqa: E731
+    return StepFigures(step_s=jitter(p.step_s), busy_s=[jitter(b) for b in p.busy_s], overruns=overruns,
+                       peaks=[0.0] * len(speeds), grad_norm=None)
+
+
+def _run(replanner: Replanner, steps: int, speeds_at, seed: int = 0, noise: float = 0.02, overruns_at=None):
+    """Steps 1..``steps``, rank speeds ``speeds_at(step)``; each re-plan (taken at once, as the trainer does)."""
+    rng, changes = random.Random(seed), []
+    for step in range(1, steps + 1):
+        fig = _figures(replanner.plan, speeds_at(step), rng, noise, (overruns_at or (lambda s: 0))(step))
+        before = replanner.plan
+        change = replanner.observe(step, fig)
+        if change is not None:
+            assert change.before == before and replanner.plan == change.after and change.step == step
+            changes.append(change)
+    return changes
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_steady_cluster_is_never_replanned(stage, seed):
+    replanner = Replanner(ReplanConfig(), BASIS, _plan(stage))
+    assert _run(replanner, 50, lambda s: [1.0, 1.0, 1.0], seed=seed, noise=0.04) == []
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("rank,factor", [(1, 0.6), (0, 0.6), (2, 0.5)])
+def test_a_rank_that_slows_is_planned_around_after_patience_and_planned_back_when_it_recovers(stage, rank, factor):
+    plan = _plan(stage)
+    slowed = [1 / factor if r == rank else 1.0 for r in range(3)]
+    speeds_at = lambda s: slowed if 5 <= s < 25 else [1.0, 1.0, 1.0]   # noqa: E731
+    changes = _run(Replanner(ReplanConfig(patience=3, every=10), BASIS, plan), 45, speeds_at)
+    assert [c.step for c in changes] == [7, 27]        # the third step off in a row, each time
+    away, back = changes
+    assert away.speeds[rank] == pytest.approx(1 / factor, rel=0.05)
+    assert away.after.local_batch_size(rank) < plan.local_batch_size(rank)
+    best = BASIS.replan(plan, slowed)[1].step_s
+    assert away.predicted_step_s == pytest.approx(best, rel=0.05)
+    assert back.speeds == pytest.approx([1.0, 1.0, 1.0], abs=0.05)
+    assert BASIS.predict(back.after).step_s <= BASIS.predict(plan).step_s * 1.02    # as good as the first plan
+    assert back.record()["before"] == away.after.to_dict() and "re-planned after step 27" in back.line()
+
+
+def test_a_change_under_the_threshold_steps_the_host_ran_late_and_a_change_too_soon_are_not_replanned():
+    plan = _plan(2)
+    slight = lambda s: [1.0, 1.05, 1.0] if s >= 5 else [1.0, 1.0, 1.0]   # noqa: E731
+    assert _run(Replanner(ReplanConfig(), BASIS, plan), 40, slight, noise=0.0) == []
+    slowed = lambda s: [1.0, 2.0, 1.0] if s >= 5 else [1.0, 1.0, 1.0]   # noqa: E731
+    assert _run(Replanner(ReplanConfig(), BASIS, plan), 40, slowed, overruns_at=lambda s: int(s >= 5)) == []
+    late = lambda s: s % 2                                              # noqa: E731  (skipped, not counted)
+    assert [c.step for c in _run(Replanner(ReplanConfig(), BASIS, plan), 40, slowed, overruns_at=late)] == [10]
+    twice = lambda s: [1.0, 2.0, 1.0] if 5 <= s < 12 else [1.0, 1.0, 1.0]   # noqa: E731
+    changes = _run(Replanner(ReplanConfig(every=20), BASIS, plan), 40, twice)
+    assert [c.step for c in changes] == [7, 27]        # back only once 20 steps have passed
+
+
+def test_a_cost_model_a_little_off_on_this_cluster_is_held_to_what_it_measures_not_replanned_over_and_over():
+    plan = _plan(1)
+    replanner = Replanner(ReplanConfig(), BASIS, plan)
+    rng, changes = random.Random(1), []
+    for step in range(1, 60):
+        fig = _figures(replanner.plan, [1.0, 1.0, 1.0], rng, 0.01)
+        fig = StepFigures(fig.step_s * 1.2, fig.busy_s, 0, fig.peaks, None)    # exposed communication mispredicted
+        changes += [c for c in [replanner.observe(step, fig)] if c is not None]
+    assert changes == [] and replanner.residual == pytest.approx(1.2, rel=0.03)
+
+
+def test_who_replans():
+    plan = _plan(0)
+    cfg = load_config(None, {})
+    assert isinstance(replanner_for(cfg, BASIS, plan, 3), Replanner)
+    assert replanner_for(load_config(None, {"replan": "off"}), BASIS, plan, 3) is None
+    assert replanner_for(load_config(None, {"replan": False}), BASIS, plan, 3) is None
+    assert replanner_for(load_config(None, {"baseline": "uniform"}), BASIS, plan, 3) is None
+    assert replanner_for(cfg, None, plan, 3) is None                 # a plan given: no profile to plan from
+    with pytest.raises(ValueError, match="replan.mode: Input should be 'auto' or 'off'"):
+        load_config(None, {"replan": "sometimes"})
+    with pytest.raises(ValueError, match="replan.threshold"):
+        load_config(None, {"replan": {"threshold": 1.5}})

@@ -1,0 +1,121 @@
+"""Runs that re-plan on real ranks (gloo) of an emulated cluster: the result is exactly single-device training's,
+the log says what changed, a resume continues from the last plan.
+
+The runs plan from the simulator's profile of the cluster (the measured one, to the declared model's precision,
+tests/simulate), put where their profiling reads its cache: minutes of profiling are not what is tested here.
+"""
+
+import json
+
+import pytest
+import torch
+
+import poplar
+from poplar.cluster.spec import load_cluster
+from poplar.profile.cache import ProfileCache
+from poplar.profile.options import ProfileOptions
+from poplar.simulate import simulate_profile
+from poplar.train.config import load_config
+from poplar.train.dataset import prepare_data, workload_of
+from poplar.train.report import read_log
+from poplar.train.run import run_training
+
+CLUSTER = "compute-differs"          # a V100 and a T4: at 128 tokens a sample both take part
+FIELDS = dict(model="llama-tiny", seq_len=128, vocab_size=512, global_batch=16, lr=3e-3, cluster=CLUSTER)
+STEPS = 10
+# rank 0 (the V100) at half its speed from step 2, at its speed again from step 6: a re-plan at each (a step in
+# which the host ran late is not counted, which may put one off a step)
+SLOW = "slow@step:rank=0:step=2:to=0.5:until=6"
+EAGER = {"patience": 1, "every": 1}
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replan-caches")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POPLAR_DATA_CACHE", str(root / "data"))
+        cfg = load_config(None, {**FIELDS, "out": str(root / "unused")})
+        wl = workload_of(cfg, prepare_data(cfg))
+    spec = load_cluster(CLUSTER)
+    options = ProfileOptions(stages=(0, 1, 2, 3), max_micro_batch=FIELDS["global_batch"],
+                             precision=cfg.engine.mixed_precision)
+    config = cfg.engine.model_copy(update={"mixed_precision": options.precision})
+    simulated = simulate_profile(wl, spec, options, config)
+    ProfileCache(root / "profiles", wl, spec, options.stages, options.precision, options.max_micro_batch,
+                 config).save({(k, s): d.stages[s] for k, d in simulated.devices.items() for s in options.stages},
+                              simulated.comm)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def env(caches, monkeypatch):
+    monkeypatch.setenv("POPLAR_DATA_CACHE", str(caches / "data"))
+    monkeypatch.setenv("POPLAR_CACHE_DIR", str(caches / "profiles"))
+    monkeypatch.setenv("POPLAR_DILATION", "150")    # the real work inside every span: the times are the declared ones
+    monkeypatch.delenv("POPLAR_FAULT", raising=False)
+
+
+@pytest.fixture(scope="module")
+def one_device(caches, tmp_path_factory):
+    """Single-device training on the same global batches: one plain CPU rank, the whole batch."""
+    out = tmp_path_factory.mktemp("one")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POPLAR_DATA_CACHE", str(caches / "data"))
+        poplar.Plan.from_local_batches(0, [FIELDS["global_batch"]], 1).save(out / "plan.json")
+        cfg = load_config(None, {**FIELDS, "cluster": "none", "plan": str(out / "plan.json"), "steps": STEPS,
+                                 "out": str(out / "run")})
+        return run_training(cfg, return_state=True, nproc=1)["state"]
+
+
+def _same(state: dict, reference: dict) -> None:
+    for key, value in reference.items():
+        torch.testing.assert_close(state[key], value, atol=1e-5, rtol=0)
+
+
+def _replans(out) -> list[dict]:
+    return [r["replan"] for r in read_log(out / "log.jsonl") if "replan" in r]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_run_that_replans_twice_ends_as_single_device_training(tmp_path, monkeypatch, one_device, stage):
+    monkeypatch.setenv("POPLAR_FAULT", SLOW)
+    cfg = load_config(None, {**FIELDS, "stages": [stage], "steps": STEPS, "replan": EAGER, "out": str(tmp_path)})
+    result = run_training(cfg, return_state=True)
+    _same(result["state"], one_device)
+    away, back = _replans(tmp_path)
+    assert 2 <= away["after_step"] < 6 <= back["after_step"] < STEPS
+    first = poplar.Plan.from_dict(away["before"])
+    assert away["speeds"][0] == pytest.approx(2.0, rel=0.05) and back["speeds"] == pytest.approx([1.0, 1.0], abs=0.05)
+    assert poplar.Plan.from_dict(away["after"]).local_batch_size(0) < first.local_batch_size(0)
+    assert poplar.Plan.from_dict(back["after"]) == first == poplar.Plan.load(tmp_path / "plan.1.json")
+    assert result["plan"] == first and poplar.Plan.load(tmp_path / "plan.json") == first
+
+
+def test_a_steady_cluster_is_not_replanned_over_50_steps(tmp_path):
+    cfg = load_config(None, {**FIELDS, "stages": [2], "steps": 50, "out": str(tmp_path)})
+    result = run_training(cfg)
+    assert len(read_log(tmp_path / "log.jsonl")) == 50 and _replans(tmp_path) == []
+    assert result["plan"] == poplar.Plan.load(tmp_path / "plan.json") and not (tmp_path / "plan.1.json").exists()
+
+
+def test_resume_after_a_replan_continues_from_the_last_plan_here_and_on_another_world_size(tmp_path, monkeypatch,
+                                                                                            one_device):
+    monkeypatch.setenv("POPLAR_FAULT", "slow@step:rank=0:step=2:to=0.5")
+    fields = {**FIELDS, "stages": [1], "steps": STEPS, "replan": EAGER, "checkpoint_every": 2}
+    run_training(load_config(None, {**fields, "stop_at": 4, "out": str(tmp_path / "a")}))
+    replanned = poplar.Plan.from_dict(_replans(tmp_path / "a")[0]["after"])
+    assert poplar.Plan.load(tmp_path / "a" / "plan.json") == replanned
+    assert json.loads((tmp_path / "a" / "basis.json").read_text())["ranks"] == [0, 1]
+    # here: the re-planned plan again (as plan.json says), and still re-planning from the profile the run kept
+    here = run_training(load_config(None, {**fields, "resume": True, "out": str(tmp_path / "a")}),
+                        return_state=True)
+    assert here["start"] == 4 and here["plan"] == replanned
+    _same(here["state"], one_device)
+    # elsewhere: the first half again, then the rest on one plain CPU rank with a plan of its own
+    run_training(load_config(None, {**fields, "stop_at": 4, "out": str(tmp_path / "b")}))
+    monkeypatch.delenv("POPLAR_FAULT")
+    poplar.Plan.from_local_batches(0, [16], 2).save(tmp_path / "one.json")
+    moved = run_training(load_config(None, {**fields, "cluster": "none", "plan": str(tmp_path / "one.json"),
+                                            "resume": True, "out": str(tmp_path / "b")}), return_state=True, nproc=1)
+    assert moved["start"] == 4
+    _same(moved["state"], one_device)
