@@ -169,6 +169,17 @@ class DeviceGroup(BaseModel):
             return self.memory_bandwidth_gbs
         return catalogue_gpu(self.gpu).memory_bandwidth_gbs
 
+    def slowed(self, factor: float, kind: str | None = None) -> DeviceGroup:
+        """This kind at ``factor`` of its speed (a card that throttles, a neighbour taking its bandwidth): every
+        operator takes ``1 / factor`` of its time; its memory as it was. ``kind``: the new kind's name."""
+        table = self.tflops if isinstance(self.tflops, dict) else None
+        tflops = ({d: f * factor for d, f in table.items()} if table is not None else
+                  self.tflops * factor if self.tflops is not None else
+                  {d: self.peak_tflops(d) * factor for d in catalogue_gpu(self.gpu).peak_tflops})
+        return self.model_copy(update={"kind": kind or self.kind, "tflops": tflops,
+                                       "memory_bandwidth_gbs": self.bandwidth_gbs * factor,
+                                       "kernel_overhead_us": self.kernel_overhead_us / factor})
+
 
 _DEFAULTS = {name: f.default for name, f in DeviceGroup.model_fields.items()}
 

@@ -190,7 +190,7 @@ class EmulatedDevice(Device):
 
     def slow(self, factor: float) -> None:
         """From the next step on, compute at ``factor`` of the declared speed (1: as declared again)."""
-        self.gpu = GpuModel.of(self.kind).slowed(factor)
+        self.gpu = GpuModel.of(self.kind.slowed(factor))
 
     def _advance(self, seconds: float) -> None:
         self.T += seconds

@@ -25,7 +25,6 @@ Nothing here reads the host's speed.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -104,13 +103,6 @@ class GpuModel:
         return cls(name=kind.kind, tflops={d: kind.peak_tflops(d) for d in ("fp32", "bf16", "fp16") if kind.computes(d)},
                    bandwidth_gbs=kind.bandwidth_gbs, kernel_overhead_s=kind.kernel_overhead_us * 1e-6,
                    flops_efficiency=kind.flops_efficiency, bandwidth_efficiency=kind.bandwidth_efficiency)
-
-    def slowed(self, factor: float) -> GpuModel:
-        """This GPU at ``factor`` of its speed (a card that throttles, a neighbour taking its bandwidth): every
-        operator takes ``1 / factor`` of its time."""
-        return dataclasses.replace(self, tflops={d: v * factor for d, v in self.tflops.items()},
-                                   bandwidth_gbs=self.bandwidth_gbs * factor,
-                                   kernel_overhead_s=self.kernel_overhead_s / factor)
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
         key = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")

@@ -219,3 +219,23 @@ def test_kinds_spread_over_nodes_of_their_own_with_their_own_link_inside():
 def test_every_example_cluster_file_loads_and_places_its_kinds_on_nodes(path):
     spec = load_cluster(str(path))
     assert spec.world_size >= 2 and len(spec.node_groups()) >= 2 and parse_cluster(spec.model_dump()) == spec
+
+
+@pytest.mark.parametrize("name", presets())
+def test_a_kind_slowed_takes_every_operator_the_factor_longer_and_keeps_its_memory(name):
+    """What ``POPLAR_FAULT=slow@step`` does to an emulated device, and what a cluster file declaring the slowed card
+    says: every operator (compute-, memory- or launch-bound) ``1 / factor`` as long, in every dtype it has."""
+    import torch
+
+    from poplar.emulate.model import GpuModel
+
+    spec = load_cluster(name)
+    for group in spec.devices:
+        slowed = group.slowed(0.6, kind="slowed")
+        assert slowed.kind == "slowed" and slowed.memory_gib == group.memory_gib
+        fast, slow = GpuModel.of(group), GpuModel.of(slowed)
+        for dtype in [d for d in (torch.float32, torch.bfloat16, torch.float16)
+                      if group.computes({torch.float32: "fp32", torch.bfloat16: "bf16"}.get(d, "fp16"))]:
+            for flops, nbytes in ((0.0, 0.0), (1e12, 1e3), (1e3, 1e10)):
+                assert slow.op_seconds(flops, nbytes, dtype) == pytest.approx(fast.op_seconds(flops, nbytes, dtype) / 0.6)
+        assert parse_cluster(yaml.safe_load(spec.model_copy(update={"devices": [slowed]}).to_yaml())).devices[0] == slowed

@@ -175,22 +175,6 @@ def test_a_device_whose_memory_shrinks_mid_run_is_replanned_and_loses_no_step(tm
     assert poplar.Plan.load(tmp_path / "shrunk" / "plan.1.json") == PLAN      # the plan it started with, kept
 
 
-def test_a_device_slowed_mid_run_computes_at_its_fraction_and_recovers_and_the_result_is_the_same(
-        tmp_path, monkeypatch, reference):
-    """``slow@step``: from step 2 rank 1 (a T4) computes at half its declared speed, from step 4 at its speed
-    again; its busy time a step doubles and comes back, the others' stays, and the parameters are unchanged."""
-    from poplar.train.report import read_log
-
-    monkeypatch.setenv("POPLAR_FAULT", "slow@step:rank=1:step=2:to=0.5:until=4")
-    # a pace at which the real work fits inside each span on a loaded host: the busy times are the declared ones
-    monkeypatch.setenv("POPLAR_DILATION", "100")
-    slowed = run_training(load_config(None, _fields(tmp_path, "slowed")), return_state=True)
-    _same(slowed["state"], reference)
-    busy = {r["step"] + 1: r["busy_s"] for r in read_log(tmp_path / "slowed" / "log.jsonl")}   # (logged from 0)
-    assert 1.6 < busy[3][1] / busy[4][1] < 2.5, busy        # half the speed: twice the time
-    assert 0.8 < busy[3][0] / busy[4][0] < 1.25, busy       # the others as they were
-
-
 def test_a_slow_fault_is_written_as_its_grammar_says():
     from poplar.train.faults import Fault
 

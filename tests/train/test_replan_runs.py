@@ -91,10 +91,13 @@ def test_a_run_that_replans_twice_ends_as_single_device_training(tmp_path, monke
     assert result["plan"] == first and poplar.Plan.load(tmp_path / "plan.json") == first
 
 
-def test_a_steady_cluster_is_not_replanned_over_50_steps(tmp_path):
+def test_a_steady_cluster_is_not_replanned_over_50_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("POPLAR_DILATION", "100")
     cfg = load_config(None, {**FIELDS, "stages": [2], "steps": 50, "out": str(tmp_path)})
     result = run_training(cfg)
-    assert len(read_log(tmp_path / "log.jsonl")) == 50 and _replans(tmp_path) == []
+    records = read_log(tmp_path / "log.jsonl")
+    assert len(records) == 50 and _replans(tmp_path) == []
+    assert sum(not r["overruns"] for r in records) >= 10      # steps held to the prediction, not all left out
     assert result["plan"] == poplar.Plan.load(tmp_path / "plan.json") and not (tmp_path / "plan.1.json").exists()
 
 

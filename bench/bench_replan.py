@@ -1,0 +1,126 @@
+"""A device that slows mid-run: the static plan, re-planning while training, and a fresh plan of the slowed cluster.
+
+    python bench/bench_replan.py                        # compute-differs (V100 + T4), the T4 at 60% from step 5
+    python bench/bench_replan.py --rank 0 --factor 0.5 --steps 40
+
+Three runs of ``poplar train`` on the emulated cluster, one after the other, in stage 0
+at 256 tokens a sample (where both cards take part):
+
+- static: ``replan: off``; ``POPLAR_FAULT=slow@step`` slows rank ``--rank`` to ``--factor``
+  of its speed from step 5, and the plan stays what the profile said;
+- re-plan: the same fault, ``replan: auto`` (its defaults): the run measures the slowdown
+  and plans again at a step boundary;
+- fresh: the slowed cluster as a cluster file of its own (the card declared at the factor
+  of its figures), profiled (the simulator's profile: the measured one to the declared
+  model's precision, tests/simulate), planned and trained with no fault.
+
+Each prints its median samples/s over the steps after the slowdown (the re-plan's: after
+its change) and the ratios. The first run profiles the cluster (minutes; cached after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SLOW_AT = 5
+FIELDS = dict(model="llama-tiny", seq_len=256, vocab_size=1024, global_batch=32, lr=3e-3, stages=[0])
+
+
+def _run(fields: dict, fault: str | None) -> list[dict]:
+    from poplar.train.config import load_config
+    from poplar.train.report import read_log
+    from poplar.train.run import run_training
+
+    os.environ.pop("POPLAR_FAULT", None)
+    if fault:
+        os.environ["POPLAR_FAULT"] = fault
+    try:
+        run_training(load_config(None, fields))
+    finally:
+        os.environ.pop("POPLAR_FAULT", None)
+    return read_log(Path(fields["out"]) / "log.jsonl")
+
+
+def _median_after(records: list[dict], step: int) -> float:
+    """Median samples/s over the steps after ``step`` (from 1), those an emulated host ran late left out."""
+    kept = [r["samples_per_s"] for r in records if r["step"] + 1 > step and not r["overruns"]]
+    return statistics.median(kept) if kept else float("nan")
+
+
+def _fresh_plan(cluster_path: Path, out: Path):
+    """The simulator's profile of the slowed cluster, planned as `poplar train` plans."""
+    from poplar.cluster.spec import load_cluster
+    from poplar.planner import make_plan
+    from poplar.profile.options import ProfileOptions
+    from poplar.simulate import simulate_profile
+    from poplar.train.config import load_config
+    from poplar.train.dataset import prepare_data, workload_of
+
+    cfg = load_config(None, {**FIELDS, "cluster": str(cluster_path), "out": str(out)})
+    options = ProfileOptions(stages=(0,), max_micro_batch=FIELDS["global_batch"], precision=cfg.engine.mixed_precision)
+    profile = simulate_profile(workload_of(cfg, prepare_data(cfg)), load_cluster(cluster_path), options,
+                               cfg.engine.model_copy(update={"mixed_precision": options.precision}))
+    return make_plan(profile, FIELDS["global_batch"], [0]).plan
+
+
+def main() -> None:
+    from poplar.cluster.spec import load_cluster
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cluster", default="compute-differs")
+    ap.add_argument("--rank", type=int, default=1)
+    ap.add_argument("--factor", type=float, default=0.6)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--dilation", type=float, default=300.0, help="the emulated pace (wall seconds a declared "
+                    "second): large enough that the real work fits its spans (steps that overran are left out)")
+    args = ap.parse_args()
+    os.environ["POPLAR_DILATION"] = str(args.dilation)
+    fault = f"slow@step:rank={args.rank}:step={SLOW_AT}:to={args.factor}"
+    spec = load_cluster(args.cluster)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        base = {**FIELDS, "cluster": args.cluster, "steps": args.steps}
+        static = _run({**base, "replan": "off", "out": str(tmp / "static")}, fault)
+        adaptive = _run({**base, "out": str(tmp / "replan")}, fault)
+        changes = [r for r in adaptive if "replan" in r]
+        after = changes[0]["step"] + 2 if changes else SLOW_AT    # from the step after the first under the new plan
+        path = tmp / "slowed.yaml"
+        path.write_text(_slowed_cluster(spec, args.rank, args.factor).to_yaml())
+        plan = _fresh_plan(path, tmp / "fresh")
+        plan.save(tmp / "fresh-plan.json")
+        fresh = _run({**base, "cluster": str(path), "plan": str(tmp / "fresh-plan.json"), "out": str(tmp / "fresh")},
+                     None)
+    s, a, f = _median_after(static, SLOW_AT), _median_after(adaptive, after), _median_after(fresh, 1)
+    print(f"\n{args.cluster}, rank {args.rank} at {args.factor:g} of its speed from step {SLOW_AT}, {args.steps} steps")
+    print(f"  static plan: {s:,.0f} samples/s after the slowdown")
+    for r in changes:
+        print(f"  re-planned after step {r['replan']['after_step']}: {r['replan']['why']}")
+    print(f"  re-plan: {a:,.0f} samples/s from step {after + 1}")
+    print(f"  fresh profile + plan of the slowed cluster ({plan}): {f:,.0f} samples/s")
+    print(f"  re-plan / fresh = {a / f:.3f}   static / fresh = {s / f:.3f}   re-plan / static = {a / s:.3f}")
+
+
+def _slowed_cluster(spec, rank: int, factor: float):
+    """``spec`` with rank ``rank``'s device declared at ``factor`` of its figures (a kind of its own)."""
+    groups, seen = [], 0
+    for g in spec.devices:
+        if seen <= rank < seen + g.count:
+            before, after = rank - seen, seen + g.count - rank - 1
+            groups += [g.model_copy(update={"count": before})] if before else []
+            groups.append(g.slowed(factor, kind=f"{g.kind}-slowed").model_copy(update={"count": 1}))
+            groups += [g.model_copy(update={"count": after})] if after else []
+        else:
+            groups.append(g)
+        seen += g.count
+    return spec.model_copy(update={"devices": groups})
+
+
+if __name__ == "__main__":
+    main()
