@@ -92,7 +92,7 @@ def main() -> None:
         changes = [r for r in adaptive if "replan" in r]
         after = changes[0]["step"] + 2 if changes else SLOW_AT    # from the step after the first under the new plan
         path = tmp / "slowed.yaml"
-        path.write_text(_slowed_cluster(spec, args.rank, args.factor).to_yaml())
+        path.write_text(spec.slowed(args.rank, args.factor).to_yaml())
         plan = _fresh_plan(path, tmp / "fresh")
         plan.save(tmp / "fresh-plan.json")
         fresh = _run({**base, "cluster": str(path), "plan": str(tmp / "fresh-plan.json"), "out": str(tmp / "fresh")},
@@ -105,21 +105,6 @@ def main() -> None:
     print(f"  re-plan: {a:,.0f} samples/s from step {after + 1}")
     print(f"  fresh profile + plan of the slowed cluster ({plan}): {f:,.0f} samples/s")
     print(f"  re-plan / fresh = {a / f:.3f}   static / fresh = {s / f:.3f}   re-plan / static = {a / s:.3f}")
-
-
-def _slowed_cluster(spec, rank: int, factor: float):
-    """``spec`` with rank ``rank``'s device declared at ``factor`` of its figures (a kind of its own)."""
-    groups, seen = [], 0
-    for g in spec.devices:
-        if seen <= rank < seen + g.count:
-            before, after = rank - seen, seen + g.count - rank - 1
-            groups += [g.model_copy(update={"count": before})] if before else []
-            groups.append(g.slowed(factor, kind=f"{g.kind}-slowed").model_copy(update={"count": 1}))
-            groups += [g.model_copy(update={"count": after})] if after else []
-        else:
-            groups.append(g)
-        seen += g.count
-    return spec.model_copy(update={"devices": groups})
 
 
 if __name__ == "__main__":

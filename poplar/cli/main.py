@@ -254,6 +254,13 @@ def _set_options(items: list[str]) -> dict:
     return fields
 
 
+def _replanned(replans: list[dict]) -> str:
+    if not replans:
+        return ""
+    steps = ", ".join(str(r["after_step"]) for r in replans)
+    return f"; re-planned {len(replans)} time{'s' if len(replans) > 1 else ''} (after step {steps}: see the log)"
+
+
 def _say_trained(console, cfg, result: dict) -> None:
     if result.get("preempted"):
         say(console, f"preempted: stopped after step {result['preempted']} with a checkpoint; continue with "
@@ -266,6 +273,7 @@ def _say_trained(console, cfg, result: dict) -> None:
                      f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; steady steps (median): "
                      f"{s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:,.0f} tokens/s, "
                      f"{s['tflops']:.2f} TFLOP/s" + (f", MFU {100 * s['mfu']:.1f}%" if "mfu" in s else "")
+                     + _replanned(s.get("replans", []))
                      + f"; log {cfg.out}/log.jsonl, report {result['report']}")
     if result.get("exported"):
         say(console, f"exported the model to {result['exported']} (from_pretrained loads it)")

@@ -273,9 +273,21 @@ class ClusterSpec(BaseModel):
         ([('a', 1)], 2)
         """
         devices, nodes = self.rank_devices(), self.rank_nodes()
+        return self._regrouped([devices[r] for r in ranks], [nodes[r] for r in ranks])
+
+    def slowed(self, rank: int, factor: float) -> ClusterSpec:
+        """This cluster with rank ``rank``'s device at ``factor`` of its speed (:meth:`DeviceGroup.slowed`), a kind
+        of its own (``KIND-slowed``): the cluster a card that throttles makes."""
+        card = self.device(rank)
+        devices = [card.slowed(factor, kind=f"{card.kind}-slowed") if r == rank else d
+                   for r, d in enumerate(self.rank_devices())]
+        return self._regrouped(devices, self.rank_nodes())
+
+    def _regrouped(self, devices: list[DeviceGroup], nodes: list[int]) -> ClusterSpec:
+        """This cluster's network with ``devices`` (one per rank, on ``nodes``), neighbours of a kind and node
+        grouped."""
         groups: list[DeviceGroup] = []
-        for r in ranks:
-            d, node = devices[r], nodes[r]
+        for d, node in zip(devices, nodes):
             if groups and groups[-1].kind == d.kind and groups[-1].node == node:
                 groups[-1] = groups[-1].model_copy(update={"count": groups[-1].count + 1})
             else:

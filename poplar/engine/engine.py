@@ -222,14 +222,31 @@ class Engine:
 
     def set_plan(self, plan: Plan) -> None:
         """Train with ``plan`` from the next step: another split of the global batch (or another global batch:
-        a batch-size schedule), on the same world, stage and shape."""
+        a batch-size schedule), on the same world, stage and shape; other shares of the states are cut in place.
+        Every rank calls it, between steps."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a poplar.Plan, got {type(plan).__name__}")
-        if (plan.zero_stage, plan.shard_groups, plan.shard_shares) != (self.zero_stage, self.plan.shard_groups,
-                                                                       self.plan.shard_shares):
-            raise ValueError(f"set_plan keeps the ZeRO stage ({self.zero_stage}), the shape ({self.plan.shape}) and "
-                             f"the shares of the states; got {plan}: build a new engine for another")
+        if (plan.zero_stage, plan.shard_groups) != (self.zero_stage, self.plan.shard_groups):
+            raise ValueError(f"set_plan keeps the ZeRO stage ({self.zero_stage}) and the shape ({self.plan.shape}); "
+                             f"got {plan}: build a new engine for another (a checkpoint resumes in any)")
+        if plan.share_fractions != self.plan.share_fractions and self.stage.shards_optimizer:
+            self._recut(plan.shard_shares)
         self._adopt(plan)
+
+    def _recut(self, shares) -> None:
+        """Every rank at once, between steps: the sharded states cut at ``shares`` (None: evenly), moved in place
+        (one all-to-all a tensor in each shard group); every update stays what it was."""
+        layout = self.shard_layout
+        before = [layout.slice_sizes(u.numel) for u in self.units]
+        layout.set_shares(shares)
+        for unit, held in zip(self.units, before):
+            wanted = layout.slice_sizes(unit.numel)
+            move = lambda t, held=held, wanted=wanted: layout.recut(t, held, wanted)   # noqa: E731
+            states = self.optimizer.state.get(unit.master, {})
+            for key, value in list(states.items()):
+                if torch.is_tensor(value) and value.shape == unit.master.shape:
+                    states[key] = move(value)
+            unit.recut(move)
 
     def _adopt(self, plan: Plan) -> None:
         """``plan`` for the steps from now on (checked against the world): this rank's micro-steps, the batch

@@ -166,6 +166,27 @@ class FlatUnit:
             self.param_shard = self.master.data if not mixed else self.master.data.to(dtype)
             self.full_param = torch.empty(self.padded_numel, dtype=dtype, device=device)
 
+    def recut(self, move) -> None:
+        """Between steps, every rank at once, after the layout's shares changed: this rank's shards where the new
+        cut puts them (``move(shard)``: its slice of the new cut, :meth:`ShardLayout.recut`). The optimizer's
+        states are the caller's to move."""
+        self.shard_start, shard_stop = self.layout.shard_range(self.numel)
+        self.shard_numel = shard_stop - self.shard_start
+        sizes = self.layout.slice_sizes(self.numel)
+        self.slice_sizes = sizes if len(set(sizes)) > 1 else None
+        if not self.shard_optim:
+            return
+        if not self.shard_params and self.compute_dtype == torch.float32:
+            self.master.data = self._my_shard(self.full_param)    # every rank holds the whole buffer: a view again
+        else:
+            self.master.data = move(self.master.data)
+        if self.shard_params:
+            mixed = self.compute_dtype != torch.float32
+            self.param_shard = self.master.data if not mixed else self.master.data.to(self.compute_dtype)
+        self.master.grad = None
+        self.grad_shard = torch.zeros(self.shard_numel, device=self.master.device)
+        self._shard_written = False
+
     # -- parameters ---------------------------------------------------------------------
     def _my_shard(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.shard_start:self.shard_start + self.shard_numel]

@@ -133,10 +133,15 @@ class ShardLayout:
     # -- from one cut of the slices to another ---------------------------------------------
     def reslice(self, mine: torch.Tensor, numel: int, to_even: bool) -> torch.Tensor:
         """This rank's slice ``mine`` of a unit of ``numel`` elements as the shares cut it, as its slice of the
-        even cut (``to_even``), or the other way round. Every rank of the shard group calls it at once: one
-        all-to-all, each rank sending each other the part of its slice that the other is to hold."""
+        even cut (``to_even``), or the other way round (:meth:`recut`)."""
         sizes = self.slice_sizes(numel), self.slice_sizes(numel, even=True)
         held, wanted = sizes if to_even else sizes[::-1]
+        return self.recut(mine, held, wanted)
+
+    def recut(self, mine: torch.Tensor, held: Sequence[int], wanted: Sequence[int]) -> torch.Tensor:
+        """This rank's slice ``mine`` of the group's cut ``held`` (every rank's slice size, in group order) as its
+        slice of the cut ``wanted``. Every rank of the shard group calls it at once: one all-to-all, each rank
+        sending each other the part of its slice that the other is to hold."""
         h0 = [sum(held[:i]) for i in range(len(held))]
         w0 = [sum(wanted[:i]) for i in range(len(wanted))]
         me = self.shard_index
@@ -152,6 +157,13 @@ class ShardLayout:
         comm.run("all_gather", out.element_size() * sum(held), lambda a: comm.collectives.all_to_all_single(
             out, mine.contiguous(), receive, send, group=comm.group, async_op=a), False)
         return out
+
+    def set_shares(self, shares: Sequence[float] | None) -> None:
+        """Cut the slices at ``shares`` from now on (None: evenly); what the old cut held is the caller's to move
+        (:meth:`recut`)."""
+        self.shares = list(shares) if shares else None
+        self._sizes.clear()
+        self._exchanges.clear()
 
     # -- the sum across groups ----------------------------------------------------------
     def _exchange(self, numel: int) -> _Exchange:

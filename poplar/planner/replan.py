@@ -7,7 +7,7 @@ again: the profile and which of its ranks the plan's ranks are. :meth:`PlanBasis
 is the cost model with each plan rank's compute times multiplied by its ``speeds`` factor
 (1: as profiled; 2: twice the time), ranks of one kind with unlike factors split into kinds
 of their own; :meth:`PlanBasis.replan` searches the best split of the same global batch on
-it, in the plan's ZeRO stage, shape and shares (the engine keeps those in place).
+it in the plan's ZeRO stage and shape (the engine keeps those; it cuts other shares of the states in place).
 """
 
 from __future__ import annotations
@@ -68,18 +68,26 @@ class PlanBasis:
         return self.cost(plan, speeds).predict(plan)
 
     def replan(self, plan: Plan, speeds: list[float]) -> tuple[Plan, Prediction]:
-        """The fastest split of ``plan``'s global batch at ``speeds`` (Poplar's search beside the baselines' splits,
-        as the planner picks), in its stage, shape and shares; and its prediction."""
+        """The fastest split of ``plan``'s global batch at ``speeds`` in its stage and shape, and its prediction:
+        Poplar's search and the baselines' splits at its shares, and (flat, stages 1-3) the planner's own choice
+        of shares, as :func:`~poplar.planner.planner.plan_stage` makes it."""
+        from poplar.planner.planner import plan_stage
+
         cost = self.cost(plan, speeds)
-        best = plan, cost.predict(plan)
+        found = []
         for search in (allocate, uniform, measured_proportional):
             try:
-                found = _as(plan, search(cost, plan.global_batch_size))
+                found.append(_as(plan, search(cost, plan.global_batch_size)))
             except ValueError:     # this search finds no split (infeasible): the others may
                 continue
-            predicted = cost.predict(found)
+        if plan.zero_stage and plan.shard_groups is None:   # other shares are cut in place (Engine.set_plan)
+            chosen = plan_stage(cost.profile, plan.zero_stage, plan.global_batch_size, list(self.ranks)).poplar
+            found += [chosen.plan] if chosen.plan is not None else []
+        best = plan, cost.predict(plan)
+        for candidate in found:
+            predicted = self.cost(candidate, speeds).predict(candidate)
             if predicted.step_s < best[1].step_s:
-                best = found, predicted
+                best = candidate, predicted
         return best
 
     def to_dict(self) -> dict:

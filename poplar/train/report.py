@@ -15,13 +15,15 @@ def summarize(records: list[dict], skip: int = 1) -> dict:
     """Medians over the steady steps, and the loss at both ends.
 
     Steady: after the first ``skip`` (warm-up). ``steady_steps`` names them (log step numbers).
-    A run resumed on another cluster is summarised on the last one (its trailing records).
+    A run resumed on another cluster is summarised on the last one (its trailing records), a run
+    that re-planned on its last plan (the steps after the last change); ``replans`` lists each
+    change (:class:`poplar.train.replan.Replan`'s record).
     """
     ranks = len(records[-1]["busy_s"])
     here = len(records)
-    while here > 0 and len(records[here - 1]["busy_s"]) == ranks:
+    while here > 0 and len(records[here - 1]["busy_s"]) == ranks and "replan" not in records[here - 1]:
         here -= 1
-    steady = records[here:][skip:] or records[here:]
+    steady = records[here:][skip:] or records[here:] or records[-1:]
     mfu = {"mfu": statistics.median(r["mfu"] for r in steady)} if all("mfu" in r for r in steady) else {}
     return {
         "steps": len(records),
@@ -34,6 +36,7 @@ def summarize(records: list[dict], skip: int = 1) -> dict:
         "tflops": statistics.median(r["tflops"] for r in steady),
         "busy_s": [statistics.median(r["busy_s"][i] for r in steady) for i in range(ranks)],
         "idle_s": [statistics.median(r["idle_s"][i] for r in steady) for i in range(ranks)],
+        "replans": [r["replan"] for r in records if "replan" in r],
         **mfu,
     }
 
@@ -50,7 +53,12 @@ def plot_runs(runs: dict[str, list[dict]], path: str | Path, title: str = "") ->
     for name, records in runs.items():
         steps = [r["step"] + 1 for r in records]
         ax_loss.plot(steps, [r["loss"] for r in records], label=name)
-        ax_tput.plot(steps, [r["samples_per_s"] for r in records], marker="o", ms=3, label=name)
+        line, = ax_tput.plot(steps, [r["samples_per_s"] for r in records], marker="o", ms=3, label=name)
+        for r in records:
+            if "replan" in r:     # the new plan from the next step
+                ax_tput.axvline(r["step"] + 1.5, color=line.get_color(), ls="--", lw=1)
+                ax_tput.annotate("re-plan", (r["step"] + 1.5, r["samples_per_s"]), fontsize=7,
+                                 color=line.get_color(), rotation=90, va="bottom")
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     ax_tput.set(xlabel="step", ylabel="samples/s", title="throughput")
     ax_loss.legend()

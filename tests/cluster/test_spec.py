@@ -239,3 +239,15 @@ def test_a_kind_slowed_takes_every_operator_the_factor_longer_and_keeps_its_memo
             for flops, nbytes in ((0.0, 0.0), (1e12, 1e3), (1e3, 1e10)):
                 assert slow.op_seconds(flops, nbytes, dtype) == pytest.approx(fast.op_seconds(flops, nbytes, dtype) / 0.6)
         assert parse_cluster(yaml.safe_load(spec.model_copy(update={"devices": [slowed]}).to_yaml())).devices[0] == slowed
+
+
+@pytest.mark.parametrize("name", ["compute-differs", "three-node", "uneven-quantity"])
+def test_a_cluster_with_one_card_slowed_keeps_every_other_rank_and_every_node(name):
+    spec = load_cluster(name)
+    for rank in range(spec.world_size):
+        slowed = parse_cluster(yaml.safe_load(spec.slowed(rank, 0.5).to_yaml()))
+        card = spec.device(rank)
+        assert slowed.rank_nodes() == spec.rank_nodes()
+        assert [d.kind for d in slowed.rank_devices()] == [
+            f"{d.kind}-slowed" if r == rank else d.kind for r, d in enumerate(spec.rank_devices())]
+        assert slowed.device(rank).bandwidth_gbs == card.bandwidth_gbs * 0.5

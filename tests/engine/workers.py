@@ -306,3 +306,25 @@ def fp16_cases(rank, world_size, cases, n_steps, optimizer):
                     "skipped": engine.skipped_steps})
         engine.close()
     return out
+
+
+def plans_in_turn(rank, world_size, cases, model_kw):
+    """Each case (a plan dict per step, engine config): one engine trained step by step, ``set_plan`` between
+    steps (other splits, accumulation and shares of the states); its full state, every group's first and last
+    rank's."""
+    out = []
+    for plans, config in cases:
+        plans = [poplar.Plan.from_dict(p) for p in plans]
+        model = make_model(**model_kw)
+        engine = poplar.initialize(model, OPTIMIZER, plans[0], config)
+        batches = make_batches(len(plans), plans[0].global_batch_size, vocab=model.embed.num_embeddings)
+        for plan, (tokens, targets) in zip(plans, batches):
+            engine.set_plan(plan)
+            lo, hi = plan.sample_range(rank)
+            engine.train_batch((tokens[lo:hi], targets[lo:hi]), lm_loss)
+        state = engine.full_state_dict()
+        keep = {0, world_size - 1} | {g[0] for g in plans[0].shard_groups or ()}
+        out.append({"state": state if rank in keep else None, "held": [u.master.numel() for u in engine.units],
+                    "numels": [u.numel for u in engine.units]})
+        engine.close()
+    return out

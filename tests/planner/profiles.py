@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from poplar.profile.profile import CommProfile, DeviceProfile, ModelInfo, Profile, StageProfile
 
 
@@ -30,3 +32,17 @@ def make_profile(kinds: dict[str, tuple[int, float, float, int]], stages=(0, 1, 
     return Profile(model=ModelInfo(name="synthetic", n_params=1000, seq_len=seq_len, unit_numels=[400, 300, 300],
                                    dtype=dtype),
                    ranks=ranks, devices=devices, comm=comm)
+
+
+@functools.lru_cache(maxsize=None)
+def memory_skewed() -> Profile:
+    """The memory-skewed preset's profile of a small Llama in stage 2 (simulated, as the profiler measures), where
+    its small card is capped by its share of the states; simulated once a process."""
+    from poplar.cluster.spec import load_cluster
+    from poplar.profile.options import ProfileOptions
+    from poplar.simulate import simulate_profile
+    from poplar.workload import Workload
+
+    wl = Workload(model="llama-small", seq_len=16, vocab_size=1024, activation_checkpointing=True)
+    return simulate_profile(wl, load_cluster("memory-skewed"), ProfileOptions(stages=(2,), max_micro_batch=64,
+                                                                             n_points=3))

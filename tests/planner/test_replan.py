@@ -8,7 +8,7 @@ from poplar.planner.cost import CostModel
 from poplar.planner.planner import plan_stage
 from poplar.planner.replan import PlanBasis, rescaled
 from poplar.profile.profile import CommProfile
-from tests.planner.profiles import make_profile
+from tests.planner.profiles import make_profile, memory_skewed
 
 COMM = CommProfile(numel=1000, all_reduce_s=2e-4, reduce_scatter_s=1e-4, all_gather_s=1e-4,
                    latency_s={"all_reduce": 2e-5, "reduce_scatter": 1e-5, "all_gather": 1e-5})
@@ -62,8 +62,22 @@ def test_a_slowed_rank_is_planned_as_a_fresh_plan_of_the_slowed_cluster_would_be
     assert predicted.step_s <= fresh.predicted.step_s * 1.011
 
 
-def test_a_plan_with_shares_and_a_shaped_plan_keep_them():
+def test_a_plan_with_shares_keeps_them_where_no_others_pay():
     profile = make_profile({"a": (2, 1e-3, 1e-3, 16), "b": (2, 1e-3, 3e-3, 8)}, comm=COMM)
     plan = plan_stage(profile, 2, 24).poplar.plan.with_shard_shares([1.0, 1.0, 1.0, 1.0])
     new, _ = PlanBasis(profile, [0, 1, 2, 3]).replan(plan, [1.0, 2.0, 1.0, 1.0])
     assert new.shard_shares == plan.shard_shares and new.local_batch_size(1) < plan.local_batch_size(1)
+
+
+def test_a_replan_cuts_the_states_anew_where_other_shares_pay():
+    """memory-skewed's small card takes a larger micro-batch with less of the states (simulated, as the profiler
+    measures): from even shares, the re-plan takes the planner's uneven ones."""
+    from poplar.planner import make_plan
+    from poplar.planner.planner import EVEN_SHARES
+
+    prof = memory_skewed()
+    result = make_plan(prof, 64, [2])
+    chosen, even = result.allocations()["poplar"], result.allocations()[EVEN_SHARES]
+    new, predicted = PlanBasis(prof, result.ranks).replan(even.plan, [1.0] * even.plan.world_size)
+    assert even.plan.shard_shares is None and new.shard_shares == chosen.plan.shard_shares
+    assert predicted.step_s == pytest.approx(chosen.predicted.step_s)

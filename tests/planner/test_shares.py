@@ -8,7 +8,7 @@ from poplar.planner.planner import EVEN_SHARES, MEMORY_SHARES
 from poplar.planner.shares import gather_scale, room_shares, stage_at_share, weights
 from poplar.profile.profile import StageProfile
 from poplar.stages import stage as zero_stage
-from tests.planner.profiles import make_profile
+from tests.planner.profiles import make_profile, memory_skewed
 
 N_PARAMS, STATE = 1000, 20_000
 COPY = zero_stage(2).sharded_bytes_per_param("fp32") * N_PARAMS   # one whole copy of ZeRO-2's sharded states
@@ -169,13 +169,7 @@ def test_cards_that_fit_only_with_uneven_shares_are_left_out_where_that_is_faste
 def test_on_the_memory_skewed_preset_the_states_are_shared_unevenly():
     """The preset's small card is capped by its share of the states (simulated, as the profiler measures): the
     planner gives it less of them, and a larger micro-batch, for a step predicted well ahead of even shares."""
-    from poplar.cluster.spec import load_cluster
-    from poplar.profile.options import ProfileOptions
-    from poplar.simulate import simulate_profile
-    from poplar.workload import Workload
-
-    wl = Workload(model="llama-small", seq_len=16, vocab_size=1024, activation_checkpointing=True)
-    prof = simulate_profile(wl, load_cluster("memory-skewed"), ProfileOptions(stages=(2,), max_micro_batch=64, n_points=3))
+    prof = memory_skewed()
     result = make_plan(prof, 64, [2])
     chosen, even = result.allocations()["poplar"], result.allocations()[EVEN_SHARES]
     assert chosen.plan.share_fractions[1] < 0.5 and even.plan.shard_shares is None

@@ -41,9 +41,12 @@ def caches(tmp_path_factory):
                              precision=cfg.engine.mixed_precision)
     config = cfg.engine.model_copy(update={"mixed_precision": options.precision})
     simulated = simulate_profile(wl, spec, options, config)
-    ProfileCache(root / "profiles", wl, spec, options.stages, options.precision, options.max_micro_batch,
-                 config).save({(k, s): d.stages[s] for k, d in simulated.devices.items() for s in options.stages},
-                              simulated.comm)
+    for cluster in (spec, spec.slowed(0, 0.5)):   # the second: the V100 at half its speed, profiled as the first
+        cache = ProfileCache(root / "profiles", wl, cluster, options.stages, options.precision,
+                             options.max_micro_batch, config)
+        kinds = [g.kind for g in cluster.devices]
+        cache.save({(k, s): simulated.devices[k.removesuffix("-slowed")].stages[s]
+                    for k in kinds for s in options.stages}, simulated.comm)
     return root
 
 
@@ -89,6 +92,23 @@ def test_a_run_that_replans_twice_ends_as_single_device_training(tmp_path, monke
     assert poplar.Plan.from_dict(away["after"]).local_batch_size(0) < first.local_batch_size(0)
     assert poplar.Plan.from_dict(back["after"]) == first == poplar.Plan.load(tmp_path / "plan.1.json")
     assert result["plan"] == first and poplar.Plan.load(tmp_path / "plan.json") == first
+    summary = result["summary"]          # the report: each re-plan, and the figures of the plan it ended with
+    assert [r["after_step"] for r in summary["replans"]] == [away["after_step"], back["after_step"]]
+    assert min(summary["steady_steps"]) >= back["after_step"] and result["report"].stat().st_size > 20_000
+
+
+def test_a_profile_taken_on_another_cluster_is_replanned_from_what_the_steps_measure(tmp_path, one_device):
+    """The cluster file says the V100 computes at half its speed; the profile the run reads is the full-speed
+    cluster's (taken there): the steps measure the V100 off its prediction from the first, and the run re-plans."""
+    slowed = tmp_path / "slowed.yaml"
+    slowed.write_text(load_cluster(CLUSTER).slowed(0, 0.5).to_yaml())
+    cfg = load_config(None, {**FIELDS, "cluster": str(slowed), "stages": [1], "steps": STEPS, "out": str(tmp_path / "run")})
+    result = run_training(cfg, return_state=True)
+    _same(result["state"], one_device)
+    (change,) = _replans(tmp_path / "run")
+    assert 4 <= change["after_step"] < STEPS and change["speeds"][0] == pytest.approx(2.0, rel=0.05)   # 2-4 off
+    assert poplar.Plan.from_dict(change["after"]).local_batch_size(0) < poplar.Plan.from_dict(
+        change["before"]).local_batch_size(0)
 
 
 def test_a_steady_cluster_is_not_replanned_over_50_steps(tmp_path, monkeypatch):
