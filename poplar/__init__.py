@@ -8,9 +8,18 @@
 
 import os
 
-from poplar.engine import Engine, EngineConfig, NonFiniteError
-from poplar.engine import initialize as _engine_initialize
 from poplar.plan import Plan
+
+# the engine (and torch, two seconds to import) only when asked for: a command that refuses its input says so first
+_ENGINE_NAMES = ("Engine", "EngineConfig", "NonFiniteError")
+
+
+def __getattr__(name: str):
+    if name in _ENGINE_NAMES:
+        import poplar.engine
+
+        return getattr(poplar.engine, name)
+    raise AttributeError(f"module 'poplar' has no attribute {name!r}")
 
 _DEEPSPEED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                    "zero_optimization", "gradient_clipping", "bf16", "fp16", "optimizer", "scheduler", "poplar"}
@@ -30,7 +39,9 @@ def initialize(*args, **kwargs):
         from poplar.integrations.deepspeed import initialize as deepspeed_initialize
 
         return deepspeed_initialize(*args, **kwargs)
-    return _engine_initialize(*args, **kwargs)
+    from poplar.engine import initialize as engine_initialize
+
+    return engine_initialize(*args, **kwargs)
 
 
 def _deepspeed_style(args: tuple, kwargs: dict) -> bool:

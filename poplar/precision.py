@@ -17,12 +17,14 @@ ValueError: precision 'fp8': choose one of fp32, bf16, fp16 (none is fp32)
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-import torch
 from pydantic import BeforeValidator
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+if TYPE_CHECKING:   # torch only where a dtype is made: a name is checked without it (a refusal comes first)
+    import torch
+
+NAMES = ("fp32", "bf16", "fp16")
 ALIASES = {"none": "fp32", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
 
@@ -30,14 +32,16 @@ def precision(name: str | None) -> str:
     """The canonical name (``fp32``, ``bf16`` or ``fp16``) of ``name``; a clear ``ValueError`` for anything else."""
     key = "fp32" if name is None else str(name).strip().lower()
     key = ALIASES.get(key, key)
-    if key not in DTYPES:
-        raise ValueError(f"precision {name!r}: choose one of {', '.join(DTYPES)} (none is fp32)")
+    if key not in NAMES:
+        raise ValueError(f"precision {name!r}: choose one of {', '.join(NAMES)} (none is fp32)")
     return key
 
 
 def torch_dtype(name: str | None) -> torch.dtype:
     """The dtype the model computes in under precision ``name``."""
-    return DTYPES[precision(name)]
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision(name)]
 
 
 FASTEST_FIRST = ("bf16", "fp16", "fp32")   # a GPU's tensor cores run bf16 and fp16 alike, fp32 far slower
@@ -60,6 +64,8 @@ def cast_model(model: torch.nn.Module, device: torch.device, dtype: torch.dtype)
     tensor instead (a fake tensor's, in the simulator), which a model holding weak
     references to its parameters refuses.
     """
+    import torch
+
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             want = dtype if t.is_floating_point() else t.dtype

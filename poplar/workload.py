@@ -14,7 +14,6 @@ interface; a value that implements it and pickles crosses into spawned ranks as 
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -26,9 +25,9 @@ from poplar.models.source import ModelSource
 from poplar.models import MODEL_PRESETS, build_model
 from poplar.models import causal_lm_loss as tiny_loss
 from poplar.models.hf import HF_PRESETS, build_hf_model, causal_lm_loss, family, masked_lm_loss_fn
+from poplar.models.presets import default_vocab
 
 HF_DEFAULT_SEQ_LEN = 128
-HF_DEFAULT_VOCAB = 2048
 MASK_ID = 1     # the tokenizer's second special token (poplar.data.text.MASK)
 
 
@@ -56,8 +55,7 @@ class Workload(BaseModel):
                 object.__setattr__(self, field, default)
         else:   # a real-size preset carries its own vocabulary
             object.__setattr__(self, "seq_len", self.seq_len or HF_DEFAULT_SEQ_LEN)
-            preset_vocab = HF_PRESETS[self.model][1].get("vocab_size", HF_DEFAULT_VOCAB)
-            object.__setattr__(self, "vocab_size", self.vocab_size or preset_vocab)
+            object.__setattr__(self, "vocab_size", self.vocab_size or default_vocab(self.model))
             limit = HF_PRESETS[self.model][1]["max_position_embeddings"]
             if self.seq_len > limit:
                 raise ValueError(f"seq_len = {self.seq_len}: {self.model} has {limit} positions")
@@ -116,17 +114,11 @@ def _param_shapes(model: str, vocab_size: int) -> list[list[int]]:
         return [list(p.shape) for p in Workload(model=model, vocab_size=vocab_size).build().parameters()]
 
 
-@functools.lru_cache(maxsize=16)
 def _param_count(model: str, vocab_size: int) -> int:
-    """The parameters of a preset: a Hugging Face one's from one and two of its layers, on the meta device (every
-    layer is alike: a 70B model's count in a fraction of a second), the others' from their shapes."""
-    layers = HF_PRESETS[model][1].get("num_hidden_layers", 0) if model in HF_PRESETS else 0
-    if layers < 3:
-        return sum(math.prod(shape) for shape in _param_shapes(model, vocab_size))
-    with torch.device("meta"):
-        one, two = (sum(p.numel() for p in build_hf_model(model, vocab_size, num_hidden_layers=n).parameters())
-                    for n in (1, 2))
-    return one + (layers - 1) * (two - one)
+    """The parameters of a preset, from its shapes' arithmetic (:func:`poplar.models.presets.param_count`)."""
+    from poplar.models.presets import param_count
+
+    return param_count(model, vocab_size)
 
 
 def _check_buildable(wl: Workload) -> None:

@@ -1,7 +1,9 @@
 """Workloads: the real-size presets, known by their shapes alone and refused where they cannot be built."""
 
 import pytest
+import torch
 
+from poplar.models.presets import HF_PRESETS, MODEL_PRESETS
 from poplar.workload import Workload
 
 
@@ -104,3 +106,26 @@ def test_a_model_source_that_is_no_preset_is_profiled_planned_and_trained(tmp_pa
     assert measured["overruns"] > 0 or measured["step_s"] == pytest.approx(predicted, rel=0.1)
     with pytest.raises(TypeError, match="a workload is a preset's name, its fields or a poplar.workload.ModelSource"):
         as_workload(object())
+
+
+def _built_count(name: str, vocab_size: int) -> int:
+    """A preset's parameters as the built model has them (meta tensors; a deep one from one and two layers)."""
+    from poplar.models.hf import HF_PRESETS, build_hf_model
+
+    layers = HF_PRESETS[name][1].get("num_hidden_layers", 0) if name in HF_PRESETS else 0
+    with torch.device("meta"):
+        if layers < 3:
+            return sum(p.numel() for p in Workload(model=name, vocab_size=vocab_size).build().parameters())
+        one, two = (sum(p.numel() for p in build_hf_model(name, vocab_size, num_hidden_layers=n).parameters())
+                    for n in (1, 2))
+    return one + (layers - 1) * (two - one)
+
+
+@pytest.mark.parametrize("name", [*MODEL_PRESETS, *HF_PRESETS])
+def test_every_presets_count_from_arithmetic_is_the_built_models(name):
+    from poplar.models.presets import param_count
+
+    default = Workload(model=name).vocab_size
+    vocabularies = [default] if name in MODEL_PRESETS else [default, 512, 1001]   # the built-in ones fix theirs
+    for vocab in vocabularies:
+        assert param_count(name, vocab) == _built_count(name, vocab), vocab

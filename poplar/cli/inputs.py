@@ -54,3 +54,37 @@ def _check_writable(path: Path | None, option: str) -> None:
     if path is not None and (path.is_dir() or not path.parent.is_dir()):
         raise ValueError(f"{option} {path}: " + ("is a directory: give a file name" if path.is_dir() else
                                                   f"no directory {path.parent}: create it or give another path"))
+
+
+def refuse_early(cluster: str | None, model: str | None = None, precision: str | None = None,
+                 vocab_size: int | None = None) -> None:
+    """What arithmetic refuses before torch is imported (seconds) or anything is profiled: a cluster file's fields
+    and figures, a precision its devices have no hardware for, a model preset whose states the whole cluster
+    cannot hold. The real GPUs (no cluster file) and a model that is no preset are checked as they are found."""
+    from poplar.cluster.spec import load_cluster
+    from poplar.models.presets import HF_PRESETS, MODEL_PRESETS, default_vocab, param_count
+    from poplar.precision import precision as canonical
+
+    if cluster is None or str(cluster).strip().lower() in ("", "none", "null"):
+        return
+    spec = load_cluster(cluster)
+    try:
+        dtype = canonical(precision)
+    except ValueError:
+        return     # refused with the command's other options, as it parses them
+    spec.check_precision(dtype)
+    if model in MODEL_PRESETS or model in HF_PRESETS:
+        vocab = vocab_size if vocab_size and model in HF_PRESETS else default_vocab(model)
+        spec.check_holds_states(model, param_count(model, vocab), dtype)
+
+
+def refused_early(console, clusters: list[str | None], model: str | None = None, precision: str | None = None) -> None:
+    """:func:`refuse_early` for each of ``clusters``, said in one line with exit 2."""
+    import typer
+
+    try:
+        for cluster in clusters:
+            refuse_early(cluster, model, precision)
+    except BAD_INPUT_ERRORS as e:
+        _error(console, e)
+        raise typer.Exit(2) from None

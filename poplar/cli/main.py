@@ -88,25 +88,20 @@ def profile(
     import contextlib
     import time
 
-    from pydantic import ValidationError
+    from poplar.cli.inputs import refused_early
 
+    console = _console()
+    refused_early(console, [cluster], model, mixed_precision)   # what arithmetic refuses, before torch is imported
     from poplar.cli.output import Progress
     from poplar.profile.options import ProfileOptions
     from poplar.profile.plot import plot_profile
     from poplar.profile.report import cluster_line, comm_line, profile_table
-    from poplar.profile.run import cluster_to_profile, run_profile
-    from poplar.workload import model_source
+    from poplar.profile.run import run_profile
 
-    console = _console()
     try:
         options = ProfileOptions(stages=stages, n_points=points, repeats=repeats, use_cache=not no_cache,
                                  max_micro_batch=max_micro_batch, precision=mixed_precision)
-        try:
-            workload = model_source(model, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
-        except ValidationError as e:
-            raise ValueError(f"--model/--seq-len: {e.errors()[0]['msg']}") from None
-        spec = cluster_to_profile(cluster)   # the real GPUs discovered: this joins their process group
-        spec.check_precision(options.precision)
+        workload, spec = _profile_inputs(model, seq_len, activation_checkpointing, cluster, options.precision)
     except (ValueError, FileNotFoundError) as e:
         _error(console, e)
         raise typer.Exit(2) from None
@@ -124,6 +119,23 @@ def profile(
     for line in (comm_line(prof), f"wrote {out}", plot and f"wrote {plot_profile(prof, plot)}"):
         if line:
             say(console, line)
+
+
+def _profile_inputs(model: str, seq_len: int | None, activation_checkpointing: bool, cluster: str | None,
+                    precision: str):
+    """``poplar profile``'s workload and cluster, refused in one line (ValueError) where wrong."""
+    from pydantic import ValidationError
+
+    from poplar.profile.run import cluster_to_profile
+    from poplar.workload import model_source
+
+    try:
+        workload = model_source(model, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
+    except ValidationError as e:
+        raise ValueError(f"--model/--seq-len: {e.errors()[0]['msg']}") from None
+    spec = cluster_to_profile(cluster)   # the real GPUs discovered: this joins their process group
+    spec.check_precision(precision)
+    return workload, spec
 
 
 @app.command()
@@ -210,12 +222,15 @@ def train(
     rank stops every rank with one line naming it and the last checkpoint. --resume continues on this cluster or
     another (other devices, another world size: planned anew). See docs/reliability.md.
     """
+    from poplar.cli.inputs import refused_early
+
+    console = _console()
+    refused_early(console, [cluster])   # a cluster file's fields and figures, before torch is imported
     from poplar.cli.output import Progress
     from poplar.launch import RankFailed
     from poplar.train.config import load_config
     from poplar.train.run import run_training
 
-    console = _console()
     cfg = None
     overrides = {"model": model, "cluster": cluster, "global_batch": global_batch, "steps": steps, "plan": plan,
                  "baseline": baseline, "out": out, "resume": resume or None, "data": data, "export": export}
@@ -319,6 +334,10 @@ def bench(
                                                      "(DeepSpeed is measured in fp32 alone)"),
 ) -> None:
     """Measure Poplar's plan against the uniform, proportional and measured-peak splits, DeepSpeed, the ideal bound."""
+    from poplar.cli.inputs import refused_early
+
+    # each cluster file's fields and figures, before torch is imported
+    refused_early(_console(), [] if cluster.strip() == "all" else [c.strip() for c in cluster.split(",")])
     from poplar.bench import bench_clusters, check_clusters, results_table
     from poplar.precision import precision as canonical_precision
     from poplar.cli.output import Progress

@@ -53,14 +53,16 @@ def simulate(
     """Plan a model on a cluster from a simulated profile: the device model counted on fake tensors, not run."""
     from pydantic import ValidationError
 
-    from poplar.cli.inputs import BAD_INPUT_ERRORS, _check_writable, _error, stages_option
+    from poplar.cli.inputs import BAD_INPUT_ERRORS, _check_writable, _error, refused_early, stages_option
     from poplar.cli.output import console as _console
-    from poplar.cluster.spec import load_cluster
-    from poplar.profile.options import ProfileOptions
-    from poplar.evaluate import evaluate
-    from poplar.workload import model_source
 
     console = _console()
+    refused_early(console, [cluster], model, mixed_precision)   # what arithmetic refuses, before torch is imported
+    from poplar.cluster.spec import load_cluster
+    from poplar.evaluate import evaluate
+    from poplar.profile.options import ProfileOptions
+    from poplar.workload import model_source
+
     try:   # everything that can be refused is, before anything is simulated
         stage_list = stages_option(stages)
         options = ProfileOptions(stages=stage_list, n_points=points, max_micro_batch=max_micro_batch,

@@ -72,7 +72,7 @@ class CudaDevice(Device):
     # -- memory, as a profiler probes it --------------------------------------------------
     def check_cluster(self, cluster, rank: int) -> None:
         """This GPU, checked against ``cluster``'s description of ``rank`` on every rank alike (none left waiting)."""
-        from poplar.cluster.spec import CudaProperties
+        from poplar.cluster.kinds import CudaProperties
         from poplar.engine.dist import context
 
         if context().device.type != "cuda":   # the group's backend: every rank raises alike

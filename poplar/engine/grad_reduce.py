@@ -22,7 +22,8 @@ from typing import Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from poplar.engine.flat_unit import FlatUnit, Slot
+from poplar.engine.flat_unit import FlatUnit
+from poplar.engine.unit_state import Slot
 from poplar.stages import ZeroStage
 
 

@@ -21,42 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from poplar.models.loss import next_token_loss
+from poplar.models.presets import HF_PRESETS   # name: (family, config); vocab_size is set when the model is built
 
-# name: (family, config). vocab_size is set from the tokenizer when the model is built.
-HF_PRESETS: dict[str, tuple[str, dict]] = {
-    "llama-tiny": ("llama", dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=256)),
-    "llama-small": ("llama", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                                  num_key_value_heads=4, max_position_embeddings=512)),
-    "llama-125m": ("llama", dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                                 num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048)),
-    "llama-350m": ("llama", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
-                                 num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048)),
-    # real sizes (Llama-2's 7B, 13B, 70B; a 1B in Llama-3's shape; a 20B), for `poplar simulate`: too large to run here
-    "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                               num_key_value_heads=8, max_position_embeddings=8192, vocab_size=128256)),
-    "llama-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                               num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-                               vocab_size=32000)),
-    "llama-13b": ("llama", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                                num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096,
-                                vocab_size=32000)),
-    # GPT-NeoX-20B's size in Llama-2's shape: between 13B and 70B, where memory decides who can train it
-    "llama-20b": ("llama", dict(hidden_size=6144, intermediate_size=16384, num_hidden_layers=44,
-                                num_attention_heads=48, num_key_value_heads=48, max_position_embeddings=4096,
-                                vocab_size=32000)),
-    "llama-70b": ("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096,
-                                vocab_size=32000)),
-    "bert-tiny": ("bert", dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                               max_position_embeddings=256)),
-    "bert-small": ("bert", dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-                                max_position_embeddings=512)),
-    "bert-base": ("bert", dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                               num_attention_heads=12, max_position_embeddings=512)),
-    "bert-large": ("bert", dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                                num_attention_heads=16, max_position_embeddings=512, vocab_size=30522)),
-}
 MASK_FRACTION = 0.15
 
 

@@ -69,3 +69,23 @@ class TinyCausalLM(nn.Module):
 def causal_lm_loss(model: nn.Module, batch) -> torch.Tensor:
     """Next-token cross-entropy of a ``(inputs, targets)`` micro-batch (:func:`poplar.models.loss.next_token_loss`)."""
     return next_token_loss(model(batch[0]), batch)
+
+
+def build_model(name: str, seed: int = 0) -> TinyCausalLM:
+    """Built-in preset ``name`` (:data:`poplar.models.presets.MODEL_PRESETS`), seeded."""
+    from poplar.models.presets import MODEL_PRESETS
+
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_PRESETS)}")
+    torch.manual_seed(seed)
+    return TinyCausalLM(**MODEL_PRESETS[name])
+
+
+def random_token_batch(name: str, batch: int, seed: int = 0):
+    """Random ``(inputs, targets)`` of the preset's shape: enough to time and size a step."""
+    from poplar.models.presets import MODEL_PRESETS
+
+    cfg = MODEL_PRESETS[name]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, cfg["vocab_size"], (batch, cfg["max_seq_len"] + 1), generator=g)
+    return x[:, :-1], x[:, 1:]

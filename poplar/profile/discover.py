@@ -21,7 +21,8 @@ from itertools import groupby
 import torch
 import torch.distributed as dist
 
-from poplar.cluster.spec import ClusterSpec, CudaProperties, DeviceGroup, presets
+from poplar.cluster.kinds import CudaProperties
+from poplar.cluster.spec import ClusterSpec, DeviceGroup, presets
 
 
 def no_devices_message() -> str:

@@ -107,7 +107,7 @@ def precision_of(cfg: TrainConfig, launch: Launch, cluster=None) -> tuple[TrainC
     """``cfg`` with its precision checked against the devices the run computes on, before anything runs (a
     V100 or T4 has no bf16: refused in one line naming fp16), and chosen where it is ``auto``; with the line
     that says what was chosen (None where nothing was)."""
-    from poplar.cluster.spec import no_dtype_line
+    from poplar.cluster.kinds import no_dtype_line
     from poplar.precision import fastest
 
     if launch.devices == "emulated" and cluster is not None:

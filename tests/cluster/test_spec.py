@@ -4,7 +4,8 @@ import pytest
 import yaml
 
 from poplar.cluster.catalogue import CATALOGUE, gpu
-from poplar.cluster.spec import ClusterSpec, CudaProperties, Link, load_cluster, parse_cluster, presets
+from poplar.cluster.kinds import CudaProperties
+from poplar.cluster.spec import ClusterSpec, Link, load_cluster, parse_cluster, presets
 from poplar.emulate import NetworkModel
 
 PRESETS = ["both-differ", "compute-differs", "memory-bound", "memory-bound-a100", "memory-differs", "memory-skewed",

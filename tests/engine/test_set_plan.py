@@ -4,7 +4,6 @@ with and without clipping: every one trains as one device does (1e-5), and every
 
 import random
 
-import pytest
 import torch
 
 from poplar.engine.layout import ShardLayout

@@ -9,7 +9,8 @@ import pytest
 import torch
 import yaml
 
-from poplar.cluster.spec import CudaProperties, parse_cluster
+from poplar.cluster.kinds import CudaProperties
+from poplar.cluster.spec import parse_cluster
 from poplar.launch import spawn
 from poplar.profile import Profile
 from poplar.cluster.catalogue import peak_tflops
