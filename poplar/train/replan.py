@@ -63,9 +63,14 @@ class Replanner:
         self.window: list = []         # the off steps in a row, each's figures
         self.last_change: int | None = None
         self.settling = True
+        self.stopped: str | None = None   # why re-planning stopped (the run goes on with its plan)
 
     def observe(self, step: int, figures) -> Replan | None:
-        """After step ``step`` (from 1), with every rank's figures: the re-plan to train with from the next step."""
+        """After step ``step`` (from 1), with every rank's figures: the re-plan to train with from the next step.
+        A plan that cannot be searched (a profile the rescaled speeds break) stops re-planning, never the run:
+        every rank meets the same error on the same figures, so all stop alike."""
+        if self.stopped:
+            return None
         if self.settling or figures.overruns:
             self.settling = False
             return None
@@ -73,7 +78,12 @@ class Replanner:
         if len(self.window) < self.config.patience or (
                 self.last_change is not None and step - self.last_change < self.config.every):
             return None
-        return self._evaluate(step)
+        try:
+            return self._evaluate(step)
+        except (ValueError, ArithmeticError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self.stopped = f"re-planning stops after step {step}, the plan kept: {why}"
+            return None
 
     def _off(self, figures) -> bool:
         limit = self.config.threshold

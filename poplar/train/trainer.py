@@ -126,6 +126,10 @@ class Trainer:
         figures = self.log.gather(self.engine.last_grad_norm)
         change = (self.replanner.observe(step + 1, figures)
                   if self.replanner is not None and step + 1 < self.last else None)   # none after the last step
+        if self.replanner is not None and self.replanner.stopped:
+            if self.rank == 0:
+                print(f"poplar: {self.replanner.stopped}", flush=True)
+            self.replanner = None
         if due or change is not None:
             self.log.write(step, loss, figures, skipped, replan=None if change is None else change.record(),
                            loss_scale=self.engine.loss_scale if self.engine.config.mixed_precision == "fp16" else None)

@@ -104,3 +104,17 @@ def test_who_replans():
         load_config(None, {"replan": "sometimes"})
     with pytest.raises(ValueError, match="replan.threshold"):
         load_config(None, {"replan": {"threshold": 1.5}})
+
+
+def test_a_plan_that_cannot_be_searched_stops_replanning_not_the_run(monkeypatch):
+    plan = _plan(2)
+    replanner = Replanner(ReplanConfig(), BASIS, plan)
+
+    def broken(*_):
+        raise ValueError("rank 1 (slow x2.00): micro-batch 9 is over its stage-2 limit 8")
+
+    monkeypatch.setattr(PlanBasis, "replan", broken)
+    slowed = lambda s: [1.0, 2.0, 1.0] if s >= 5 else [1.0, 1.0, 1.0]   # noqa: E731
+    assert _run(replanner, 20, slowed) == []
+    assert replanner.stopped == ("re-planning stops after step 7, the plan kept: rank 1 (slow x2.00): micro-batch 9 "
+                                 "is over its stage-2 limit 8") and replanner.plan == plan
