@@ -270,10 +270,13 @@ def _set_options(items: list[str]) -> dict:
 
 
 def _replanned(replans: list[dict]) -> str:
+    """Each re-plan: when, and its step time predicted and then measured."""
     if not replans:
         return ""
-    steps = ", ".join(str(r["after_step"]) for r in replans)
-    return f"; re-planned {len(replans)} time{'s' if len(replans) > 1 else ''} (after step {steps}: see the log)"
+    each = "; ".join(f"after step {r['after_step']}: {1e3 * r['predicted_step_s']:.3g} ms a step predicted"
+                     + (f", {1e3 * r['measured_after_s']:.3g} measured" if r.get("measured_after_s") else "")
+                     for r in replans)
+    return f"; re-planned {len(replans)} time{'s' if len(replans) > 1 else ''} ({each}: the log says why)"
 
 
 def _say_trained(console, cfg, result: dict) -> None:

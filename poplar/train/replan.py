@@ -108,7 +108,8 @@ class Replanner:
 
 
 def _kept(speed: float) -> float:
-    return round(speed / SPEED_STEP) * SPEED_STEP
+    """A speed factor to the step kept, within what a card can be (a rank measured idle is not infinitely fast)."""
+    return min(max(round(speed / SPEED_STEP), 1), 10_000) * SPEED_STEP
 
 
 def _why(before: list[float], after: list[float], off: float) -> str:
@@ -122,4 +123,7 @@ def replanner_for(cfg, basis: PlanBasis | None, plan: Plan, world_size: int) -> 
     planning it came from, a baseline's allocation (trained to be measured as it is), a rank alone."""
     if cfg.replan.mode == "off" or basis is None or cfg.baseline != "poplar" or world_size < 2:
         return None
-    return Replanner(cfg.replan, basis, plan)
+    try:
+        return Replanner(cfg.replan, basis, plan)
+    except ValueError:    # the plan is not one this profile predicts (another's, resumed): kept as it is
+        return None

@@ -36,9 +36,21 @@ def summarize(records: list[dict], skip: int = 1) -> dict:
         "tflops": statistics.median(r["tflops"] for r in steady),
         "busy_s": [statistics.median(r["busy_s"][i] for r in steady) for i in range(ranks)],
         "idle_s": [statistics.median(r["idle_s"][i] for r in steady) for i in range(ranks)],
-        "replans": [r["replan"] for r in records if "replan" in r],
+        "replans": _replans(records, skip),
         **mfu,
     }
+
+
+def _replans(records: list[dict], skip: int) -> list[dict]:
+    """Each re-plan's record, with the step time then measured under the new plan (``measured_after_s``: the median
+    of its steps after the first ``skip``, up to the next change; None where it ran no such step)."""
+    at = [i for i, r in enumerate(records) if "replan" in r]
+    out = []
+    for i, j in zip(at, [*at[1:], len(records) - 1]):
+        after = records[i + 1:j + 1][skip:]
+        out.append({**records[i]["replan"],
+                    "measured_after_s": statistics.median(r["step_s"] for r in after) if after else None})
+    return out
 
 
 def plot_runs(runs: dict[str, list[dict]], path: str | Path, title: str = "") -> Path:
