@@ -39,7 +39,7 @@ from poplar.engine.config import EngineConfig, LossFn, OptimizerFactory
 from poplar.engine.dist import init_distributed
 from poplar.engine.flat_unit import FlatUnit
 from poplar.engine.grad_reduce import GradReducer
-from poplar.engine.layout import ShardLayout
+from poplar.engine.layout import ShardLayout, check_collective_sizes
 from poplar.engine.memory import ModelStateMemory
 from poplar.engine.phase import StepPhase
 from poplar.engine.state_dict import EngineState
@@ -230,6 +230,8 @@ class Engine:
             raise ValueError(f"set_plan keeps the ZeRO stage ({self.zero_stage}) and the shape ({self.plan.shape}); "
                              f"got {plan}: build a new engine for another (a checkpoint resumes in any)")
         if plan.share_fractions != self.plan.share_fractions and self.stage.shards_optimizer:
+            # a shape every rank sizes alike, known from the layout alone: refused before anything moves
+            check_collective_sizes(self.world_size, plan.shard_groups, plan.shard_shares, [u.numel for u in self.units])
             self._recut(plan.shard_shares)
         self._adopt(plan)
 
