@@ -113,8 +113,9 @@ def _kept(speed: float) -> float:
 
 
 def _why(before: list[float], after: list[float], off: float) -> str:
+    """The ranks whose speed moved (more than the noise of a few steps), and how far the steps were off."""
     moved = [f"rank {i} computes at {1 / s:.2f}x its profile's speed (was {1 / b:.2f}x)"
-             for i, (b, s) in enumerate(zip(before, after)) if s != b]
+             for i, (b, s) in enumerate(zip(before, after)) if abs(s / b - 1) > 2 * SPEED_STEP]
     return (", ".join(moved) or "the ranks compute as they did") + f"; steps measured {off:.2f}x the prediction"
 
 
