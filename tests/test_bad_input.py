@@ -148,7 +148,7 @@ CASES = [
     ("bf16 on cards without it (V100)", ["simulate", "--cluster", "{tmp}/four-v100.yaml", "--mixed-precision", "bf16",
                                          "--model", "tiny", "--global-batch", "64"], "v100 (V100-16GB) has no bf16 hardware: train in fp16", 2),
     ("bf16 on cards without it (T4), training", _train("--set", "mixed_precision=bf16", "--out", "{tmp}/r"),
-     "t4-16gb has no bf16 hardware: train in fp16", 2),
+     "t4-16gb (T4-16GB) has no bf16 hardware: train in fp16", 2),
     ("bf16 on cards without it, profiled", ["profile", "--cluster", "{tmp}/four-v100.yaml", "--mixed-precision", "bf16",
                                             "--out", "{tmp}/p.json"], "has no bf16 hardware", 2),
     ("bf16 on cards without it, benchmarked", ["bench", "--cluster", "compute-differs", "--mixed-precision", "bf16"],

@@ -225,7 +225,8 @@ def train(
     from poplar.cli.inputs import refused_early
 
     console = _console()
-    refused_early(console, [cluster])   # a cluster file's fields and figures, before torch is imported
+    # a cluster file's fields and figures, and a precision it lacks, before torch is imported
+    refused_early(console, [cluster], precision=_set_precision(set_))
     from poplar.cli.output import Progress
     from poplar.launch import RankFailed
     from poplar.train.config import load_config
@@ -250,6 +251,15 @@ def train(
         _error(console, f"{line}{_where_run_stands(cfg)}")
         raise typer.Exit(1) from None
     _say_trained(console, cfg, result)
+
+
+def _set_precision(items: list[str]) -> str | None:
+    """``--set mixed_precision=...`` where given and read (None otherwise: the config's, checked later)."""
+    try:
+        value = _set_options(items).get("mixed_precision")
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
 
 
 def _set_options(items: list[str]) -> dict:

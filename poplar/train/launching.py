@@ -127,6 +127,8 @@ def precision_of(cfg: TrainConfig, launch: Launch, cluster=None) -> tuple[TrainC
         engine = cfg.engine.model_copy(update={"mixed_precision": chosen})
         return cfg.model_copy(update={"engine": engine}), f"poplar: mixed precision auto: {chosen}{why}"
     want = cfg.engine.mixed_precision
-    if not computes(want):
+    if launch.devices == "emulated" and cluster is not None:
+        cluster.check_precision(want)    # the line every command gives (the command line asks it first)
+    elif not computes(want):
         raise ValueError(no_dtype_line(want, lacking(want)))
     return cfg, None

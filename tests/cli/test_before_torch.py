@@ -36,6 +36,8 @@ def files(tmp_path):
      "llama-70b has 68.98B parameters: its model states take at least 1027.8 GiB in ZeRO-3"),
     (["profile", "--cluster", "{tmp}/two-t4.yaml", "--model", "llama-13b", "--mixed-precision", "bf16"],
      "mixed precision bf16: t4 (T4-16GB) has no bf16 hardware"),
+    (["train", "--cluster", "{tmp}/two-t4.yaml", "--set", "mixed_precision=bf16", "--out", "{tmp}/r"],
+     "mixed precision bf16: t4 (T4-16GB) has no bf16 hardware"),
 ])
 def test_refused_before_torch_is_imported(files, args, says):
     run = subprocess.run([sys.executable, "-c", PROBE, *[a.format(tmp=files) for a in args]], cwd=ROOT,
