@@ -27,6 +27,11 @@ SLOW = {
     "test_bench.py", "test_bench_engine.py", "test_demo.py", "test_launch.py", "train/test_checkpoint.py",
     "train/test_faults.py", "train/test_real_devices.py", "train/test_train.py", "train/test_two_node.py",
     "train/test_watchdog.py", "train/test_your_model.py",
+    "cli/test_before_torch.py", "engine/test_flight.py", "engine/test_fp16.py", "engine/test_set_plan.py",
+    "engine/test_weights.py", "integrations/test_deepspeed_config.py", "integrations/test_hf.py",
+    "integrations/test_lightning.py", "integrations/test_lightning_cuda.py", "profile/test_anatomy.py",
+    "profile/test_procedure.py", "test_sigterm.py", "test_workload.py", "train/test_precision.py",
+    "train/test_replan_runs.py",
 }
 # modules whose assertions are about time
 PACED = {
