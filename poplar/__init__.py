@@ -15,10 +15,16 @@ _ENGINE_NAMES = ("Engine", "EngineConfig", "NonFiniteError")
 
 
 def __getattr__(name: str):
-    if name in _ENGINE_NAMES:
-        import poplar.engine
+    import importlib
 
-        return getattr(poplar.engine, name)
+    if name in _ENGINE_NAMES:
+        return getattr(importlib.import_module("poplar.engine"), name)
+    if not name.startswith("_"):   # a subpackage, as an eager import would have left it (poplar.engine, ...)
+        try:
+            return importlib.import_module(f"poplar.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"poplar.{name}":
+                raise
     raise AttributeError(f"module 'poplar' has no attribute {name!r}")
 
 _DEEPSPEED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",

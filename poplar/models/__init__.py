@@ -13,10 +13,16 @@ _TINY = ("TinyCausalLM", "build_model", "causal_lm_loss", "random_token_batch")
 
 
 def __getattr__(name: str):
-    if name in _TINY:
-        from poplar.models import tiny
+    import importlib
 
-        return getattr(tiny, name)
+    if name in _TINY:
+        return getattr(importlib.import_module("poplar.models.tiny"), name)
+    if not name.startswith("_"):   # a submodule, as an eager import would have left it
+        try:
+            return importlib.import_module(f"poplar.models.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"poplar.models.{name}":
+                raise
     raise AttributeError(f"module 'poplar.models' has no attribute {name!r}")
 
 

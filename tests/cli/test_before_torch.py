@@ -44,3 +44,11 @@ def test_refused_before_torch_is_imported(files, args, says):
                          capture_output=True, text=True, timeout=120)
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["code"] == 2 and says in out["out"] and not out["torch"], out
+
+
+def test_the_package_imports_torch_only_when_the_engine_is_asked_for():
+    probe = ("import sys, poplar; before = 'torch' in sys.modules; engine = poplar.Engine; "
+             "print(before, 'torch' in sys.modules, poplar.engine.initialize.__module__, "
+             "poplar.models.tiny.TinyCausalLM.__name__, hasattr(poplar, 'nothing'))")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.stdout.split() == ["False", "True", "poplar.engine.engine", "TinyCausalLM", "False"], run.stderr
