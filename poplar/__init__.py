@@ -8,24 +8,12 @@
 
 import os
 
+from poplar.lazy import lazy_attributes
 from poplar.plan import Plan
 
 # the engine (and torch, two seconds to import) only when asked for: a command that refuses its input says so first
 _ENGINE_NAMES = ("Engine", "EngineConfig", "NonFiniteError")
-
-
-def __getattr__(name: str):
-    import importlib
-
-    if name in _ENGINE_NAMES:
-        return getattr(importlib.import_module("poplar.engine"), name)
-    if not name.startswith("_"):   # a subpackage, as an eager import would have left it (poplar.engine, ...)
-        try:
-            return importlib.import_module(f"poplar.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"poplar.{name}":
-                raise
-    raise AttributeError(f"module 'poplar' has no attribute {name!r}")
+__getattr__ = lazy_attributes("poplar", {name: "poplar.engine" for name in _ENGINE_NAMES})
 
 _DEEPSPEED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                    "zero_optimization", "gradient_clipping", "bf16", "fp16", "optimizer", "scheduler", "poplar"}

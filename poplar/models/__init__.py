@@ -7,23 +7,10 @@ too large for its cluster before importing it. The built-in models are
 
 from __future__ import annotations
 
+from poplar.lazy import lazy_attributes
 from poplar.models.presets import MODEL_PRESETS   # name: TinyCausalLM arguments (max_seq_len: trained on)
 
 _TINY = ("TinyCausalLM", "build_model", "causal_lm_loss", "random_token_batch")
-
-
-def __getattr__(name: str):
-    import importlib
-
-    if name in _TINY:
-        return getattr(importlib.import_module("poplar.models.tiny"), name)
-    if not name.startswith("_"):   # a submodule, as an eager import would have left it
-        try:
-            return importlib.import_module(f"poplar.models.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"poplar.models.{name}":
-                raise
-    raise AttributeError(f"module 'poplar.models' has no attribute {name!r}")
-
+__getattr__ = lazy_attributes("poplar.models", {name: "poplar.models.tiny" for name in _TINY})
 
 __all__ = ["MODEL_PRESETS", *_TINY]

@@ -22,6 +22,11 @@ from poplar.profile.profile import Profile, StageProfile
 SPEED_STEP = 0.01   # factors are kept to this: ranks of a kind this close share one rescaled kind
 
 
+def kept_speed(speed: float) -> float:
+    """A speed factor to the step kept, within what a card can be (a rank measured idle is not infinitely fast)."""
+    return min(max(round(speed / SPEED_STEP), 1), 10_000) * SPEED_STEP
+
+
 def slowed_stage(sp: StageProfile, factor: float) -> StageProfile:
     """``sp`` with every time ``factor`` times as long (its memory as it was)."""
     anatomy = None if sp.anatomy is None else [
@@ -38,7 +43,7 @@ def rescaled(profile: Profile, ranks: list[int], speeds: list[float]) -> Profile
     """``profile`` with plan rank ``i`` (profile rank ``ranks[i]``) computing ``speeds[i]`` times as long."""
     kinds, devices = list(profile.ranks), dict(profile.devices)
     for r, factor in zip(ranks, speeds):
-        factor = round(factor / SPEED_STEP) * SPEED_STEP
+        factor = kept_speed(factor)
         if abs(factor - 1.0) < SPEED_STEP / 2:
             continue
         base = profile.ranks[r]
@@ -84,8 +89,9 @@ class PlanBasis:
             chosen = plan_stage(cost.profile, plan.zero_stage, plan.global_batch_size, list(self.ranks)).poplar
             found += [chosen.plan] if chosen.plan is not None else []
         best = plan, cost.predict(plan)
-        for candidate in found:
-            predicted = self.cost(candidate, speeds).predict(candidate)
+        for candidate in found:   # at the plan's shares on its cost model, at others on theirs
+            same = candidate.shard_shares == plan.shard_shares
+            predicted = (cost if same else self.cost(candidate, speeds)).predict(candidate)
             if predicted.step_s < best[1].step_s:
                 best = candidate, predicted
         return best

@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass
 
 from poplar.plan import Plan
-from poplar.planner.replan import SPEED_STEP, PlanBasis
+from poplar.planner.replan import SPEED_STEP, PlanBasis, kept_speed
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class Replanner:
     def _evaluate(self, step: int) -> Replan | None:
         busy = [statistics.median(f.busy_s[i] for f in self.window) for i in range(len(self.speeds))]
         measured = statistics.median(f.step_s for f in self.window)
-        speeds = [_kept(s * b / p) if p > 0 else s for s, b, p in zip(self.speeds, busy, self.expected.busy_s)]
+        speeds = [kept_speed(s * b / p) if p > 0 else s for s, b, p in zip(self.speeds, busy, self.expected.busy_s)]
         kept = self.basis.predict(self.plan, speeds)
         found, predicted = self.basis.replan(self.plan, speeds)
         why = _why(self.speeds, speeds, measured / (self.residual * self.expected.step_s))
@@ -105,11 +105,6 @@ class Replanner:
         change = Replan(step, why, self.plan, found, speeds, measured, kept.step_s, predicted.step_s)
         self.plan, self.expected, self.last_change, self.settling = found, predicted, step, True
         return change
-
-
-def _kept(speed: float) -> float:
-    """A speed factor to the step kept, within what a card can be (a rank measured idle is not infinitely fast)."""
-    return min(max(round(speed / SPEED_STEP), 1), 10_000) * SPEED_STEP
 
 
 def _why(before: list[float], after: list[float], off: float) -> str:
