@@ -29,7 +29,8 @@ SLOW = {
     "train/test_watchdog.py", "train/test_your_model.py",
     "cli/test_before_torch.py", "engine/test_flight.py", "engine/test_fp16.py", "engine/test_set_plan.py",
     "engine/test_weights.py", "integrations/test_deepspeed_config.py", "integrations/test_hf.py",
-    "integrations/test_lightning.py", "integrations/test_lightning_cuda.py", "profile/test_anatomy.py",
+    "integrations/test_lightning.py", "integrations/test_lightning_cuda.py", "integrations/test_replan.py",
+    "profile/test_anatomy.py",
     "profile/test_procedure.py", "test_sigterm.py", "test_workload.py", "train/test_precision.py",
     "train/test_replan_runs.py",
 }

@@ -19,12 +19,16 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from poplar.integrations.schedule import PlanSchedule
 from poplar.plan import Plan
 
 
 class PlanBatchSampler(Sampler[list[int]]):
     """The indices ``rank`` takes at every optimizer step of an epoch (or, with ``micro_batches``, at every
-    micro-step). Incomplete global batches at an epoch's end are left out, as ``drop_last`` does."""
+    micro-step). Incomplete global batches at an epoch's end are left out, as ``drop_last`` does.
+
+    Each step is cut with the plan its ``schedule`` puts in force there (a re-planned run's runtime
+    shares it: :mod:`poplar.integrations.schedule`); the global batches stay the same."""
 
     def __init__(self, n_samples: int, plan: Plan, rank: int, shuffle: bool = True, seed: int = 0,
                  micro_batches: bool = False):
@@ -35,6 +39,7 @@ class PlanBatchSampler(Sampler[list[int]]):
         self.shuffle, self.seed, self.micro_batches = shuffle, seed, micro_batches
         self.epoch = 0
         self.skip_steps = 0     # optimizer steps of this epoch already taken (a resumed run)
+        self.schedule = PlanSchedule(plan)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -51,20 +56,22 @@ class PlanBatchSampler(Sampler[list[int]]):
 
     def __iter__(self):
         order, size = self._order(), self.plan.global_batch_size
-        lo, hi = self.plan.sample_range(self.rank)
+        self.schedule.restart()
         for step in range(self.skip_steps, self.steps_per_epoch):
+            plan = self.schedule.cut()
+            lo, hi = plan.sample_range(self.rank)
             mine = order[step * size + lo:step * size + hi]
             if not self.micro_batches:
                 yield mine
                 continue
             start = 0
-            for n in self.plan.micro_batches(self.rank):
+            for n in plan.micro_batches(self.rank):
                 yield mine[start:start + n]
                 start += n
         self.skip_steps = 0
 
     def __len__(self) -> int:
-        per_step = len(self.plan.micro_batches(self.rank)) if self.micro_batches else 1
+        per_step = len(self.schedule.latest.micro_batches(self.rank)) if self.micro_batches else 1
         return (self.steps_per_epoch - self.skip_steps) * per_step
 
 

@@ -28,7 +28,7 @@ from poplar.engine.batch import batch_size
 from poplar.engine.config import EngineConfig
 from poplar.integrations.data import plan_loader
 from poplar.integrations.ds_config import build_optimizer, read_ds_config
-from poplar.integrations.runtime import Runtime, from_environment, resolve_plan
+from poplar.integrations.runtime import Runtime, from_environment, resolve_planning
 
 _UNUSED_ARGS = ("args", "mpu", "mesh_param", "distributed_port", "dist_init_required")
 
@@ -69,9 +69,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                                   workload or poplar.get("workload"), settings.global_batch)
     if plan is None and cluster is not None and workload is None:   # the model given, profiled on its data
         workload = _module_source(model, loss, training_data, collate_fn)
-    plan = _plan(ctx.world_size, settings, engine_config, plan, cluster, workload, model)
+    plan, basis = _plan(ctx.world_size, settings, engine_config, plan, cluster, workload, model)
     opt = _optimizer(optimizer, settings)
-    runtime = Runtime(model, opt, plan, engine_config, cluster=cluster)
+    runtime = Runtime(model, opt, plan, engine_config, cluster=cluster, basis=basis, replan=poplar.get("replan"))
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(runtime.engine.optimizer)
     engine = DeepSpeedStyleEngine(runtime, lr_scheduler)
@@ -79,6 +79,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if training_data is not None:
         seed = int(settings.poplar.get("seed", 0))
         loader = plan_loader(training_data, plan, runtime.rank, collate_fn=collate_fn, seed=seed, micro_batches=True)
+        runtime.follow(loader.batch_sampler)     # a re-plan reaches the micro-batches cut from here on
         engine.loader = loader
     return engine, runtime.engine.optimizer, loader, lr_scheduler
 
@@ -96,12 +97,12 @@ def _module_source(model, loss, training_data, collate_fn):
 
 def _plan(world_size: int, settings, config: EngineConfig, plan, cluster, workload, model=None):
     stages = (settings.stage,) if settings.stage is not None else tuple(settings.poplar.get("stages", (0, 1, 2, 3)))
-    plan = resolve_plan(world_size, plan, cluster=cluster, workload=workload, global_batch=settings.global_batch,
-                        stages=stages, config=config, model=model)
+    plan, basis = resolve_planning(world_size, plan, cluster=cluster, workload=workload,
+                                   global_batch=settings.global_batch, stages=stages, config=config, model=model)
     if settings.stage is not None and plan.zero_stage != settings.stage:
         raise ValueError(f"the plan is for ZeRO stage {plan.zero_stage}, the config's zero_optimization.stage is "
                          f"{settings.stage}: make them agree")
-    return plan
+    return plan, basis
 
 
 def _optimizer(optimizer, settings):

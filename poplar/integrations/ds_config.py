@@ -30,7 +30,7 @@ import torch
 
 _USED = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
          "zero_optimization", "bf16", "fp16", "amp", "optimizer", "scheduler", "poplar"}
-_POPLAR_KEYS = {"plan", "cluster", "workload", "stages", "seed"}
+_POPLAR_KEYS = {"plan", "cluster", "workload", "stages", "seed", "replan"}
 _OPTIMIZERS = {"adam", "adamw", "sgd"}
 
 
@@ -80,6 +80,13 @@ def read_ds_config(config: str | Path | dict, world_size: int) -> DsSettings:
     if unknown:
         raise ValueError(f"config: poplar.{unknown[0]} is not a Poplar field; the poplar section takes "
                          f"{', '.join(sorted(_POPLAR_KEYS))}")
+    if "replan" in poplar:
+        from poplar.integrations.runtime import replan_config
+
+        try:
+            replan_config(poplar["replan"])
+        except ValueError as e:
+            raise ValueError(f"config: poplar.{e}") from None
     if "scheduler" in data:
         raise ValueError("config: Poplar does not build DeepSpeed's schedulers: remove `scheduler` and pass a torch "
                          "scheduler built on your optimizer (lr_scheduler=...)")

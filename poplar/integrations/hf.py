@@ -46,7 +46,7 @@ from poplar.engine.batch import batch_size
 from poplar.engine.config import EngineConfig
 from poplar.integrations.data import PlanBatchSampler
 from poplar.integrations.hf_parts import EngineOptimizer, PlanLoader, global_batch_of, one_group_optimizer, poplar_args
-from poplar.integrations.runtime import Runtime, load_plan, resolve_plan
+from poplar.integrations.runtime import Runtime, load_plan, replan_config, resolve_planning
 
 __all__ = ["PoplarTrainer", "POPLAR_DIR"]
 
@@ -70,7 +70,7 @@ class PoplarTrainer(Trainer):
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *trainer_args, plan=None, cluster=None,
                  workload=None, stages=(0, 1, 2, 3), engine_config: EngineConfig | dict | None = None,
-                 **trainer_kwargs):
+                 replan=None, **trainer_kwargs):
         if "WORLD_SIZE" in os.environ:   # launched (torchrun): Poplar's group, with its timeout, before accelerate's
             from poplar.engine.dist import init_distributed
 
@@ -81,16 +81,20 @@ class PoplarTrainer(Trainer):
         if yours and trainer_kwargs.get("train_dataset") is None and len(trainer_args) < 2:
             raise ValueError("planning from a cluster profiles your model on samples of train_dataset: give "
                              "train_dataset (or a plan)")
+        self.replan, self.basis = replan_config(replan), None
         if not yours:
-            self.plan = _plan_for(args, global_batch, plan, cluster, workload, stages, engine_config, model)
+            self.plan, self.basis = _plan_for(args, global_batch, plan, cluster, workload, stages, engine_config,
+                                              model)
         self.cluster, self.engine_config = cluster, engine_config
         self.runtime: Runtime | None = None     # built with the optimizer, when training starts
+        self._sampler: PlanBatchSampler | None = None    # the train loader's, which the runtime's re-plans reach
         super().__init__(model, poplar_args(args), *trainer_args, **trainer_kwargs)
         if yours:   # the Trainer's collator and column removal exist only now
             from poplar.integrations.module_source import ModuleSource, output_loss
 
             source = ModuleSource(self.model, output_loss, *self._train_samples())
-            self.plan = _plan_for(args, global_batch, None, cluster, source, stages, engine_config, self.model)
+            self.plan, self.basis = _plan_for(args, global_batch, None, cluster, source, stages, engine_config,
+                                              self.model)
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> PlanLoader:
@@ -98,6 +102,9 @@ class PoplarTrainer(Trainer):
         dataset, collate = self._train_samples()
         sampler = PlanBatchSampler(len(dataset), self.plan, self.args.process_index, shuffle=self._shuffle,
                                    seed=self._data_seed)
+        self._sampler = sampler
+        if self.runtime is not None:
+            self.runtime.follow(sampler)     # a re-plan reaches the batches cut from here on
         workers = self.args.dataloader_num_workers
         extra = (dict(persistent_workers=self.args.dataloader_persistent_workers,
                       prefetch_factor=self.args.dataloader_prefetch_factor) if workers > 0 else {})
@@ -142,7 +149,10 @@ class PoplarTrainer(Trainer):
         if self.runtime is None:
             optimizer = self.optimizer if self.optimizer is not None else one_group_optimizer(self)
             self.model._is_accelerate_prepared = True    # accelerate must not wrap it: the engine is the DDP
-            self.runtime = Runtime(self.model, optimizer, self.plan, self._engine_config(), cluster=self.cluster)
+            self.runtime = Runtime(self.model, optimizer, self.plan, self._engine_config(), cluster=self.cluster,
+                                   basis=self.basis, replan=self.replan)
+            if self._sampler is not None:
+                self.runtime.follow(self._sampler)
             self.optimizer = EngineOptimizer(self.runtime.engine)
         return self.optimizer
 
@@ -233,10 +243,22 @@ class PoplarTrainer(Trainer):
         """Every rank: weights and optimizer state from ``checkpoint/poplar`` (any world size, plan and stage)."""
         if checkpoint is None:
             return
-        self._require_runtime().load(Path(checkpoint) / POPLAR_DIR, self._checkpoint_meta())
+        runtime = self._require_runtime()
+        runtime.load(Path(checkpoint) / POPLAR_DIR, self._checkpoint_meta())
+        runtime.schedule.skip = self._skipped_on_resume(checkpoint)
         scheduler = os.path.join(checkpoint, SCHEDULER_FILE)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _skipped_on_resume(self, checkpoint: str) -> int:
+        """The batches the Trainer cuts and drops unseen as it resumes mid-epoch (it skips by iterating the
+        loader): none of them is trained, so none is queued for the runtime."""
+        state = Path(checkpoint) / "trainer_state.json"
+        if self.args.ignore_data_skip or self._sampler is None or not state.is_file():
+            return 0
+        import json
+
+        return int(json.loads(state.read_text()).get("global_step", 0)) % self._sampler.steps_per_epoch
 
     def _checkpoint_meta(self) -> dict:
         """What a resumed run must share with the one that saved, for the same global batches."""
@@ -271,8 +293,9 @@ def _plan_for(args, global_batch: int, plan, cluster, workload, stages, engine_c
 
         init_distributed()      # profiling the cluster is collective
     config = EngineConfig(**engine_config) if isinstance(engine_config, dict) else engine_config
-    return resolve_plan(world, plan, cluster=cluster, workload=workload, global_batch=global_batch,
-                        stages=stages, config=config, model=model if isinstance(model, torch.nn.Module) else None)
+    return resolve_planning(world, plan, cluster=cluster, workload=workload, global_batch=global_batch,
+                            stages=stages, config=config,
+                            model=model if isinstance(model, torch.nn.Module) else None)
 
 
 def _is_hf_dataset(dataset) -> bool:

@@ -71,7 +71,7 @@ from poplar.integrations import lightning_checkpoint as checkpoints
 from poplar.integrations.lightning_data import module_source, plan_train_loader
 from poplar.integrations.lightning_options import engine_config, loss_of, take_weights
 from poplar.integrations.runtime import (Runtime, cluster_spec, from_environment, load_plan, optimizer_factory,
-                                         resolve_plan)
+                                         replan_config, resolve_plan, resolve_planning)
 from poplar.plan import Plan
 
 __all__ = ["PoplarStrategy"]
@@ -92,15 +92,18 @@ class PoplarStrategy(ParallelStrategy):
     devices the ranks take (none: this host's GPU or CPU). Left out, they come from
     ``POPLAR_PLAN``, ``POPLAR_CLUSTER``, ``POPLAR_WORKLOAD``, ``POPLAR_GLOBAL_BATCH``. ``config``: the
     engine's :class:`~poplar.engine.config.EngineConfig` (or its dict). ``shuffle``, ``seed``: the
-    order of the samples, drawn afresh each epoch from ``seed + epoch``.
+    order of the samples, drawn afresh each epoch from ``seed + epoch``. ``replan``: a plan
+    planned here is planned again while training as the steps measure (``"auto"``, ``"off"``
+    or a dict of :class:`~poplar.train.config.ReplanConfig`'s fields; docs/train.md).
     """
 
     strategy_name = "poplar"
 
     def __init__(self, plan: Plan | dict | str | Path | None = None, *, cluster=None, workload=None,
                  global_batch: int | None = None, stages=(0, 1, 2, 3), config: EngineConfig | dict | None = None,
-                 seed: int = 0, shuffle: bool = True, **kwargs):
+                 seed: int = 0, shuffle: bool = True, replan=None, **kwargs):
         super().__init__(**kwargs)
+        self._replan, self._basis = replan_config(replan), None
         plan, cluster, workload, global_batch = from_environment(plan, cluster, workload, global_batch)
         self._plan = load_plan(plan) if plan is not None else None
         if self._plan is None and cluster is None:
@@ -185,8 +188,9 @@ class PoplarStrategy(ParallelStrategy):
         self.set_world_ranks()
         super().setup_environment()
         if self._plan is not None or self._workload is not None:   # else the module is profiled in setup
-            self._plan = resolve_plan(self._world, self._plan, cluster=self._cluster, workload=self._workload,
-                                      global_batch=self._global_batch, stages=self._stages, config=self._config)
+            self._plan, self._basis = resolve_planning(
+                self._world, self._plan, cluster=self._cluster, workload=self._workload,
+                global_batch=self._global_batch, stages=self._stages, config=self._config)
 
     # ------------------------------------------------------------------ checks and set-up
     def connect(self, model) -> None:
@@ -213,19 +217,20 @@ class PoplarStrategy(ParallelStrategy):
                              "steps one; return one optimizer")
         optimizer_factory(self.optimizers[0])   # its one-line refusals, before the engine is built
         if self._plan is None:
-            self._plan = self._plan_module(trainer, module)
-        self.runtime = Runtime(module, self.optimizers[0], self._plan, self._config, cluster=self._cluster)
+            self._plan, self._basis = self._plan_module(trainer, module)
+        self.runtime = Runtime(module, self.optimizers[0], self._plan, self._config, cluster=self._cluster,
+                               basis=self._basis, replan=self._replan)
         self._live, self._trained = True, False
         self.model = module
         self.optimizers = [self.runtime.engine.optimizer]
 
-    def _plan_module(self, trainer, module) -> Plan:
+    def _plan_module(self, trainer, module) -> tuple:
         """A cluster and no workload: the module itself profiled on its training data (every rank), and planned;
         the global batch, where not given, is the loader's ``batch_size`` on every rank (as DDP's)."""
         source, batch_size = module_source(trainer, module, loss_of)
         global_batch = self._global_batch or (batch_size or 1) * self._world
-        return resolve_plan(self._world, None, cluster=self._cluster, workload=source, global_batch=global_batch,
-                            stages=self._stages, config=self._config, model=module)
+        return resolve_planning(self._world, None, cluster=self._cluster, workload=source, global_batch=global_batch,
+                                stages=self._stages, config=self._config, model=module)
 
     def _broadcast_weights(self) -> None:
         """Evaluation without training: every rank evaluates rank 0's weights."""
@@ -247,6 +252,8 @@ class PoplarStrategy(ParallelStrategy):
         # the epoch now, restored or not: loader workers draw the order before Lightning calls set_epoch
         loader.batch_sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
         self._sampler = loader.batch_sampler
+        if self.runtime is not None:
+            self.runtime.follow(self._sampler)   # a re-plan reaches the batches cut from here on
         return loader
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:

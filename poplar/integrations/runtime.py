@@ -16,6 +16,7 @@ Every integration does the same four things, here once:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -25,8 +26,10 @@ import torch
 
 from poplar.devices import rank_device_of
 from poplar.engine.config import EngineConfig
+from poplar.integrations.schedule import FollowedPlan, PlanSchedule
 from poplar.plan import Plan
 from poplar.train.rank import RankRuntime
+from poplar.train.replan import replanner_for
 
 
 def load_plan(plan: Plan | dict | str | Path) -> Plan:
@@ -46,9 +49,15 @@ def load_plan(plan: Plan | dict | str | Path) -> Plan:
         raise ValueError(f"plan: {e}") from None
 
 
-def resolve_plan(world_size: int, plan=None, *, cluster=None, workload=None, global_batch: int | None = None,
-                 stages=(0, 1, 2, 3), config: EngineConfig | None = None, model: torch.nn.Module | None = None) -> Plan:
-    """The plan this group trains with: ``plan``, or profiled and planned on ``cluster`` for ``workload``.
+def resolve_plan(world_size: int, plan=None, **planning) -> Plan:
+    """The plan this group trains with: ``plan``, or profiled and planned (see :func:`resolve_planning`)."""
+    return resolve_planning(world_size, plan, **planning)[0]
+
+
+def resolve_planning(world_size: int, plan=None, *, cluster=None, workload=None, global_batch: int | None = None,
+                     stages=(0, 1, 2, 3), config: EngineConfig | None = None, model: torch.nn.Module | None = None):
+    """``(plan, basis)``: ``plan`` (basis None), or profiled and planned on ``cluster`` for ``workload`` with the
+    :class:`~poplar.planner.replan.PlanBasis` it came from (to plan again as the steps measure).
 
     Every rank calls it (profiling is collective). Checked against the launched
     ``world_size``, ``global_batch`` (when given) and ``model`` (the workload profiled
@@ -61,7 +70,7 @@ def resolve_plan(world_size: int, plan=None, *, cluster=None, workload=None, glo
             raise ValueError(f"the plan splits a global batch of {plan.global_batch_size} samples, the "
                              f"configuration asks for {global_batch}: make them agree (or leave the plan out to "
                              f"plan {global_batch})")
-        return plan
+        return plan, None
     if cluster is None or workload is None or global_batch is None:
         raise ValueError("Poplar needs a plan: give plan= (a poplar.Plan or a plan.json from `poplar plan`), or "
                          "cluster= (a cluster file or preset) with workload= (the model preset to profile) and "
@@ -82,15 +91,35 @@ def _check_workload_is(model: torch.nn.Module, workload) -> None:
                          "profile the workload this model is (its preset, seq_len and vocab_size), or give a plan")
 
 
-def _profile_and_plan(world_size: int, cluster, workload, global_batch: int, stages, config) -> Plan:
+def _profile_and_plan(world_size: int, cluster, workload, global_batch: int, stages, config) -> tuple:
     from poplar.plan import check_global_batch
+    from poplar.planner.replan import PlanBasis
     from poplar.train.planning import profile_and_plan
     from poplar.workload import as_workload
 
     spec = cluster_spec(cluster)
     spec.check_world_size(world_size)
     check_global_batch(global_batch, world_size)
-    return profile_and_plan(as_workload(workload), spec, global_batch, stages, config, distributed=True).plan
+    result = profile_and_plan(as_workload(workload), spec, global_batch, stages, config, distributed=True)
+    return result.plan, None if result.profile is None else PlanBasis(result.profile, list(result.ranks))
+
+
+def replan_config(replan):
+    """A :class:`~poplar.train.config.ReplanConfig` from itself, ``"auto"``/``"off"``, a bool, a dict or None
+    (auto); refused in one line otherwise."""
+    from pydantic import ValidationError
+
+    from poplar.train.config import ReplanConfig
+
+    if isinstance(replan, ReplanConfig):
+        return replan
+    try:
+        return ReplanConfig.model_validate({} if replan is None else replan)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise ValueError(f"replan{'.' + where if where else ''}: {err['msg']} (got {replan!r}); give 'auto', "
+                         "'off' or a dict of mode, threshold, patience, every") from None
 
 
 def cluster_spec(cluster):
@@ -151,7 +180,9 @@ class Runtime(RankRuntime):
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, plan: Plan, config: EngineConfig | dict | None = None,
-                 cluster=None):
+                 cluster=None, basis=None, replan=None):
+        """``basis``: the planning ``plan`` came from (:func:`resolve_planning`), to plan again as the steps measure
+        once the data follow the schedule (:meth:`follow`); ``replan``: when (:func:`replan_config`)."""
         from poplar.engine.dist import init_distributed
 
         ctx = init_distributed()
@@ -163,6 +194,32 @@ class Runtime(RankRuntime):
         device = rank_device_of(cluster, self.rank)
         device.__enter__()
         super().__init__(device, model, optimizer_factory(optimizer), plan, config)
+        self.schedule = PlanSchedule(plan)
+        self.following = FollowedPlan(None, self.schedule, self.rank)
+        self._replanner = replanner_for(replan_config(replan), basis, plan, self.world_size)
+
+    @property
+    def replans(self) -> list:
+        """Each re-plan taken (:class:`~poplar.train.replan.Replan`), in order."""
+        return self.following.replans
+
+    def follow(self, sampler) -> None:
+        """Cut ``sampler``'s batches (a :class:`~poplar.integrations.data.PlanBatchSampler`) by this runtime's
+        schedule: re-planning starts here, as a new plan now reaches the data too."""
+        if sampler.schedule is not self.schedule:
+            self.schedule.pending.extend(sampler.schedule.pending)
+            self.schedule.skip += sampler.schedule.skip
+            sampler.schedule = self.schedule
+        self.following.replanner = self._replanner
+
+    @contextlib.contextmanager
+    def step(self):
+        """One optimizer step (see :meth:`RankRuntime.step`) with the plan its batch was cut with; its figures
+        observed after it."""
+        self.following.before_step(self.engine, self.device)
+        with super().step() as device:
+            yield device
+        self.following.after_step(self.engine, self.device)
 
     def save(self, path: str | Path, meta: dict[str, Any], extras=None, keep: int = 1) -> Path:
         """Every rank: a sharded, atomic checkpoint under directory ``path`` (any world size reads it).
@@ -173,6 +230,7 @@ class Runtime(RankRuntime):
         from poplar.train.checkpoint import save_checkpoint
 
         steps = self.engine.global_steps + self.engine.skipped_steps   # every step taken, applied or skipped
+        meta = {**meta, "plan": self.engine.plan.to_dict()}           # a resume continues with it
         return save_checkpoint(self.engine, path, steps, meta, keep=keep, extras=extras)
 
     def load(self, path: str | Path, expect: dict[str, Any]) -> dict:
@@ -185,7 +243,23 @@ class Runtime(RankRuntime):
             raise CheckpointError(f"{path}: no complete Poplar checkpoint there; give the directory a Poplar "
                                   "integration saved to")
         meta = load_checkpoint(self.engine, found, expect)
+        self._continue_with(meta.get("plan"))
         return {**meta, "extras": read_extras(found), "path": str(found)}
+
+    def _continue_with(self, saved: dict | None) -> None:
+        """A re-planned run's last plan, where this run could have re-planned to it (the same ranks, global batch,
+        stage and shape): the steps from here are cut and trained with it."""
+        if saved is None or self._replanner is None:
+            return
+        plan, now = Plan.from_dict(saved), self.engine.plan
+        if plan == now or (plan.world_size, plan.global_batch_size, plan.zero_stage, plan.shard_groups) != (
+                now.world_size, now.global_batch_size, now.zero_stage, now.shard_groups):
+            return
+        self.engine.set_plan(plan)
+        self.schedule.change(plan, len(self.schedule.pending))
+        self._replanner = replanner_for(self._replanner.config, self._replanner.basis, plan, self.world_size)
+        if self.following.replanner is not None:
+            self.following.replanner = self._replanner
 
     def close(self) -> None:
         super().close()

@@ -114,12 +114,14 @@ def _why(before: list[float], after: list[float], off: float) -> str:
     return (", ".join(moved) or "the ranks compute as they did") + f"; steps measured {off:.2f}x the prediction"
 
 
-def replanner_for(cfg, basis: PlanBasis | None, plan: Plan, world_size: int) -> Replanner | None:
-    """The run's :class:`Replanner`, or None where its plan is kept: ``replan: off``, a plan given without the
-    planning it came from, a baseline's allocation (trained to be measured as it is), a rank alone."""
-    if cfg.replan.mode == "off" or basis is None or cfg.baseline != "poplar" or world_size < 2:
+def replanner_for(replan, basis: PlanBasis | None, plan: Plan, world_size: int,
+                  baseline: str = "poplar") -> Replanner | None:
+    """The run's :class:`Replanner` (``replan``: its :class:`~poplar.train.config.ReplanConfig`), or None where
+    its plan is kept: ``replan: off``, a plan given without the planning it came from, a baseline's allocation
+    (trained to be measured as it is), a rank alone."""
+    if replan.mode == "off" or basis is None or baseline != "poplar" or world_size < 2:
         return None
     try:
-        return Replanner(cfg.replan, basis, plan)
+        return Replanner(replan, basis, plan)
     except ValueError:    # the plan is not one this profile predicts (another's, resumed): kept as it is
         return None

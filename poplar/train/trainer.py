@@ -64,7 +64,7 @@ class Trainer:
         if rank == 0 and cfg.resume:
             keep_log_before(Path(cfg.out) / "log.jsonl", self.start)
         self.log = StepLog(cfg, rank, device, self.comm, plan.global_batch_size, flops_per_token(wl, cfg.engine))
-        self.replanner = replanner_for(cfg, basis, self.engine.plan, world_size)
+        self.replanner = replanner_for(cfg.replan, basis, self.engine.plan, world_size, cfg.baseline)
         self.losses: list[float] = []
         self.preempted: int | None = None
 

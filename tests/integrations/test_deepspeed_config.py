@@ -138,6 +138,8 @@ def test_a_workload_that_is_not_the_model_is_refused_before_profiling():
     ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, "train_batch_size 12 != "),
     ({"optimizer": {"type": "Lamb"}}, "Adam, AdamW and SGD"),
     ({"poplar": {"plam": "x"}}, "poplar.plam is not a Poplar field"),
+    ({"poplar": {"replan": "sometimes"}}, "poplar.replan.mode: Input should be 'auto' or 'off'"),
+    ({"poplar": {"replan": {"patience": 0}}}, "poplar.replan.patience: Input should be greater than or equal to 1"),
 ])
 def test_a_config_poplar_cannot_honour_is_refused_in_one_line(fields, words):
     with pytest.raises(ValueError, match=words) as e:

@@ -95,11 +95,11 @@ def test_a_cost_model_a_little_off_on_this_cluster_is_held_to_what_it_measures_n
 def test_who_replans():
     plan = _plan(0)
     cfg = load_config(None, {})
-    assert isinstance(replanner_for(cfg, BASIS, plan, 3), Replanner)
-    assert replanner_for(load_config(None, {"replan": "off"}), BASIS, plan, 3) is None
-    assert replanner_for(load_config(None, {"replan": False}), BASIS, plan, 3) is None
-    assert replanner_for(load_config(None, {"baseline": "uniform"}), BASIS, plan, 3) is None
-    assert replanner_for(cfg, None, plan, 3) is None                 # a plan given: no profile to plan from
+    assert isinstance(replanner_for(cfg.replan, BASIS, plan, 3), Replanner)
+    assert replanner_for(load_config(None, {"replan": "off"}).replan, BASIS, plan, 3) is None
+    assert replanner_for(load_config(None, {"replan": False}).replan, BASIS, plan, 3) is None
+    assert replanner_for(cfg.replan, BASIS, plan, 3, baseline="uniform") is None
+    assert replanner_for(cfg.replan, None, plan, 3) is None                 # a plan given: no profile to plan from
     with pytest.raises(ValueError, match="replan.mode: Input should be 'auto' or 'off'"):
         load_config(None, {"replan": "sometimes"})
     with pytest.raises(ValueError, match="replan.threshold"):

@@ -1,8 +1,8 @@
 """Runs that re-plan on real ranks (gloo) of an emulated cluster: the result is exactly single-device training's,
 the log says what changed, a resume continues from the last plan.
 
-The runs plan from the simulator's profile of the cluster (the measured one, to the declared model's precision,
-tests/simulate), put where their profiling reads its cache: minutes of profiling are not what is tested here.
+The runs plan from the simulator's profile of the cluster, put where their profiling reads its cache
+(tests/replan_profiles.py).
 """
 
 import json
@@ -13,13 +13,11 @@ import torch
 
 import poplar
 from poplar.cluster.spec import load_cluster
-from poplar.profile.cache import ProfileCache
-from poplar.profile.options import ProfileOptions
-from poplar.simulate import simulate_profile
 from poplar.train.config import load_config
 from poplar.train.dataset import prepare_data, workload_of
 from poplar.train.report import read_log
 from poplar.train.run import run_training
+from tests.replan_profiles import seed_profiles
 
 CLUSTER = "compute-differs"          # a V100 and a T4: at 128 tokens a sample both take part
 FIELDS = dict(model="llama-tiny", seq_len=128, vocab_size=512, global_batch=16, lr=3e-3, cluster=CLUSTER)
@@ -37,17 +35,7 @@ def caches(tmp_path_factory):
         mp.setenv("POPLAR_DATA_CACHE", str(root / "data"))
         cfg = load_config(None, {**FIELDS, "out": str(root / "unused")})
         wl = workload_of(cfg, prepare_data(cfg))
-    spec = load_cluster(CLUSTER)
-    options = ProfileOptions(stages=(0, 1, 2, 3), max_micro_batch=FIELDS["global_batch"],
-                             precision=cfg.engine.mixed_precision)
-    config = cfg.engine.model_copy(update={"mixed_precision": options.precision})
-    simulated = simulate_profile(wl, spec, options, config)
-    for cluster in (spec, spec.slowed(0, 0.5)):   # the second: the V100 at half its speed, profiled as the first
-        cache = ProfileCache(root / "profiles", wl, cluster, options.stages, options.precision,
-                             options.max_micro_batch, config)
-        kinds = [g.kind for g in cluster.devices]
-        cache.save({(k, s): simulated.devices[k.removesuffix("-slowed")].stages[s]
-                    for k in kinds for s in options.stages}, simulated.comm)
+    seed_profiles(root / "profiles", wl, CLUSTER, FIELDS["global_batch"], cfg.engine)
     return root
 
 
