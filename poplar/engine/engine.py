@@ -28,6 +28,8 @@ stage (:mod:`poplar.stages`) deciding only what is sharded; its parts live besid
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
@@ -105,6 +107,7 @@ class Engine:
         if self.compute_dtype != torch.float32:
             self._hooks.append(model.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
 
+        self._optimizer_factory = optimizer
         self.optimizer = optimizer([u.master for u in self.units])
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, not a torch.optim.Optimizer")
@@ -234,6 +237,19 @@ class Engine:
             check_collective_sizes(self.world_size, plan.shard_groups, plan.shard_shares, [u.numel for u in self.units])
             self._recut(plan.shard_shares)
         self._adopt(plan)
+
+    def rebuild(self, plan: Plan, save: Callable[[], None], load: Callable[[], None]) -> None:
+        """Train with ``plan`` of another ZeRO stage or shape from the next step: ``save()`` writes the states (a
+        checkpoint), the engine is built again on its model with ``plan`` (this object, so whoever holds it holds
+        the new one), and ``load()`` reads them back resharded, as a resume on another stage does. Every rank
+        calls it, between steps."""
+        save()
+        self.close()
+        with torch.no_grad():   # the model's tensors as built (ZeRO-3 freed their storage): the values come from load
+            for param in self.model.parameters():
+                param.data = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+        self.__init__(self.model, self._optimizer_factory, plan, self.config, comm=self.comm)
+        load()
 
     def _recut(self, shares) -> None:
         """Every rank at once, between steps: the sharded states cut at ``shares`` (None: evenly), moved in place

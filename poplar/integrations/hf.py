@@ -150,7 +150,8 @@ class PoplarTrainer(Trainer):
             optimizer = self.optimizer if self.optimizer is not None else one_group_optimizer(self)
             self.model._is_accelerate_prepared = True    # accelerate must not wrap it: the engine is the DDP
             self.runtime = Runtime(self.model, optimizer, self.plan, self._engine_config(), cluster=self.cluster,
-                                   basis=self.basis, replan=self.replan)
+                                   basis=self.basis, replan=self.replan,
+                                   scratch=Path(self.args.output_dir) / "poplar-restage")
             if self._sampler is not None:
                 self.runtime.follow(self._sampler)
             self.optimizer = EngineOptimizer(self.runtime.engine)

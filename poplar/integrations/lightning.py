@@ -219,7 +219,8 @@ class PoplarStrategy(ParallelStrategy):
         if self._plan is None:
             self._plan, self._basis = self._plan_module(trainer, module)
         self.runtime = Runtime(module, self.optimizers[0], self._plan, self._config, cluster=self._cluster,
-                               basis=self._basis, replan=self._replan)
+                               basis=self._basis, replan=self._replan,
+                               scratch=os.path.join(trainer.default_root_dir, "poplar-restage"))
         self._live, self._trained = True, False
         self.model = module
         self.optimizers = [self.runtime.engine.optimizer]

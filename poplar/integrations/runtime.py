@@ -180,9 +180,11 @@ class Runtime(RankRuntime):
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, plan: Plan, config: EngineConfig | dict | None = None,
-                 cluster=None, basis=None, replan=None):
+                 cluster=None, basis=None, replan=None, scratch: str | Path | None = None):
         """``basis``: the planning ``plan`` came from (:func:`resolve_planning`), to plan again as the steps measure
-        once the data follow the schedule (:meth:`follow`); ``replan``: when (:func:`replan_config`)."""
+        once the data follow the schedule (:meth:`follow`); ``replan``: when (:func:`replan_config`);
+        ``scratch``: a folder every rank reads where a re-plan may change the ZeRO stage through a checkpoint
+        (None: the stage is kept)."""
         from poplar.engine.dist import init_distributed
 
         ctx = init_distributed()
@@ -194,9 +196,10 @@ class Runtime(RankRuntime):
         device = rank_device_of(cluster, self.rank)
         device.__enter__()
         super().__init__(device, model, optimizer_factory(optimizer), plan, config)
-        self.schedule = PlanSchedule(plan)
-        self.following = FollowedPlan(None, self.schedule, self.rank)
-        self._replanner = replanner_for(replan_config(replan), basis, plan, self.world_size)
+        self.schedule, self.scratch = PlanSchedule(plan), scratch
+        self.following = FollowedPlan(None, self.schedule, self.rank, lambda p: self.change_plan(p, self.scratch))
+        self._replanner = replanner_for(replan_config(replan), basis, plan, self.world_size,
+                                        restage=scratch is not None)
 
     @property
     def replans(self) -> list:
@@ -252,12 +255,14 @@ class Runtime(RankRuntime):
         if saved is None or self._replanner is None:
             return
         plan, now = Plan.from_dict(saved), self.engine.plan
-        if plan == now or (plan.world_size, plan.global_batch_size, plan.zero_stage, plan.shard_groups) != (
-                now.world_size, now.global_batch_size, now.zero_stage, now.shard_groups):
+        same_stage = (plan.zero_stage, plan.shard_groups) == (now.zero_stage, now.shard_groups)
+        if plan == now or (plan.world_size, plan.global_batch_size) != (now.world_size, now.global_batch_size) or (
+                not same_stage and self.scratch is None):
             return
-        self.engine.set_plan(plan)
+        self.change_plan(plan, self.scratch)
         self.schedule.change(plan, len(self.schedule.pending))
-        self._replanner = replanner_for(self._replanner.config, self._replanner.basis, plan, self.world_size)
+        self._replanner = replanner_for(self._replanner.config, self._replanner.basis, plan, self.world_size,
+                                        restage=self._replanner.restage)
         if self.following.replanner is not None:
             self.following.replanner = self._replanner
 

@@ -68,10 +68,11 @@ class PlanSchedule:
 class FollowedPlan:
     """A rank's re-planning in an integration's loop: each step's plan taken, its figures observed."""
 
-    def __init__(self, replanner, schedule: PlanSchedule, rank: int):
+    def __init__(self, replanner, schedule: PlanSchedule, rank: int, change_plan):
+        """``change_plan(plan)``: the engine on another plan, between steps (the runtime's)."""
         from poplar.engine.collectives import Comm
 
-        self.replanner, self.schedule, self.rank = replanner, schedule, rank
+        self.replanner, self.schedule, self.rank, self.change_plan = replanner, schedule, rank, change_plan
         self.comm = Comm()        # the figures' small collectives, unpaced (as poplar train's)
         self.replans: list = []   # each :class:`~poplar.train.replan.Replan` taken
         self._overruns = 0
@@ -79,7 +80,7 @@ class FollowedPlan:
     def before_step(self, engine, device) -> None:
         plan = self.schedule.take()
         if plan != engine.plan:
-            engine.set_plan(plan)
+            self.change_plan(plan)
         self._overruns = device.overruns
 
     def after_step(self, engine, device) -> None:

@@ -96,6 +96,26 @@ class PlanBasis:
                 best = candidate, predicted
         return best
 
+    def stages(self) -> list[int]:
+        """The ZeRO stages the profile measured on every plan rank's kind."""
+        kinds = {self.profile.ranks[r] for r in self.ranks}
+        return sorted(set.intersection(*(set(self.profile.devices[k].stages) for k in kinds)))
+
+    def restage(self, plan: Plan, speeds: list[float]) -> tuple[Plan, Prediction] | None:
+        """The planner's best plan of ``plan``'s global batch in another profiled stage at ``speeds`` (flat plans;
+        None where no other stage has one): what a run changes stage for where it is clearly faster."""
+        from poplar.planner.planner import plan_stage
+
+        if plan.shard_groups is not None:
+            return None
+        profile, best = rescaled(self.profile, self.ranks, speeds), None
+        for stage in self.stages():
+            chosen = plan_stage(profile, stage, plan.global_batch_size, list(self.ranks)).poplar
+            if stage != plan.zero_stage and chosen.plan is not None and (
+                    best is None or chosen.predicted.step_s < best[1].step_s):
+                best = chosen.plan, chosen.predicted
+        return best
+
     def to_dict(self) -> dict:
         return {"profile": self.profile.model_dump(mode="json"), "ranks": list(self.ranks)}
 

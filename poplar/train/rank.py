@@ -11,7 +11,9 @@ and caps its memory). How the device was chosen and entered is the caller's
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
+from pathlib import Path
 
 from poplar.engine import initialize
 
@@ -43,6 +45,25 @@ class RankRuntime:
             yield device
         self.steps_s.append(self.device.step_s)
         self.step_walls.append((start, time.perf_counter()))
+
+    def change_plan(self, plan, scratch: str | Path) -> None:
+        """Every rank, between steps: train with ``plan`` from the next step. Another split or shares are cut in
+        place (:meth:`~poplar.engine.engine.Engine.set_plan`); another ZeRO stage or shape goes through a checkpoint
+        written under ``scratch`` (a folder every rank reads, as the run's checkpoints are), read back resharded,
+        then removed."""
+        now = self.engine.plan
+        if (plan.zero_stage, plan.shard_groups) == (now.zero_stage, now.shard_groups):
+            self.engine.set_plan(plan)
+            return
+        from poplar.train.checkpoint import find_resumable, load_checkpoint, save_checkpoint
+
+        scratch = Path(scratch)
+        steps = self.engine.global_steps + self.engine.skipped_steps
+        self.engine.rebuild(plan, lambda: save_checkpoint(self.engine, scratch, steps, {}, keep=1),
+                            lambda: load_checkpoint(self.engine, find_resumable(scratch, report=lambda *_: None), {}))
+        self.engine.comm.barrier()     # every rank has read it
+        if self.engine.rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     def close(self) -> None:
         self.engine.close()

@@ -8,7 +8,9 @@ the plan predicts. After ``patience`` such steps in a row (and not within ``ever
 of the last re-plan), each rank's compute is rescaled by what it measured against its
 prediction (:class:`~poplar.planner.replan.PlanBasis`), the planner searches the same
 global batch again in the plan's stage, shape and shares, and the new plan is taken from
-the next step where it is predicted faster by more than half the threshold. Either way
+the next step where it is predicted faster by more than half the threshold; where the loop
+can change stage (through a checkpoint), the planner's plan of another profiled stage is
+taken instead where it is predicted faster still by the whole threshold. Either way
 the rescaled prediction becomes the one steps are held to (with the step time's own
 residual, so a cost model a little off on this cluster is not re-planned over and over).
 
@@ -55,8 +57,10 @@ class Replanner:
     """Holds a run's steps to its plan's prediction; see the module's docstring. ``config``:
     :class:`~poplar.train.config.ReplanConfig`."""
 
-    def __init__(self, config, basis: PlanBasis, plan: Plan):
-        self.config, self.basis, self.plan = config, basis, plan
+    def __init__(self, config, basis: PlanBasis, plan: Plan, restage: bool = False):
+        """``restage``: another ZeRO stage may be taken where it is predicted faster by the whole threshold (the
+        loop can change stage: through a checkpoint, :meth:`~poplar.train.rank.RankRuntime.change_plan`)."""
+        self.config, self.basis, self.plan, self.restage = config, basis, plan, restage
         self.speeds = [1.0] * plan.world_size
         self.expected = basis.predict(plan)
         self.residual = 1.0            # measured step over predicted, where the speeds explain the busy times
@@ -97,6 +101,9 @@ class Replanner:
         speeds = [kept_speed(s * b / p) if p > 0 else s for s, b, p in zip(self.speeds, busy, self.expected.busy_s)]
         kept = self.basis.predict(self.plan, speeds)
         found, predicted = self.basis.replan(self.plan, speeds)
+        other = self.basis.restage(self.plan, speeds) if self.restage else None
+        if other is not None and other[1].step_s * (1 + self.config.threshold) < min(predicted.step_s, kept.step_s):
+            found, predicted = other
         why = _why(self.speeds, speeds, measured / (self.residual * self.expected.step_s))
         self.speeds, self.window, self.residual = speeds, [], measured / kept.step_s
         if found == self.plan or predicted.step_s * (1 + self.config.threshold / 2) > kept.step_s:
@@ -115,13 +122,13 @@ def _why(before: list[float], after: list[float], off: float) -> str:
 
 
 def replanner_for(replan, basis: PlanBasis | None, plan: Plan, world_size: int,
-                  baseline: str = "poplar") -> Replanner | None:
-    """The run's :class:`Replanner` (``replan``: its :class:`~poplar.train.config.ReplanConfig`), or None where
-    its plan is kept: ``replan: off``, a plan given without the planning it came from, a baseline's allocation
-    (trained to be measured as it is), a rank alone."""
+                  baseline: str = "poplar", restage: bool = False) -> Replanner | None:
+    """The run's :class:`Replanner` (``replan``: its :class:`~poplar.train.config.ReplanConfig`; ``restage``: the
+    loop can change stage), or None where its plan is kept: ``replan: off``, a plan given without the planning it
+    came from, a baseline's allocation (trained to be measured as it is), a rank alone."""
     if replan.mode == "off" or basis is None or baseline != "poplar" or world_size < 2:
         return None
     try:
-        return Replanner(replan, basis, plan)
+        return Replanner(replan, basis, plan, restage)
     except ValueError:    # the plan is not one this profile predicts (another's, resumed): kept as it is
         return None

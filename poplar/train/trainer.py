@@ -64,7 +64,8 @@ class Trainer:
         if rank == 0 and cfg.resume:
             keep_log_before(Path(cfg.out) / "log.jsonl", self.start)
         self.log = StepLog(cfg, rank, device, self.comm, plan.global_batch_size, flops_per_token(wl, cfg.engine))
-        self.replanner = replanner_for(cfg.replan, basis, self.engine.plan, world_size, cfg.baseline)
+        self.replanner = replanner_for(cfg.replan, basis, self.engine.plan, world_size, cfg.baseline,
+                                       restage=True)
         self.losses: list[float] = []
         self.preempted: int | None = None
 
@@ -134,7 +135,7 @@ class Trainer:
             self.log.write(step, loss, figures, skipped, replan=None if change is None else change.record(),
                            loss_scale=self.engine.loss_scale if self.engine.config.mixed_precision == "fp16" else None)
         if change is not None:
-            self.engine.set_plan(change.after)
+            self.runtime.change_plan(change.after, Path(self.cfg.out) / "restage")   # another stage: a checkpoint
             self.checkpointer.plan_changed(change.after, step + 2)
             if self.rank == 0:
                 print(change.line(), flush=True)

@@ -1,6 +1,8 @@
 """A plan changed between steps (``Engine.set_plan``): other micro-batches, accumulation and shares of the states,
 the shards cut anew in place. Seeded sequences of plans on real gloo ranks, in stages 1-3, flat and in shard groups,
-with and without clipping: every one trains as one device does (1e-5), and every group's copy is the same."""
+with and without clipping: every one trains as one device does (1e-5), and every group's copy is the same. And
+another ZeRO stage or shape between steps (``RankRuntime.change_plan``: through a checkpoint, the engine rebuilt):
+seeded sequences over stages 0-3, flat and shaped, train as one device too."""
 
 import random
 
@@ -9,7 +11,7 @@ import torch
 from poplar.engine.layout import ShardLayout
 from poplar.launch import spawn
 from poplar.plan import Plan
-from tests.engine.workers import plans_in_turn
+from tests.engine.workers import plans_in_turn, stages_in_turn
 from tests.models import make_batches, reference_train
 
 MODEL = {"vocab": 17, "d": 11, "hidden": 22, "layers": 3}   # units of 209 and 539 elements: no world size divides
@@ -29,7 +31,7 @@ def _plan(rng: random.Random, stage: int, world: int, groups) -> Plan:
     if groups:
         plan = plan.with_shard_groups(groups)
     shares = rng.choice(SHARES)
-    if shares is not None and len(shares) == world and all(
+    if stage and shares is not None and len(shares) == world and all(
             sum(shares[r] for r in g) > 0 for g in groups or [range(world)]):
         plan = plan.with_shard_shares(list(shares))
     return plan
@@ -58,3 +60,22 @@ def test_plans_changed_between_steps_train_as_one_device():
                 torch.testing.assert_close(state[key], value, atol=1e-5, rtol=0, msg=lambda m: f"{case}: {key}: {m}")
         for other in copies[1:]:
             assert all(torch.equal(other[k], copies[0][k]) for k in copies[0]), case
+
+
+def test_stages_and_shapes_changed_between_steps_train_as_one_device(tmp_path):
+    cases, expected = [], []
+    for seed, clip in ((0, None), (1, 0.05), (2, None)):
+        rng = random.Random(f"stages-{seed}")
+        stages = [rng.randrange(4) for _ in range(STEPS + 1)]
+        stages[1] = (stages[0] + 1 + rng.randrange(3)) % 4          # a change of stage at the first step at least
+        plans = [_plan(rng, s, 3, rng.choice((None, [[0, 1], [2]], [[0], [1, 2]]))) for s in stages]
+        cases.append(([p.to_dict() for p in plans], {"clip_grad_norm": clip} if clip else {}))
+        expected.append(reference_train(make_batches(STEPS + 1, GLOBAL, vocab=MODEL["vocab"]), clip=clip,
+                                        model_kw=MODEL)[0])
+    ranks = spawn(stages_in_turn, 3, cases, MODEL, str(tmp_path), timeout_s=600)
+    for (plans, _), want, got in zip(cases, expected, ranks[0]):
+        assert got["steps"] == STEPS + 1 and got["stage"] == plans[-1]["zero_stage"]
+        for key, value in want.items():
+            torch.testing.assert_close(got["state"][key], value, atol=1e-5, rtol=0,
+                                       msg=lambda m: f"{[p['zero_stage'] for p in plans]}: {key}: {m}")
+    assert not any(tmp_path.iterdir())      # the scratch checkpoints removed

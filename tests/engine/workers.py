@@ -328,3 +328,30 @@ def plans_in_turn(rank, world_size, cases, model_kw):
                     "numels": [u.numel for u in engine.units]})
         engine.close()
     return out
+
+
+def stages_in_turn(rank, world_size, cases, model_kw, scratch):
+    """Each case (a plan dict per step, engine config): one rank runtime on this host's CPU trained step by step,
+    ``change_plan`` between steps (other stages and shapes through a checkpoint under ``scratch``); its full
+    state (rank 0's) and the engine's step count."""
+    from poplar.devices import rank_device_of
+    from poplar.train.rank import RankRuntime
+
+    out = []
+    for i, (plans, config) in enumerate(cases):
+        plans = [poplar.Plan.from_dict(p) for p in plans]
+        model = make_model(**model_kw)
+        device = rank_device_of(None, rank)
+        device.__enter__()
+        runtime = RankRuntime(device, model, OPTIMIZER, plans[0], poplar.EngineConfig(**config))
+        batches = make_batches(len(plans), plans[0].global_batch_size, vocab=model.embed.num_embeddings)
+        for plan, (tokens, targets) in zip(plans, batches):
+            runtime.change_plan(plan, f"{scratch}/case-{i}")
+            lo, hi = plan.sample_range(rank)
+            runtime.train_batch((tokens[lo:hi], targets[lo:hi]), lm_loss)
+        state = runtime.engine.full_state_dict()
+        out.append({"state": state if rank == 0 else None, "steps": runtime.engine.global_steps,
+                    "stage": runtime.engine.zero_stage})
+        runtime.close()
+        device.__exit__(None, None, None)
+    return out

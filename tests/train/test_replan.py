@@ -7,7 +7,7 @@ import random
 import pytest
 
 from poplar.planner.planner import plan_stage
-from poplar.planner.replan import PlanBasis
+from poplar.planner.replan import PlanBasis, rescaled
 from poplar.train.config import ReplanConfig, load_config
 from poplar.train.metrics import StepFigures
 from poplar.train.replan import Replanner, replanner_for
@@ -45,8 +45,9 @@ def _run(replanner: Replanner, steps: int, speeds_at, seed: int = 0, noise: floa
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("seed", range(3))
-def test_a_steady_cluster_is_never_replanned(stage, seed):
-    replanner = Replanner(ReplanConfig(), BASIS, _plan(stage))
+@pytest.mark.parametrize("restage", [False, True])
+def test_a_steady_cluster_is_never_replanned(stage, seed, restage):
+    replanner = Replanner(ReplanConfig(), BASIS, _plan(stage), restage=restage)
     assert _run(replanner, 50, lambda s: [1.0, 1.0, 1.0], seed=seed, noise=0.04) == []
 
 
@@ -118,3 +119,31 @@ def test_a_plan_that_cannot_be_searched_stops_replanning_not_the_run(monkeypatch
     assert _run(replanner, 20, slowed) == []
     assert replanner.stopped == ("re-planning stops after step 7, the plan kept: rank 1 (slow x2.00): micro-batch 9 "
                                  "is over its stage-2 limit 8") and replanner.plan == plan
+
+
+# stage 0 holds 4 samples of the fast kind (its states take the memory), stages 1-3 hold 32; a micro-step costs 3 ms
+STAGED = make_profile({"fast": (1, 5e-4, 1e-3, 32), "slow": (2, 5e-4, 3e-3, 16)}, per_step=3e-3, comm=COMM,
+                      max_by_stage={"fast": {0: 4}})
+
+
+@pytest.mark.parametrize("restage", [False, True])
+@pytest.mark.parametrize("factor, seed", [(4, 0), (4, 1), (6, 2)])
+def test_another_stage_is_taken_only_where_the_loop_can_change_stage_and_it_is_clearly_faster(restage, factor, seed):
+    """Planned in stage 1 (the best while every rank computes as profiled); the slow kind then computes ``factor``
+    times as long, and stage 0 (accumulating on the fast card) becomes the fastest by far more than the threshold."""
+    basis, start = PlanBasis(STAGED, [0, 1, 2]), plan_stage(STAGED, 1, 36).poplar.plan
+    replanner, rng, changes = Replanner(ReplanConfig(), basis, start, restage=restage), random.Random(seed), []
+    slowed = [1.0, factor, factor]
+    for step in range(1, 15):
+        p = basis.predict(replanner.plan, slowed if step >= 5 else [1.0] * 3)
+        jitter = lambda x: x * (1 + rng.uniform(-0.02, 0.02))   # noqa: E731
+        fig = StepFigures(jitter(p.step_s), [jitter(b) for b in p.busy_s], 0, [0.0] * 3, None)
+        changes += [c for c in [replanner.observe(step, fig)] if c is not None]
+    (change,) = changes
+    same, _ = basis.replan(start, change.speeds)
+    if not restage:
+        assert change.after == same and change.after.zero_stage == 1
+        return
+    other = plan_stage(rescaled(STAGED, [0, 1, 2], change.speeds), 0, 36).poplar
+    assert change.after == other.plan and change.predicted_step_s == pytest.approx(other.predicted.step_s)
+    assert change.predicted_step_s * 1.1 < basis.predict(same, change.speeds).step_s      # clearly faster
