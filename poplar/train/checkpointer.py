@@ -14,22 +14,22 @@ import torch
 
 from poplar.train.checkpoint import (CheckpointError, check_resumable, complete_checkpoints, find_resumable,
                                      latest_checkpoint, load_checkpoint, save_checkpoint)
-from poplar.train.config import TrainConfig
+from poplar.train.config import CheckpointSettings
 from poplar.workload import Workload
 
 
 EXPECTED_KEYS = ("workload", "global_batch", "seed", "data")   # what expected_meta holds
 
 
-def expected_meta(cfg: TrainConfig, wl: Workload, global_batch: int) -> dict:
+def expected_meta(settings: CheckpointSettings, wl: Workload, global_batch: int) -> dict:
     """What a checkpoint must share with the run that resumes it; world, plan and stage may change."""
-    return dict(zip(EXPECTED_KEYS, (wl.identity(), global_batch, cfg.seed, cfg.data)))
+    return dict(zip(EXPECTED_KEYS, (wl.identity(), global_batch, settings.seed, settings.data)))
 
 
-def check_resume(cfg: TrainConfig, wl: Workload, global_batch: int) -> None:
+def check_resume(settings: CheckpointSettings, wl: Workload, global_batch: int) -> None:
     """Before anything is profiled or written: a resume that would fail (damaged checkpoints, another run's) fails now."""
-    if cfg.resume:
-        check_resumable(Path(cfg.out) / "checkpoints", expected_meta(cfg, wl, global_batch))
+    if settings.resume:
+        check_resumable(settings.root, expected_meta(settings, wl, global_batch))
 
 
 class Checkpointer:
@@ -39,18 +39,18 @@ class Checkpointer:
     (where a test injects a crash).
     """
 
-    def __init__(self, cfg: TrainConfig, engine, wl: Workload, world_size: int,
+    def __init__(self, settings: CheckpointSettings, engine, wl: Workload, world_size: int,
                  on_shard_written: Callable[[int], None] | None = None):
-        self.cfg, self.engine = cfg, engine
-        self.root = Path(cfg.out) / "checkpoints"
-        self.expect = expected_meta(cfg, wl, engine.plan.global_batch_size)
+        self.settings, self.engine = settings, engine
+        self.root = settings.root
+        self.expect = expected_meta(settings, wl, engine.plan.global_batch_size)
         self.meta = {**self.expect, "world_size": world_size, "zero_stage": engine.plan.zero_stage,
                      "plan": engine.plan.to_dict()}
         self._on_shard_written = on_shard_written
 
     def resume(self, rank: int) -> int:
-        """Load the newest intact checkpoint (if ``cfg.resume`` and one exists); the step it ends."""
-        if not self.cfg.resume:
+        """Load the newest intact checkpoint (if ``settings.resume`` and one exists); the step it ends."""
+        if not self.settings.resume:
             return 0
         path = self._resumable(rank)
         if path is None:
@@ -81,13 +81,13 @@ class Checkpointer:
 
     def step_done(self, done: int, last: int, stopping: bool) -> Path | None:
         """After step ``done`` (from 1): save if it is due, the last step, or the run is stopping."""
-        every = self.cfg.checkpoint_every
+        every = self.settings.every
         if (every and done % every == 0) or done == last or stopping:
-            return save_checkpoint(self.engine, self.root, done, self.meta, keep=self.cfg.keep_checkpoints,
+            return save_checkpoint(self.engine, self.root, done, self.meta, keep=self.settings.keep,
                                    on_shard_written=self._on_shard_written)
         return None
 
     def where(self, step: int) -> str:
         """Where the run stands, for the line a dead rank's watch prints."""
         return (f"during step {step + 1}; last complete checkpoint: {latest_checkpoint(self.root) or 'none'}"
-                f" (continue with `poplar train --resume --out {self.cfg.out}`)")
+                f" (continue with `poplar train --resume --out {self.settings.out}`)")

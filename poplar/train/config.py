@@ -15,6 +15,8 @@ else fp32, chosen at launch (:func:`~poplar.train.launching.precision_of`), and 
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,6 +51,50 @@ class ReplanConfig(BaseModel):
         if isinstance(data, bool):
             return {"mode": "auto" if data else "off"}
         return {"mode": data} if isinstance(data, str) else data
+
+
+@dataclass(frozen=True)
+class LrSchedule:
+    """The learning rate of each step: linear warm-up, then cosine decay to a tenth over the run."""
+
+    lr: float
+    warmup_steps: int
+    steps: int
+
+    def at(self, step: int) -> float:
+        """Step ``step``'s rate (from 0; a function of the step: resumable)."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """The checkpointer's section: where, how often, how many kept, whether to resume, and what a checkpoint must
+    share with the run (the seed and the data; the workload and global batch come with the run)."""
+
+    out: Path
+    every: int
+    keep: int
+    resume: bool
+    seed: int
+    data: str
+
+    @property
+    def root(self) -> Path:
+        return self.out / "checkpoints"
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    """The step log's section: where, how often, the run's length and tokens a sample, its learning rates."""
+
+    out: Path
+    every: int
+    steps: int
+    seq_len: int
+    schedule: LrSchedule
 
 
 class TrainConfig(BaseModel):
@@ -137,6 +183,19 @@ class TrainConfig(BaseModel):
         if self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps}): shorten the warm-up")
         return self
+
+    @property
+    def schedule(self) -> LrSchedule:
+        return LrSchedule(self.lr, self.warmup_steps, self.steps)
+
+    @property
+    def checkpointing(self) -> CheckpointSettings:
+        return CheckpointSettings(Path(self.out), self.checkpoint_every, self.keep_checkpoints, self.resume,
+                                  self.seed, self.data)
+
+    @property
+    def logging(self) -> LogSettings:
+        return LogSettings(Path(self.out), self.log_every, self.steps, self.seq_len, self.schedule)
 
     @field_validator("model")
     @classmethod

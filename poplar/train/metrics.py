@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from poplar.train.config import TrainConfig
 from poplar.engine.config import EngineConfig
+from poplar.train.config import LogSettings
 from poplar.workload import ModelSource
 
 
@@ -32,27 +31,20 @@ def flops_per_token(wl: ModelSource, config: EngineConfig | None = None) -> floa
     return step_flops_per_sample(wl, config) / wl.seq_len
 
 
-def peak_tflops(device, cfg: TrainConfig) -> float:
-    """This rank's peak TFLOP/s for MFU (0: unknown, or the host's CPU)."""
+def peak_tflops(device, mixed_precision: str, given: float | None = None) -> float:
+    """This rank's peak TFLOP/s for MFU in the engine's ``mixed_precision`` (0: unknown, or the host's CPU);
+    ``given``: the config's ``peak_tflops``, for a real GPU the catalogue does not rate."""
     from poplar.cluster.catalogue import peak_tflops as catalogue_peak
     from poplar.devices.cuda import CudaDevice
     from poplar.precision import precision
 
-    dtype = precision(cfg.engine.mixed_precision)
+    dtype = precision(mixed_precision)
     declared = getattr(device, "kind", None)   # an emulated device's declared GPU
     if declared is not None:
         return declared.peak_tflops(dtype)
     if not isinstance(device, CudaDevice):
         return 0.0
-    return cfg.peak_tflops or catalogue_peak(device.properties.name, dtype) or 0.0
-
-
-def learning_rate(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up, then cosine decay to a tenth over the run (a function of the step: resumable)."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    return given or catalogue_peak(device.properties.name, dtype) or 0.0
 
 
 @dataclass(frozen=True)
@@ -81,12 +73,15 @@ class StepFigures:
 class StepLog:
     """Rank 0's ``log.jsonl`` and printed line per logged step; every rank gathers the figures."""
 
-    def __init__(self, cfg: TrainConfig, rank: int, device, comm, global_batch: int, flops_per_token: float):
-        self.cfg, self.device, self.comm = cfg, device, comm
+    def __init__(self, settings: LogSettings, rank: int, device, comm, global_batch: int, flops_per_token: float,
+                 peak: float):
+        """``settings``: the config's :class:`~poplar.train.config.LogSettings`; ``peak``: this rank's peak TFLOP/s
+        for MFU (:func:`peak_tflops`)."""
+        self.settings, self.device, self.comm = settings, device, comm
         self.global_batch, self.fpt = global_batch, flops_per_token
-        self.tokens = global_batch * cfg.seq_len
-        self.peak = peak_tflops(device, cfg)
-        self._file = open(Path(cfg.out) / "log.jsonl", "a") if rank == 0 else None
+        self.tokens = global_batch * settings.seq_len
+        self.peak = peak
+        self._file = open(settings.out / "log.jsonl", "a") if rank == 0 else None
         self._overruns = device.overruns
 
     def step_started(self) -> None:
@@ -94,7 +89,7 @@ class StepLog:
 
     def due(self, step: int, last: bool, skipped: bool) -> bool:
         """Whether step ``step`` (from 0) is logged."""
-        return step % self.cfg.log_every == 0 or last or skipped
+        return step % self.settings.every == 0 or last or skipped
 
     def gather(self, grad_norm: float | None) -> StepFigures:
         """Every rank's figures of the step just done (every rank calls this)."""
@@ -116,7 +111,7 @@ class StepLog:
         print(self.line(record, loss), flush=True)
 
     def record(self, step: int, loss: float, fig: StepFigures, skipped: bool) -> dict:
-        record = {"step": step, "loss": loss if math.isfinite(loss) else None, "lr": learning_rate(self.cfg, step),
+        record = {"step": step, "loss": loss if math.isfinite(loss) else None, "lr": self.settings.schedule.at(step),
                   "step_s": fig.step_s, "samples_per_s": self.global_batch / fig.step_s,
                   "tokens_per_s": self.tokens / fig.step_s, "tflops": self.fpt * self.tokens / fig.step_s / 1e12,
                   "busy_s": fig.busy_s, "idle_s": [max(0.0, fig.step_s - b) for b in fig.busy_s],
@@ -128,7 +123,7 @@ class StepLog:
         return record
 
     def line(self, r: dict, loss: float) -> str:
-        return (f"step {r['step'] + 1}/{self.cfg.steps}  loss {loss:.4f}  {r['samples_per_s']:,.0f} samples/s  "
+        return (f"step {r['step'] + 1}/{self.settings.steps}  loss {loss:.4f}  {r['samples_per_s']:,.0f} samples/s  "
                 f"{r['tflops']:.1f} TFLOP/s" + (f" (MFU {100 * r['mfu']:.1f}%)" if "mfu" in r else "")
                 + f"  most idle {100 * max(r['idle_s']) / r['step_s']:.0f}%"
                 + (f"  {r['overruns']} overruns" if r["overruns"] else "")

@@ -134,7 +134,7 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
 def _plan(cfg: TrainConfig, wl: ModelSource, given, world_size: int, cluster, distributed: bool, progress):
     """The plan ``given`` (:func:`given_plan`, read once) or made, after a resume that would fail is refused; and
     the planner's result."""
-    check_resume(cfg, wl, cfg.global_batch if given is None else given.global_batch_size)
+    check_resume(cfg.checkpointing, wl, cfg.global_batch if given is None else given.global_batch_size)
     return get_plan(cfg, wl, world_size, given, cluster, distributed=distributed, progress=progress)
 
 

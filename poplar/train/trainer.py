@@ -27,7 +27,7 @@ from poplar.train.checkpointer import Checkpointer
 from poplar.train.config import TrainConfig
 from poplar.train.dataset import prepare_data
 from poplar.train.faults import FaultInjector
-from poplar.train.metrics import StepLog, flops_per_token, learning_rate
+from poplar.train.metrics import StepLog, flops_per_token, peak_tflops
 from poplar.train.preemption import Preemption
 from poplar.train.rank import RankRuntime
 from poplar.train.recovery import StepRecovery
@@ -52,7 +52,7 @@ class Trainer:
         self.comm = Comm()   # the loop's own small collectives (SIGTERM agreed, figures gathered): unpaced
         self.faults = FaultInjector.for_rank(rank)
         self.callbacks = [self.faults.attach(model, device)] if self.faults else []
-        self.checkpointer = Checkpointer(cfg, self.engine, wl, world_size,
+        self.checkpointer = Checkpointer(cfg.checkpointing, self.engine, wl, world_size,
                                          on_shard_written=self.faults.on_shard_written if self.faults else None)
         self.start = self.step = self.checkpointer.resume(rank)
         self.last = min(cfg.steps, cfg.stop_at or cfg.steps)
@@ -63,7 +63,9 @@ class Trainer:
                          if world_size > 1 and store_address() is not None else None)
         if rank == 0 and cfg.resume:
             keep_log_before(Path(cfg.out) / "log.jsonl", self.start)
-        self.log = StepLog(cfg, rank, device, self.comm, plan.global_batch_size, flops_per_token(wl, cfg.engine))
+        self.log = StepLog(cfg.logging, rank, device, self.comm, plan.global_batch_size,
+                           flops_per_token(wl, cfg.engine),
+                           peak_tflops(device, cfg.engine.mixed_precision, cfg.peak_tflops))
         self.replanner = replanner_for(cfg.replan, basis, self.engine.plan, world_size, cfg.baseline,
                                        restage=True)
         self.losses: list[float] = []
@@ -72,7 +74,7 @@ class Trainer:
     def train_step(self, step: int) -> float:
         """Optimizer step ``step`` (from 0) on this rank's slice of the global batch; the global mean loss."""
         for group in self.engine.optimizer.param_groups:
-            group["lr"] = learning_rate(self.cfg, step)
+            group["lr"] = self.cfg.schedule.at(step)
 
         def attempt() -> float:
             local = self.batches.local(step, self.engine.plan, self.rank)

@@ -16,7 +16,6 @@ from poplar.data.records import DataFields
 from poplar.models.loss import IGNORE
 from poplar.train.config import load_config
 from poplar.train.dataset import prepare_data, workload_of
-from poplar.train.metrics import learning_rate
 from poplar.train.run import run_training
 from tests.pretrained import save_classifier, save_family, save_qwen2
 
@@ -52,7 +51,7 @@ def reference(cfg, steps: int) -> tuple[dict, list[float]]:
     losses = []
     for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = learning_rate(cfg, step)
+            group["lr"] = cfg.schedule.at(step)
         loss = wl.loss(model, batches.local(step, whole, 0))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.engine.clip_grad_norm)
