@@ -65,7 +65,7 @@ def _fresh_plan(cluster_path: Path, out: Path):
 
     cfg = load_config(None, {**FIELDS, "cluster": str(cluster_path), "out": str(out)})
     options = ProfileOptions(stages=(0,), max_micro_batch=FIELDS["global_batch"], precision=cfg.engine.mixed_precision)
-    profile = simulate_profile(workload_of(cfg, prepare_data(cfg)), load_cluster(cluster_path), options,
+    profile = simulate_profile(workload_of(cfg.model_data, prepare_data(cfg.model_data)), load_cluster(cluster_path), options,
                                cfg.engine.model_copy(update={"mixed_precision": options.precision}))
     return make_plan(profile, FIELDS["global_batch"], [0]).plan
 

@@ -38,8 +38,26 @@ TIE = 0.01   # predicted gains below this are not worth a split other than a bas
 SLOW_SHARE = 0.5   # a kind whose step of one sample is this much of the plan's step: planned without it too
 
 
+RUNS_SHOWN = 4   # a rank list of more runs of consecutive ranks says how many, and the first and last runs
+
+
 def _rank_list(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
+    """Ranks as runs (``0-3, 8, 12, 13``); a list of many runs as its count, first runs and last (reasons read
+    at thousands of ranks).
+
+    >>> _rank_list([0, 1, 2, 3, 8, 12, 13]), _rank_list(list(range(0, 40, 2))), _rank_list(list(range(688)))
+    ('0-3, 8, 12, 13', '20 ranks: 0, 2, 4, ..., 38', '0-687')
+    """
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = [", ".join(map(str, range(a, b + 1))) if b - a < 2 else f"{a}-{b}" for a, b in runs]
+    if len(text) <= RUNS_SHOWN:
+        return ", ".join(text)
+    return f"{len(ranks)} ranks: {', '.join(text[:RUNS_SHOWN - 1])}, ..., {text[-1]}"
 
 
 def _unfit_message(kinds: list[str], ranks: list[int], label: str) -> str:

@@ -87,6 +87,21 @@ class CheckpointSettings:
 
 
 @dataclass(frozen=True)
+class ModelData:
+    """The model and data section: what the run trains on what (:mod:`poplar.train.dataset`)."""
+
+    model: str
+    pretrained: bool
+    seq_len: int
+    activation_checkpointing: bool
+    vocab_size: int
+    data: str
+    data_fields: DataFields
+    global_batch: int
+    seed: int
+
+
+@dataclass(frozen=True)
 class LogSettings:
     """The step log's section: where, how often, the run's length and tokens a sample, its learning rates."""
 
@@ -192,6 +207,11 @@ class TrainConfig(BaseModel):
     def checkpointing(self) -> CheckpointSettings:
         return CheckpointSettings(Path(self.out), self.checkpoint_every, self.keep_checkpoints, self.resume,
                                   self.seed, self.data)
+
+    @property
+    def model_data(self) -> ModelData:
+        return ModelData(self.model, self.pretrained, self.seq_len, self.activation_checkpointing, self.vocab_size,
+                         self.data, self.data_fields, self.global_batch, self.seed)
 
     @property
     def logging(self) -> LogSettings:

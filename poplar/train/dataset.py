@@ -4,21 +4,22 @@
 (:class:`~poplar.models.pretrained.ModelDirectory`) or a factory
 (:mod:`poplar.models.factory`); the data is prepared once
 (:func:`poplar.data.prepare.prepare`: the model's tokenizer, or one trained on the text;
-cached, so the ranks read back the launcher's).
+cached, so the ranks read back the launcher's). Each function takes the config's model and
+data section (``cfg.model_data``, :class:`~poplar.train.config.ModelData`).
 """
 
 from __future__ import annotations
 
 import functools
 
-from poplar.train.config import TrainConfig
+from poplar.train.config import ModelData
 from poplar.workload import ModelSource, Workload
 
 
 SHOWN_AFTER_S = 2.0   # data tokenised quicker than this are not shown
 
 
-def own_model(cfg: TrainConfig):
+def own_model(cfg: ModelData):
     """The config's own model, a directory or a factory (None: a preset), checked in one line before anything
     runs."""
     from poplar.models.factory import looks_like_factory
@@ -38,7 +39,7 @@ def _own(model: str, seq_len: int, checkpointing: bool, **fields):
     return model_source(model, seq_len=seq_len, activation_checkpointing=checkpointing, **fields)
 
 
-def prepare_data(cfg: TrainConfig, progress=None):
+def prepare_data(cfg: ModelData, progress=None):
     """The tokenizer (None: the data is ids and the model has none) and the run's :class:`GlobalBatches`.
 
     ``progress``: a factory of a progress display (``progress(title, after_s=...)``, as the CLI's), shown only
@@ -58,14 +59,14 @@ def prepare_data(cfg: TrainConfig, progress=None):
                                              targets=prepared.targets, labels=prepared.labels)
 
 
-def named_model(cfg: TrainConfig) -> ModelSource:
+def named_model(cfg: ModelData) -> ModelSource:
     """The model the run trains as far as its name and sample length go, without reading the data (a preset's
     vocabulary is the tokenizer's, known only after): what a given plan is checked against, first."""
     return own_model(cfg) or Workload(model=cfg.model, seq_len=cfg.seq_len,
                                       activation_checkpointing=cfg.activation_checkpointing)
 
 
-def workload_of(cfg: TrainConfig, prepared: tuple | None = None) -> ModelSource:
+def workload_of(cfg: ModelData, prepared: tuple | None = None) -> ModelSource:
     """The model the run trains: its own (a directory, a factory), or a preset of the tokenizer's vocabulary.
     ``prepared``: what :func:`prepare_data` gave, where the caller has it (else the data are prepared here)."""
     own = own_model(cfg)

@@ -127,7 +127,7 @@ def _save_tokenizer(cfg: TrainConfig, wl, out: Path) -> None:
 
         auto_tokenizer(directory).save_pretrained(out)
         return
-    tok, _ = prepare_data(cfg)
+    tok, _ = prepare_data(cfg.model_data)
     if tok is not None:
         PreTrainedTokenizerFast(tokenizer_object=tok.backend, eos_token=EOT, pad_token=EOT,
                                 mask_token=MASK).save_pretrained(out)

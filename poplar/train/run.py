@@ -75,8 +75,8 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     from poplar.launch import spawn
 
     out_dir = check_out(cfg)
-    given = given_plan(cfg, named_model(cfg), launch.world_size, cluster)   # before the data: a wrong plan, at once
-    wl = workload_of(cfg, prepare_data(cfg, progress))     # prepared once, shown: the ranks read it back
+    given = given_plan(cfg, named_model(cfg.model_data), launch.world_size, cluster)   # before the data: a wrong plan, at once
+    wl = workload_of(cfg.model_data, prepare_data(cfg.model_data, progress))     # prepared once, shown: the ranks read it back
     if cfg.export:
         check_exportable(wl)
     plan, result = _plan(cfg, wl, given, launch.world_size, cluster, False, progress)
@@ -105,7 +105,7 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
     from poplar.engine.dist import init_distributed, shutdown
 
     out_dir = check_out(cfg, launch.restarted)    # every rank sees the same directory: all refuse alike
-    given = given_plan(cfg, named_model(cfg), launch.world_size, cluster)
+    given = given_plan(cfg, named_model(cfg.model_data), launch.world_size, cluster)
     init_distributed()
     rank = dist.get_rank()
     prepared = None    # rank 0's; the others read the cache it wrote
@@ -114,9 +114,9 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
             if say:
                 print(say, flush=True)
             out_dir.mkdir(parents=True, exist_ok=True)
-            prepared = prepare_data(cfg, progress)   # trains and caches the tokenizer once
+            prepared = prepare_data(cfg.model_data, progress)   # trains and caches the tokenizer once
         dist.barrier()
-        wl = workload_of(cfg, prepared)
+        wl = workload_of(cfg.model_data, prepared)
         if cfg.export:
             check_exportable(wl)
         plan, result = _plan(cfg, wl, given, launch.world_size, cluster, True, progress)

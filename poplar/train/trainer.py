@@ -44,7 +44,7 @@ class Trainer:
         """``basis``: the planning the plan came from (:class:`~poplar.planner.replan.PlanBasis`), to plan again
         as the steps measure (None: the plan is kept)."""
         self.cfg, self.wl, self.device, self.rank, self.world_size = cfg, wl, device, rank, world_size
-        _, self.batches = prepare_data(cfg)
+        _, self.batches = prepare_data(cfg.model_data)
         model, weights = build_for_rank(wl, cfg.seed, device.torch_device)   # read into the shards where it can
         optimizer = lambda params: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # noqa: E731
         self.runtime = RankRuntime(device, model, optimizer, plan, cfg.engine, weights=weights)   # as integrations

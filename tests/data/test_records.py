@@ -95,8 +95,8 @@ def test_the_tokenising_is_shown_on_a_first_run_and_the_cache_read_after_without
     log = Console(file=io.StringIO(), width=200)
     cfg = load_config(None, {"model": "tiny", "data": write(tmp_path, "jsonl"), "seq_len": 8, "global_batch": 2,
                              "cluster": "none"})
-    first = prepare_data(cfg, lambda title, **kw: Progress(log, title))[1]
+    first = prepare_data(cfg.model_data, lambda title, **kw: Progress(log, title))[1]
     shown = log.file.getvalue()
     assert f"data: {cfg.data}" in shown and "tokenising 12 rows" in shown
-    again = prepare_data(cfg, lambda title, **kw: Progress(log, title))[1]
+    again = prepare_data(cfg.model_data, lambda title, **kw: Progress(log, title))[1]
     assert log.file.getvalue() == shown and again.sequences.equal(first.sequences)

@@ -34,7 +34,7 @@ def caches(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("POPLAR_DATA_CACHE", str(root / "data"))
         cfg = load_config(None, {**FIELDS, "out": str(root / "unused")})
-        wl = workload_of(cfg, prepare_data(cfg))
+        wl = workload_of(cfg.model_data, prepare_data(cfg.model_data))
     seed_profiles(root / "profiles", wl, CLUSTER, FIELDS["global_batch"], cfg.engine)
     return root
 

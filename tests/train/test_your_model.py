@@ -43,8 +43,8 @@ def write_pairs(path, n: int = 64, seed: int = 0):
 
 def reference(cfg, steps: int) -> tuple[dict, list[float]]:
     """One device, the whole global batch a step: the same model, data, optimizer, schedule and clipping."""
-    wl = workload_of(cfg)
-    _, batches = prepare_data(cfg)
+    wl = workload_of(cfg.model_data)
+    _, batches = prepare_data(cfg.model_data)
     model = wl.build(seed=cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     whole = poplar.Plan(0, [cfg.global_batch], 1)
@@ -103,7 +103,7 @@ def test_pairs_on_uneven_ranks_train_as_one_device_in_every_stage(tmp_path, stag
     for name, value in want.items():
         torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
     if stage == 3:   # exported from ZeRO-3 with uneven shares: what from_pretrained loads is the trained model
-        check_export(result["exported"], result["state"], workload_of(cfg))
+        check_export(result["exported"], result["state"], workload_of(cfg.model_data))
 
 
 def check_export(exported, state: dict, wl) -> None:
@@ -131,7 +131,7 @@ def test_a_model_directory_is_profiled_planned_trained_from_its_weights_and_expo
     assert result["losses"][0] == pytest.approx(losses[0], rel=1e-5)
     fresh = cfg.model_copy(update={"pretrained": False})
     assert abs(reference(fresh, 1)[1][0] - losses[0]) > 1e-3
-    check_export(result["exported"], result["state"], workload_of(cfg))
+    check_export(result["exported"], result["state"], workload_of(cfg.model_data))
 
 
 @pytest.mark.parametrize("family", ["gpt2", "mistral", "gpt-neox", "bert", "qwen2-tied"])
@@ -175,7 +175,7 @@ def test_a_sequence_classifier_trains_on_labelled_text_as_one_device(tmp_path, f
     cfg = load_config(None, {"model": str(model), "data": str(write_labelled(tmp_path / "rows.jsonl", labels=labels)),
                              "seq_len": 24, "global_batch": plan.global_batch_size, "steps": 2, "lr": 1e-2,
                              "cluster": "none", "plan": str(tmp_path / "plan.json"), "out": str(tmp_path / "run")})
-    _, batches = prepare_data(cfg)
+    _, batches = prepare_data(cfg.model_data)
     inputs, targets = batches.local(0, plan, 0)
     assert inputs.shape[1] == 24 and targets.shape == (inputs.shape[0],)    # a label a sample
     result = run_training(cfg, return_state=True, nproc=3)
@@ -195,6 +195,6 @@ def test_a_factory_s_module_is_trained_on_the_text_as_one_device(tmp_path):
                              "plan": str(tmp_path / "plan.json"), "out": str(tmp_path / "run")})
     result = run_training(cfg, return_state=True, nproc=2)
     want, losses = reference(cfg, 2)
-    assert workload_of(cfg).vocab_size == 320 and result["losses"] == pytest.approx(losses, rel=1e-5)
+    assert workload_of(cfg.model_data).vocab_size == 320 and result["losses"] == pytest.approx(losses, rel=1e-5)
     for name, value in want.items():
         torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
