@@ -10,11 +10,11 @@ from poplar.profile.options import ProfileOptions
 from poplar.simulate import simulate_profile
 
 
-def seed_profiles(root: Path, wl, cluster: str, max_micro_batch: int, config) -> None:
-    """Every stage's profile of ``wl`` on ``cluster`` (and on it with rank 0 slowed to half) into ``root``,
+def seed_profiles(root: Path, wl, cluster: str, max_micro_batch: int, config, stages=(0, 1, 2, 3)) -> None:
+    """The ``stages``' profiles of ``wl`` on ``cluster`` (and on it with rank 0 slowed to half) into ``root``,
     keyed as a run of ``config`` (an :class:`~poplar.engine.config.EngineConfig`) looks it up."""
     spec = load_cluster(cluster)
-    options = ProfileOptions(stages=(0, 1, 2, 3), max_micro_batch=max_micro_batch, precision=config.mixed_precision)
+    options = ProfileOptions(stages=tuple(stages), max_micro_batch=max_micro_batch, precision=config.mixed_precision)
     simulated = simulate_profile(wl, spec, options, config)
     for each in (spec, spec.slowed(0, 0.5)):
         cache = ProfileCache(root, wl, each, options.stages, options.precision, options.max_micro_batch, config)

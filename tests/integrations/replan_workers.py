@@ -11,7 +11,7 @@ import poplar
 from poplar.workload import Workload
 
 WL = dict(model="llama-tiny", seq_len=128, vocab_size=512)
-GLOBAL_BATCH, STEPS = 16, 10
+GLOBAL_BATCH, STEPS = 16, 7
 EAGER = {"patience": 1, "every": 1}     # a re-plan as soon as one step measures off its prediction
 
 
@@ -54,34 +54,28 @@ def _ds_steps(engine, batches, stop_at: int | None = None) -> None:
             return
 
 
-def deepspeed(rank, world_size, cluster: str, stage: int, replan) -> dict:
+def deepspeed(rank, world_size, cluster: str, stage: int, replan, out: str) -> dict:
+    """A run that saves after step 5 (after its re-plan, where it re-plans) and trains to its end; then, where it
+    re-plans, a new run resumed from that checkpoint: its result and the plan it holds once it has loaded."""
     engine, loader = _ds_engine(cluster, stage, replan)
-    _ds_steps(engine, loader)
-    out = _result(engine.runtime)
-    engine.close()
-    return out
-
-
-def deepspeed_resumed(rank, world_size, cluster: str, stage: int, out: str) -> tuple:
-    """A run that re-plans and saves after step 5, trained to its end; then a new run resumed from that checkpoint:
-    both results, and the plan the resumed run holds once it has loaded."""
-    engine, loader = _ds_engine(cluster, stage, EAGER)
     batches = iter(loader)
     _ds_steps(engine, batches, stop_at=5)
     engine.save_checkpoint(out)
     _ds_steps(engine, batches)
     whole = _result(engine.runtime)
     engine.close()
-    engine, loader = _ds_engine(cluster, stage, EAGER)
+    if replan == "off":
+        return whole
+    engine, loader = _ds_engine(cluster, stage, replan)
     engine.load_checkpoint(out)
     loaded = engine.runtime.plan.to_dict()
     _ds_steps(engine, loader)
-    resumed = _result(engine.runtime)
+    whole["resumed"], whole["loaded"] = _result(engine.runtime), loaded
     engine.close()
-    return whole, resumed, loaded
+    return whole
 
 
-def lightning(rank, world_size, cluster: str, stage: int, replan) -> dict:
+def lightning(rank, world_size, cluster: str, stage: int, replan, out: str) -> dict:
     import lightning.pytorch as pl
 
     from poplar.integrations.lightning import PoplarStrategy
@@ -100,7 +94,7 @@ def lightning(rank, world_size, cluster: str, stage: int, replan) -> dict:
 
     strategy = PoplarStrategy(cluster=cluster, workload=workload(), global_batch=GLOBAL_BATCH, stages=(stage,),
                               shuffle=False, replan=replan)
-    trainer = pl.Trainer(strategy=strategy, max_steps=STEPS, accelerator="cpu", logger=False,
+    trainer = pl.Trainer(strategy=strategy, max_steps=STEPS, accelerator="cpu", logger=False, default_root_dir=out,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Lit(), DataLoader(TensorDataset(*samples()), batch_size=GLOBAL_BATCH // world_size))
     return _result(strategy.runtime)
@@ -125,7 +119,8 @@ def hf(rank, world_size, cluster: str, stage: int, replan, out: str) -> dict:
     return result
 
 
-def both(rank, world_size, front: str, cluster: str, stage: int, *extra) -> list[dict]:
-    """The front end re-planning eagerly, then with re-planning off: one spawn (the ranks import it once)."""
+def both(rank, world_size, front: str, cluster: str, stage: int, out: str) -> list[dict]:
+    """The front end re-planning eagerly, then with re-planning off: one spawn (the ranks import it once); each
+    run's folder under ``out``."""
     fn = {"deepspeed": deepspeed, "lightning": lightning, "hf": hf}[front]
-    return [fn(rank, world_size, cluster, stage, replan, *extra) for replan in (EAGER, "off")]
+    return [fn(rank, world_size, cluster, stage, replan, f"{out}/{i}") for i, replan in enumerate((EAGER, "off"))]
