@@ -109,10 +109,9 @@ class PlanBasis:
         if plan.shard_groups is not None:
             return None
         profile, best = rescaled(self.profile, self.ranks, speeds), None
-        for stage in self.stages():
+        for stage in (s for s in self.stages() if s != plan.zero_stage):   # its own stage: replan's
             chosen = plan_stage(profile, stage, plan.global_batch_size, list(self.ranks)).poplar
-            if stage != plan.zero_stage and chosen.plan is not None and (
-                    best is None or chosen.predicted.step_s < best[1].step_s):
+            if chosen.plan is not None and (best is None or chosen.predicted.step_s < best[1].step_s):
                 best = chosen.plan, chosen.predicted
         return best
 

@@ -55,15 +55,23 @@ class RankRuntime:
         if (plan.zero_stage, plan.shard_groups) == (now.zero_stage, now.shard_groups):
             self.engine.set_plan(plan)
             return
-        from poplar.train.checkpoint import find_resumable, load_checkpoint, save_checkpoint
+        from poplar.train.checkpoint import load_checkpoint, save_checkpoint
 
-        scratch = Path(scratch)
+        scratch, written = Path(scratch), []
         steps = self.engine.global_steps + self.engine.skipped_steps
-        self.engine.rebuild(plan, lambda: save_checkpoint(self.engine, scratch, steps, {}, keep=1),
-                            lambda: load_checkpoint(self.engine, find_resumable(scratch, report=lambda *_: None), {}))
-        self.engine.comm.barrier()     # every rank has read it
+
+        def write() -> None:   # into an empty folder (a crashed run's may hold a later step), the very one read back
+            self._clear(scratch)
+            written.append(save_checkpoint(self.engine, scratch, steps, {}, keep=0))
+        self.engine.rebuild(plan, write, lambda: load_checkpoint(self.engine, written[0], {}))
+        self._clear(scratch)           # every rank has read it
+
+    def _clear(self, folder: Path) -> None:
+        """Every rank: ``folder`` removed (by rank 0), and every rank past that."""
+        self.engine.comm.barrier()
         if self.engine.rank == 0:
-            shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
+        self.engine.comm.barrier()
 
     def close(self) -> None:
         self.engine.close()

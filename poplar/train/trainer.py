@@ -44,6 +44,7 @@ class Trainer:
         """``basis``: the planning the plan came from (:class:`~poplar.planner.replan.PlanBasis`), to plan again
         as the steps measure (None: the plan is kept)."""
         self.cfg, self.wl, self.device, self.rank, self.world_size = cfg, wl, device, rank, world_size
+        self.schedule = cfg.schedule     # the learning rate of each step
         _, self.batches = prepare_data(cfg.model_data)
         model, weights = build_for_rank(wl, cfg.seed, device.torch_device)   # read into the shards where it can
         optimizer = lambda params: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # noqa: E731
@@ -74,7 +75,7 @@ class Trainer:
     def train_step(self, step: int) -> float:
         """Optimizer step ``step`` (from 0) on this rank's slice of the global batch; the global mean loss."""
         for group in self.engine.optimizer.param_groups:
-            group["lr"] = self.cfg.schedule.at(step)
+            group["lr"] = self.schedule.at(step)
 
         def attempt() -> float:
             local = self.batches.local(step, self.engine.plan, self.rank)
