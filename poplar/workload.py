@@ -76,10 +76,20 @@ class Workload(BaseModel):
         _check_buildable(self)
         if self.model in MODEL_PRESETS:
             model = build_model(self.model, seed=seed)
-        else:
-            overrides = ({"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0} if self.family == "bert"
-                         else {})
-            model = build_hf_model(self.model, self.vocab_size, seed=seed, **overrides)
+            return checkpointing.enable(model) if self.activation_checkpointing else model
+        return self.build_layers(self.layers, seed)
+
+    @property
+    def layers(self) -> int | None:
+        """The model's alike layers, where it can be built with fewer (:meth:`build_layers`): a Hugging Face
+        preset's."""
+        return None if self.model in MODEL_PRESETS else HF_PRESETS[self.model][1]["num_hidden_layers"]
+
+    def build_layers(self, layers: int, seed: int = 0) -> torch.nn.Module:
+        """The model with ``layers`` of its layers (the simulator runs a deep model's step from shallow ones:
+        :mod:`poplar.simulate.layers`)."""
+        overrides = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0} if self.family == "bert" else {}
+        model = build_hf_model(self.model, self.vocab_size, seed=seed, num_hidden_layers=layers, **overrides)
         return checkpointing.enable(model) if self.activation_checkpointing else model
 
     @property

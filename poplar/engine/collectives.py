@@ -57,6 +57,12 @@ class TorchCollectives:
     all_gather_tensor = staticmethod(all_gather_tensor)
     reduce_scatter_tensor = staticmethod(reduce_scatter_tensor)
 
+    @staticmethod
+    def reduce_scatter_uneven(output, input, sizes, group=None, async_op=False):
+        """The list form of a reduce-scatter, ``input`` cut at ``sizes`` (views, cut here: a comm that issues
+        nothing cuts nothing, where there are thousands of ranks)."""
+        return dist.reduce_scatter(output, list(input.split(list(sizes))), op=SUM, group=group, async_op=async_op)
+
 
 TORCH = TorchCollectives()
 
@@ -67,6 +73,17 @@ def _bytes(t: torch.Tensor) -> int:
 
 def _even(sizes: Sequence[int] | None) -> bool:
     return sizes is None or len(set(sizes)) <= 1
+
+
+def _runs(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """``(size, count)`` of each run of equal sizes, in order."""
+    out: list[list[int]] = []
+    for n in sizes:
+        if out and out[-1][0] == n:
+            out[-1][1] += 1
+        else:
+            out.append([n, 1])
+    return [(n, k) for n, k in out]
 
 
 class _UnevenGather:
@@ -92,8 +109,12 @@ class _UnevenGather:
         if self._work is not None:
             work, self._work = self._work, None
             work.wait(*args, **kwargs)
-            parts = [self.gathered[i * self.largest:i * self.largest + n] for i, n in enumerate(self.sizes)]
-            torch.cat(parts, out=self.output[:sum(self.sizes)])
+            # ranks of one size in a row, as one strided copy (a cluster's kinds: a few, not one a rank)
+            at, first, width = 0, 0, self.largest
+            for size, ranks in _runs(self.sizes):
+                block = self.gathered[first * width:(first + ranks) * width].view(ranks, width)[:, :size]
+                self.output[at:at + ranks * size].view(ranks, size).copy_(block)
+                at, first = at + ranks * size, first + ranks
             self.gathered = self.mine = None
         return True
 
@@ -165,9 +186,8 @@ class Comm:
             return self.run("reduce_scatter", _bytes(input),
                             lambda a: self.collectives.reduce_scatter_tensor(output, input, op=SUM, group=g,
                                                                                 async_op=a), async_op)
-        parts = list(input.split(list(sizes)))
         return self.run("reduce_scatter", _bytes(input),
-                        lambda a: self.collectives.reduce_scatter(output, parts, op=SUM, group=g, async_op=a),
+                        lambda a: self.collectives.reduce_scatter_uneven(output, input, sizes, group=g, async_op=a),
                         async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,

@@ -19,18 +19,21 @@ rank adds the groups' parts in group order, so every copy gets the same bits.
 >>> layout.shard_range(10)      # 10 elements padded to 12, three slices of 4
 (4, 8)
 
-Uneven (``plan.shard_shares``), a group's slices follow its ranks' shares: the padded
-unit is cut at the shares' running sums, rounded down, so equal shares cut it exactly
-where the even layout does.
+Uneven (``plan.shard_shares``), a group's slices follow its ranks' shares: each rank's
+slice is its share of the padded unit rounded down, the last rank with a share takes
+what the rounding leaves, so equal shares cut it exactly where the even layout does, and ranks
+of one share hold slices of one size.
 
->>> ShardLayout(2, None, 0, shares=[3, 1]).slice_sizes(10)    # cut at 7.5, rounded down
+>>> ShardLayout(2, None, 0, shares=[3, 1]).slice_sizes(10)    # 7.5 rounded down, and the rest
 (7, 3)
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from fractions import Fraction
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -116,9 +119,13 @@ class ShardLayout:
         if (numel, j) not in self._sizes:
             g = self.groups[j]
             total = self.padded(numel, len(g))
+            # each its share rounded down, what rounding leaves to the last with a share: ranks of one share hold
+            # slices of one size (a gather of them copies each run of alike ranks at once)
             weights = [Fraction(self.shares[r]) for r in g]
-            cuts = [total * sum(weights[:i]) // sum(weights) for i in range(len(g) + 1)]
-            self._sizes[(numel, j)] = tuple(int(b - a) for a, b in zip(cuts, cuts[1:]))
+            whole = sum(weights)
+            sizes = [int(total * w // whole) for w in weights]
+            sizes[max(i for i, w in enumerate(weights) if w)] += total - sum(sizes)
+            self._sizes[(numel, j)] = tuple(sizes)
         return self._sizes[(numel, j)]
 
     def shard_range(self, numel: int, group: int | None = None, index: int | None = None,
@@ -142,8 +149,8 @@ class ShardLayout:
         """This rank's slice ``mine`` of the group's cut ``held`` (every rank's slice size, in group order) as its
         slice of the cut ``wanted``. Every rank of the shard group calls it at once: one all-to-all, each rank
         sending each other the part of its slice that the other is to hold."""
-        h0 = [sum(held[:i]) for i in range(len(held))]
-        w0 = [sum(wanted[:i]) for i in range(len(wanted))]
+        h0 = list(accumulate(held[:-1], initial=0))
+        w0 = list(accumulate(wanted[:-1], initial=0))
         me = self.shard_index
 
         def overlap(i: int, j: int) -> int:   # of rank i's held range and rank j's wanted one
@@ -177,7 +184,7 @@ class ShardLayout:
                     if j != self.group_index and n:
                         sizes[r] = n
                         spans.append((r, j, max(lo, a) - lo))
-            offsets = [sum(sizes[:r]) for r in range(self.world_size)]
+            offsets = list(accumulate(sizes[:self.world_size - 1], initial=0))
             parts: list[list[tuple[int, int]]] = [[] for _ in self.groups]
             for r, j, at in sorted(spans):   # rank order: inside a group, also slice order
                 send.append((at, sizes[r]))
@@ -211,6 +218,13 @@ def check_collective_sizes(world_size: int, groups: Sequence[Sequence[int]] | No
     Every rank's exchange of every unit (``numels``) is derived from the layout alone, so this runs anywhere,
     before any process starts: what rank ``r`` sends rank ``s`` must be what ``s`` expects from ``r``.
     """
+    _check_sizes(world_size, tuple(map(tuple, groups)) if groups else None, tuple(shares) if shares else None,
+                 tuple(sorted(set(numels))))
+
+
+@functools.lru_cache(maxsize=64)
+def _check_sizes(world_size: int, groups, shares, numels) -> None:
+    """:func:`check_collective_sizes`, once a process for a shape (every engine of a simulation builds alike)."""
     layouts = [ShardLayout(world_size, groups, r, shares) for r in range(world_size)]
     if layouts[0].replicas == 1:
         return   # flat: every collective is the world's, of the unit's padded size on every rank alike

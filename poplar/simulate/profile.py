@@ -21,6 +21,7 @@ fake tensor cannot say (a value: the loss, the gradient norm) reads as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import OrderedDict
 from typing import Any, Callable
@@ -40,6 +41,7 @@ from poplar.profile.rank import optimizer_states_to_come, held_at_shares, shard_
 from poplar.profile.timing import RankRun, fraction_held, skewed_shares, timed_step
 from poplar.simulate.comm import simulated_comm
 from poplar.simulate.fake import fake_tensors
+from poplar.simulate.layers import DEEP, SHALLOW, DeepRecording, Shallow, layers_of
 from poplar.simulate.trace import Activations, CountedMarks, CountingDevice, Steps, Trace
 from poplar.workload import ModelSource, Workload, as_workload
 
@@ -60,14 +62,31 @@ def simulate_stages(workload: str | Workload, cluster, options: ProfileOptions |
         with device:
             run = RankRun(device, 0, spec.world_size, wl, config, warmup=1, repeats=1)
             saved = _SAVED.get_or((_key(wl), options.precision),
-                                  lambda: Activations(_saved_bytes(device, wl, options.precision)))
+                                  lambda: Activations(_saved(device, wl, options.precision)))
             for stage in options.stages:
                 for kind, sp in _stage(run, stage, options, kinds, saved).items():
                     out[(kind, stage)] = sp
     return out
 
 
-def _saved_bytes(device: CountingDevice, wl: Workload, precision: str):
+def _saved(device: CountingDevice, wl: ModelSource, precision: str) -> Callable[[int], int]:
+    """``m`` -> the bytes autograd saves at most in a step of ``m`` samples: drawn through the model with
+    :data:`~poplar.simulate.layers.SHALLOW` layers and one more where its layers allow (each layer saves alike),
+    checked at one more still; else measured on the model."""
+    layers = layers_of(wl)
+    if layers is None or layers < DEEP:
+        return _saved_bytes(device, wl, precision)
+    a, b, c = (Activations(_saved_bytes(device, Shallow(wl, d), precision)).exact
+               for d in (SHALLOW, SHALLOW + 1, SHALLOW + 2))
+
+    def drawn(m: int, depth: int) -> int:
+        return a(m) + (depth - SHALLOW) * (b(m) - a(m))
+    if all(drawn(m, SHALLOW + 2) == c(m) for m in (1, 2)):
+        return lambda m: drawn(m, layers)
+    return _saved_bytes(device, wl, precision)
+
+
+def _saved_bytes(device: CountingDevice, wl: ModelSource, precision: str):
     """``m`` -> the bytes autograd saves at most in a forward and backward of ``m`` samples (the memory probe's
     run, the model's own parameters not counted again)."""
     model = cast_model(wl.build(), device.torch_device, torch_dtype(precision))
@@ -88,9 +107,7 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
     alone, on the stage's counted steps priced on its roofline."""
     spec: ClusterSpec = run.device.cluster
     steps, recording = _counted(run, stage)
-    engine = recording.engine
-    states = States(True, recording.before, recording.most, shard_bytes(engine, stage, options.precision),
-                    tuple(u.numel for u in engine.units))
+    states = States(True, recording.before, recording.most, recording.sharded, recording.units)
     measures = {k: _KindMeasure(steps, GpuModel.of(d), saved, spec.memory_bytes(d), run.device.probe_headroom)
                 for k, d in kinds.items()}
     fits_one = {k: states.before + saved.exact(1) <= m.capacity for k, m in measures.items()}
@@ -164,8 +181,7 @@ class _Shares:
         self.run, self.stage, self.measures, self.kinds = run, stage, measures, kinds
         rank_kinds = [d.kind for d in run.device.cluster.rank_devices()]
         vectors = skewed_shares([measures[k].capacity for k in rank_kinds])
-        units = [u.numel for u in recording.engine.units]
-        sharded = shard_bytes(recording.engine, stage, run.config.mixed_precision)
+        units, sharded = list(recording.units), recording.sharded
         # a rank's figures depend on its kind and its weight only: one rank stands for those alike
         self.alike = [(v, r, k) for v in vectors for (k, _), r in {(k, v[r]): r for r, k in enumerate(rank_kinds)}.items()]
         self.held = all(measures[k].largest(held_at_shares(recording.most, sharded, units, stage, v, r,
@@ -184,7 +200,7 @@ class _Shares:
                 continue
             first = (v[r], *(w for q, w in enumerate(v) if q != r))
             if first not in self.traces:
-                self.traces[first] = _Recording.of(self.run, self.stage, list(first)).trace(1, 1)
+                self.traces[first] = _shared(self.run, self.stage, first).trace(1, 1)
             trace = self.traces[first]
             points[fraction_held(v, r)] = (max(0.0, trace.busy(gpu) - micro_step), trace.marks_on(gpu).gather_phase())
         return ([(f, step) for f, (step, _) in sorted(points.items())],
@@ -218,19 +234,46 @@ class _Kept(OrderedDict):
 _COUNTED = _Kept(most=16)
 _SHARED = _Kept(most=8)     # the recordings at unlike shares
 _SAVED = _Kept(most=4)
+_DRAWN: dict[tuple, bool] = {}    # (model, stage, engine options) -> whether its deep steps are drawn from shallow ones
 
 
-def _counted(run: RankRun, stage: int) -> tuple[Steps, _Recording]:
+def _counted(run: RankRun, stage: int) -> tuple[Steps, Any]:
     """The stage's step traces for ``run``'s workload and world, and the recording (its states)."""
     step = (_key(run.workload), stage, run.config.model_dump_json())
 
-    def record() -> tuple[Steps, _Recording]:
-        recording = _Recording(run, stage)
+    def record() -> tuple[Steps, Any]:
+        recording = _recorded(run, stage)
         checked = frozenset().union(*(s.held for key, (s, _) in _COUNTED.items() if key[:3] == step))
         steps = Steps(recording.trace, checked)
         steps.recorded(1, 2)    # two steps of two micro-batches of 1: the states at their most
         return steps, recording
     return _COUNTED.get_or((*step, run.world_size), record)
+
+
+def _shared(run: RankRun, stage: int, shares: tuple[float, ...]):
+    """The stage's recording with ``shares`` of the states, made once a process (as the even one's steps)."""
+    key = (_key(run.workload), stage, run.config.model_dump_json(), run.world_size, tuple(shares))
+    return _SHARED.get_or(key, lambda: _recorded(run, stage, tuple(shares)))
+
+
+def _recorded(run: RankRun, stage: int, shares: tuple[float, ...] | None = None):
+    """The stage's recording: drawn from the model with :data:`~poplar.simulate.layers.SHALLOW` layers and one
+    more where its layers allow (:mod:`poplar.simulate.layers`; the drawing checked against a recording of one
+    more still, once a model, stage and engine options), else the model's own."""
+    layers = layers_of(run.workload)
+
+    def full() -> _Recording:
+        return _Recording(run, stage, shares)
+    if layers is None or layers < DEEP:
+        return full()
+    a, b = (_Recording(dataclasses.replace(run, workload=Shallow(run.workload, d)), stage, shares)
+            for d in (SHALLOW, SHALLOW + 1))
+    deep = DeepRecording(a, b, layers, full)
+    key = (_key(run.workload), stage, run.config.model_dump_json())
+    if key not in _DRAWN:
+        c = _Recording(dataclasses.replace(run, workload=Shallow(run.workload, SHALLOW + 2)), stage, shares)
+        _DRAWN[key] = deep.matches(c)
+    return deep if _DRAWN[key] else full()
 
 
 class _Recording:
@@ -246,11 +289,13 @@ class _Recording:
         timed_step(run.device, self.engine, run.workload.random_batch(1), run.workload.loss)
         self.most = 0
 
-    @classmethod
-    def of(cls, run: RankRun, stage: int, shares: list[float]) -> _Recording:
-        """The stage's recording with ``shares`` of the states, made once a process (as the even one's steps)."""
-        key = (_key(run.workload), stage, run.config.model_dump_json(), run.world_size, tuple(shares))
-        return _SHARED.get_or(key, lambda: cls(run, stage, tuple(shares)))
+    @property
+    def sharded(self) -> int:
+        return shard_bytes(self.engine, self.stage, self.run.config.mixed_precision)
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        return tuple(u.numel for u in self.engine.units)
 
     def _plan(self, m: int, accumulation: int) -> poplar.Plan:
         return poplar.Plan(self.stage, [m] * self.run.world_size, accumulation, shard_shares=self.shares)
@@ -266,7 +311,7 @@ class _Recording:
             marks.mark("end", 0)
         if (m, accumulation) == (1, 2):
             self.most = engine.model_state_bytes()
-        return Trace.of(run.device.recorder, marks, len(engine.units))
+        return Trace.of(run.device.recorder, marks, tuple(u.numel for u in engine.units))
 
 
 def _key(wl: ModelSource) -> str:

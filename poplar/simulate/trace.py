@@ -32,6 +32,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the compute dtypes 
 LINE_SIZES = (2, 3, 4)   # the micro-batches a line is drawn through (the first two) and checked at (the third)
 # asked of fake tensors hundreds of times a step (autograd's checks): answered here, not passed down the modes
 _DEVICE = torch.ops.prim.device.default
+_OP_IDS: dict = {}     # each operator a number, for a step's operators to be compared (poplar.simulate.layers)
 
 
 class Recorder(TorchDispatchMode):
@@ -42,6 +43,7 @@ class Recorder(TorchDispatchMode):
         self.flops: list[float] = []
         self.nbytes: list[float] = []
         self.dtypes: list[int] = []
+        self.ops: list[int] = []
 
     def __len__(self) -> int:
         return len(self.flops)
@@ -56,6 +58,7 @@ class Recorder(TorchDispatchMode):
             self.flops.append(cost[0])
             self.nbytes.append(cost[1])
             self.dtypes.append(_DTYPES.index(cost[2]) if cost[2] in _DTYPES else 0)
+            self.ops.append(_OP_IDS.setdefault(func, len(_OP_IDS)))
         return out
 
 
@@ -84,12 +87,14 @@ class Trace:
     launches: list[tuple[str, int, int]] = field(default_factory=list)   # (op, bytes, operators before it)
     waits: list[int] = field(default_factory=list)     # operators before each wait for a collective
     n_units: int = 0
+    ops: np.ndarray | None = None    # what each operator is (a number a process gives it)
+    units: tuple[int, ...] = ()      # each unit's parameters, where recorded: what tells a unit's marks apart
 
     @classmethod
-    def of(cls, recorder: Recorder, marks: Marks | None = None, n_units: int = 0) -> Trace:
+    def of(cls, recorder: Recorder, marks: Marks | None = None, units: tuple[int, ...] = ()) -> Trace:
         return cls(np.array(recorder.flops), np.array(recorder.nbytes), np.array(recorder.dtypes, dtype=np.int8),
                    dict(marks.at) if marks else {}, list(marks.launches) if marks else [],
-                   list(marks.waits) if marks else [], n_units)
+                   list(marks.waits) if marks else [], len(units), np.array(recorder.ops, dtype=np.int32), units)
 
     def seconds(self, gpu: GpuModel) -> np.ndarray:
         """Each operator's seconds on ``gpu``: exactly :meth:`GpuModel.op_seconds`, for the whole list."""
@@ -110,8 +115,14 @@ class Trace:
         marks.waits = [float(at[i]) for i in self.waits]
         return marks
 
+    def same_as(self, other: Trace) -> bool:
+        """The same operators, sizes, marks, launches and waits."""
+        return (self._same_steps(other) and np.array_equal(self.flops, other.flops)
+                and np.array_equal(self.nbytes, other.nbytes) and self.n_units == other.n_units)
+
     def _same_steps(self, other: Trace) -> bool:
         return (len(self.flops) == len(other.flops) and np.array_equal(self.dtypes, other.dtypes)
+                and (self.ops is None or other.ops is None or np.array_equal(self.ops, other.ops))
                 and self.marks == other.marks and self.launches == other.launches and self.waits == other.waits)
 
     @staticmethod
@@ -126,7 +137,7 @@ class Trace:
                                    and np.array_equal(t1.nbytes + 2 * db, t3.nbytes)):
             return None
         return lambda m: Trace(t1.flops + (m - LINE_SIZES[0]) * df, t1.nbytes + (m - LINE_SIZES[0]) * db, t1.dtypes, t1.marks,
-                               t1.launches, t1.waits, t1.n_units)
+                               t1.launches, t1.waits, t1.n_units, t1.ops, t1.units)
 
 
 class Steps:

@@ -1,0 +1,105 @@
+"""A deep model's step drawn from two shallow ones (poplar.simulate.layers): exactly the step of the deep model."""
+
+import dataclasses
+
+import pytest
+
+from poplar.cluster.spec import parse_cluster
+from poplar.engine.config import EngineConfig
+from poplar.profile.options import ProfileOptions
+from poplar.profile.timing import RankRun
+from poplar.simulate import profile as simulated
+from poplar.simulate.fake import fake_tensors
+from poplar.simulate.layers import SHALLOW, Shallow, deeper, deeper_units, layers_of
+from poplar.simulate.trace import CountingDevice
+from poplar.workload import Workload
+
+CLUSTER = {"network": {"inter_node": {"bandwidth_gbs": 25, "latency_us": 5}},
+           "devices": [{"kind": "a", "gpu": "A100-80GB", "count": 4, "gpus_per_node": 2},
+                       {"kind": "t", "gpu": "T4-16GB", "count": 2, "gpus_per_node": 2}]}
+# families, unit sizes (a layer one unit, or several), activation checkpointing, mixed precision, every stage:
+# each model in two stages, each stage twice (the whole space: 4 x 4, 50 s)
+CASES = [("llama-125m", 6, False, "bf16"), ("llama-125m", 7, True, "fp32"), ("bert-base", 6, False, "bf16"),
+         ("llama-350m", 5, True, "fp16")]
+PAIRS = [(case, stage) for i, case in enumerate(CASES) for stage in (i % 4, (i + 2) % 4)]
+
+
+def _traces(source, depths, stage, precision, sizes):
+    spec = parse_cluster(CLUSTER)
+    config = EngineConfig(mixed_precision=precision, check_batches=False)
+    with fake_tensors():
+        device = CountingDevice(spec, 0)
+        with device:
+            out = {}
+            for d in depths:
+                run = RankRun(device, 0, spec.world_size, Shallow(source, d), config, warmup=1, repeats=1)
+                recording = simulated._Recording(run, stage)
+                out[d] = ({k: recording.trace(*k) for k in sizes}, recording)
+            return out
+
+
+@pytest.mark.parametrize("case, stage", PAIRS)
+def test_a_deep_step_drawn_from_two_shallow_ones_is_the_deep_models_to_the_last_operator(case, stage):
+    """Every operator's FLOPs, bytes and dtype, every mark, launch and wait, and the model states, at one and two
+    samples and two micro-batches, for every stage: as recorded on the model of ``layers`` layers."""
+    model, layers, checkpointed, precision = case
+    wl = Workload(model=model, seq_len=16, activation_checkpointing=checkpointed)
+    sizes = [(1, 1), (2, 1), (1, 2)]
+    got = _traces(wl, (SHALLOW, SHALLOW + 1, layers), stage, precision, sizes)
+    (a, ra), (b, rb), (deep, rd) = got[SHALLOW], got[SHALLOW + 1], got[layers]
+    for k in sizes:
+        drawn = deeper(a[k], b[k], layers, SHALLOW)
+        assert drawn is not None and drawn.same_as(deep[k]), k
+        assert drawn.marks == deep[k].marks and drawn.launches == deep[k].launches and drawn.waits == deep[k].waits
+    assert deeper_units(ra.units, rb.units, layers - SHALLOW) == rd.units
+    extra = layers - SHALLOW
+    for field in ("before", "most", "sharded"):
+        assert getattr(ra, field) + extra * (getattr(rb, field) - getattr(ra, field)) == getattr(rd, field)
+
+
+def test_steps_that_are_not_one_with_runs_inserted_are_not_drawn():
+    """A step is drawn only where the deeper one is the shallower with runs inserted: not from two alike steps,
+    nor from a deeper one against a shallower, nor where an operator of the shallower is not in the deeper."""
+    wl = Workload(model="llama-125m", seq_len=16)
+    got = _traces(wl, (SHALLOW, SHALLOW + 1), 2, "bf16", [(1, 1), (1, 2)])
+    a, b = got[SHALLOW][0], got[SHALLOW + 1][0]
+    assert deeper(a[(1, 1)], a[(1, 1)], 6, SHALLOW) is None             # no layer's units between them
+    assert deeper(b[(1, 1)], a[(1, 1)], 6, SHALLOW) is None             # fewer units, not more
+    other = b[(1, 1)].dtypes.copy()
+    other[:3] = (other[:3] + 1) % 3
+    assert deeper(a[(1, 1)], dataclasses.replace(b[(1, 1)], dtypes=other), 6, SHALLOW) is None   # a's not in b
+    assert deeper_units((1, 2, 3), (1, 5, 2, 3), 3) == (1, 5, 5, 5, 2, 3)
+    assert deeper_units((1, 2, 3), (1, 5, 9, 3), 3) is None
+
+
+def test_a_source_without_fewer_layers_is_run_as_it_is():
+    from poplar.models.factory import FactorySource
+
+    assert layers_of(Workload(model="tiny")) is None                    # TinyCausalLM: run whole
+    assert layers_of(Workload(model="llama-7b")) == 32
+    assert layers_of(Shallow(Workload(model="llama-7b"), 6)) == 6
+    assert not hasattr(FactorySource, "build_layers")
+
+
+def test_the_simulated_profile_drawn_from_shallow_steps_is_the_one_run_on_the_whole_model(monkeypatch):
+    """The whole procedure (states, largest micro-batch, timed points, anatomy, steps at unlike shares) on a
+    model of 6 layers: drawn from 2 and 3 (checked at 4), against the same run on all 6."""
+    wl = Shallow(Workload(model="llama-125m", seq_len=32), 6)
+    options = ProfileOptions(stages=(2,), n_points=3, max_micro_batch=8, precision="fp16")
+    cluster = {**CLUSTER, "memory_scale": 0.02}
+
+    def fresh():
+        for memo in (simulated._COUNTED, simulated._SHARED, simulated._SAVED, simulated._DRAWN):
+            memo.clear()
+    fresh()
+    drawn = simulated.simulate_stages(wl, cluster, options)
+    assert all(simulated._DRAWN.values()) and simulated._DRAWN
+    fresh()
+    monkeypatch.setattr(simulated, "layers_of", lambda source: None)
+    whole = simulated.simulate_stages(wl, cluster, options)
+    fresh()
+    assert drawn.keys() == whole.keys()
+    for key in drawn:
+        assert drawn[key].model_dump() == whole[key].model_dump(), key
+    assert any(sp.share_steps for sp in drawn.values())      # the unlike shares' steps were drawn too
+    assert {sp.max_micro_batch for sp in drawn.values()} != {0}
