@@ -70,6 +70,10 @@ def plan_alone(workload: Workload, spec: ClusterSpec, kind: str, global_batch: i
     if global_batch < sub.world_size:
         return Alone(kind=kind, ranks=sub.world_size, why_not=f"a global batch of {global_batch} is smaller than "
                      f"its {sub.world_size} ranks"), None
+    try:     # devices that cannot hold the model's states together: no plan, said at once (not a failed run)
+        sub.check_holds_states(workload.name, workload.n_params(), options.precision)
+    except ValueError as e:
+        return Alone(kind=kind, ranks=sub.world_size, why_not=str(e)), None
     try:
         result = make_plan(simulate_profile(workload, sub, options), global_batch, options.stages)
     except PlanningError as e:

@@ -7,10 +7,15 @@
    ``uniform`` (DeepSpeed-style) and ``proportional`` (Whale-style) ones.
 3. Trains with each of the three allocations for a few steps and prints the measured
    throughput side by side, with the planner's ideal bound, and where the plots are.
+4. Says what the same kinds of GPU do at full memory with a real model (:data:`REAL`:
+   Llama-1B, 2,048-token samples, activation checkpointing, their fastest precision),
+   simulated (:mod:`poplar.simulate`): Poplar's plan against uniform, proportional and
+   each card alone, in model TFLOP/s and MFU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +30,8 @@ from poplar.train.run import run_training
 
 ALLOCATIONS = ("poplar", "uniform", "proportional")
 WORKLOAD = {"model": "llama-tiny", "seq_len": 64, "vocab_size": 1024}   # the tokenizer's vocabulary, as trained
+REAL = {"model": "llama-1b", "seq_len": 2048, "activation_checkpointing": True}
+REAL_BATCH = 64          # samples of 2,048 tokens a step: 128K tokens
 
 
 def check_demo(cluster: str, out: str | Path, global_batch: int) -> None:
@@ -75,4 +82,54 @@ def run_demo(steps: int, cluster: str, out: str | Path, global_batch: int,
     for line in (f"planner's choice: {result.reason}",
                  f"plots: {plot} (all three), {out}/<allocation>/report.png; logs: {out}/<allocation>/log.jsonl"):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
-    return {"summaries": summaries, "ideal_samples_per_s": ideal, "planning": result, "plot": plot}
+    with (progress("simulating Llama-1B on the same GPUs at full memory") if progress else _nothing()):
+        real = real_size(cluster)
+    console.print(real_size_table(real))
+    console.print(f"what that means: {real.reason}", markup=False, highlight=False, soft_wrap=True)
+    return {"summaries": summaries, "ideal_samples_per_s": ideal, "planning": result, "plot": plot, "real": real}
+
+
+def real_size(cluster: str):
+    """:data:`REAL` on ``cluster``'s GPUs at full memory, simulated and planned (:func:`poplar.evaluate.evaluate`)."""
+    from poplar.evaluate import evaluate
+    from poplar.precision import fastest
+    from poplar.profile.options import ProfileOptions
+    from poplar.workload import Workload
+
+    spec = load_cluster(cluster)
+    spec = spec.model_copy(update={"memory_scale": 1.0})
+    precision = fastest(lambda p: all(g.computes(p) for g in spec.devices))
+    evaluation, result = evaluate(Workload(**REAL), spec, REAL_BATCH, ProfileOptions(precision=precision))
+    peaks = {k: d.rated_tflops or 0.0 for k, d in result.profile.devices.items()}
+    counts = {k: result.profile.ranks.count(k) for k in peaks}
+    return evaluation.model_copy(update={"cluster": f"{spec.describe()}; {precision}"}), peaks, counts
+
+
+def real_size_table(real) -> Table:
+    """Each plan's model TFLOP/s (three times a sample's forward FLOPs a sample) and MFU (of the peaks of the GPUs
+    it runs on)."""
+    evaluation, peaks, counts = real
+    per_sample = evaluation.tflops / evaluation.samples_per_s     # model TFLOP a sample
+    table = Table(title=f"{REAL['model']} ({REAL['seq_len']}-token samples, checkpointed), global batch "
+                        f"{REAL_BATCH}, on {evaluation.cluster} at full memory: simulated")
+    for col in ("plan", "samples/s", "model TFLOP/s", "MFU", "Poplar's speedup"):
+        table.add_column(col, justify="right", overflow="fold")
+    everyone = sum(peaks[k] * counts[k] for k in peaks)
+    rows = [(f"Poplar ({evaluation.label})", evaluation.samples_per_s,
+             everyone if " only" not in evaluation.label else peaks[evaluation.label.split(" only")[0]]
+             * counts[evaluation.label.split(" only")[0]])]
+    rows += [(name, evaluation.baselines.get(name), everyone) for name in ("uniform", "proportional")]
+    rows += [(f"{a.kind} alone", a.samples_per_s, peaks[a.kind] * counts[a.kind]) for a in evaluation.alone]
+    for name, samples, peak in rows:
+        if not samples:
+            table.add_row(name, "no plan", "-", "-", "-")
+            continue
+        tflops = samples * per_sample
+        table.add_row(name, f"{samples:,.2f}", f"{tflops:,.1f}", f"{100 * tflops / peak:.0f}%" if peak else "-",
+                      f"{evaluation.samples_per_s / samples:.2f}x")
+    return table
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield

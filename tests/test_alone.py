@@ -62,3 +62,18 @@ def test_an_error_in_a_worker_is_raised_here_as_itself():
                 worker.receive()
     finally:
         worker.close()
+
+
+def test_a_kind_that_cannot_hold_the_model_alone_has_no_plan_and_says_why_at_once():
+    """An A100-80GB beside a T4-16GB, Llama-1B: the T4 alone cannot hold its states (a row of the comparison, not an
+    error that ends it), said before anything is simulated."""
+    import time
+
+    from poplar.cluster.spec import parse_cluster
+
+    spec = parse_cluster({"devices": [{"kind": "a", "gpu": "A100-80GB"}, {"kind": "t", "gpu": "T4-16GB"}]})
+    start = time.perf_counter()
+    alone, result = plan_alone(Workload(model="llama-1b", seq_len=2048), spec, "t", 64,
+                               ProfileOptions(stages=(3,), precision="fp16"))
+    assert result is None and alone.samples_per_s is None and "more than the 1 device" in alone.why_not
+    assert time.perf_counter() - start < 5

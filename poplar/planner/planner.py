@@ -60,8 +60,20 @@ def _rank_list(ranks: list[int]) -> str:
     return f"{len(ranks)} ranks: {', '.join(text[:RUNS_SHOWN - 1])}, ..., {text[-1]}"
 
 
+NAMED = 8    # ranks a reason names one by one; more are counted (reasons read at thousands of ranks)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 0-3, 8`` for a few ranks, ``512 ranks`` for many.
+
+    >>> _ranks([1, 2]), _ranks(list(range(4096)))
+    ('rank 1, 2', '4,096 ranks')
+    """
+    return f"rank {_rank_list(ranks)}" if len(ranks) <= NAMED else f"{len(ranks):,} ranks"
+
+
 def _unfit_message(kinds: list[str], ranks: list[int], label: str) -> str:
-    return f"{', '.join(kinds)} (rank {_rank_list(ranks)}) cannot hold the model and one sample in {label}"
+    return f"{', '.join(kinds)} ({_ranks(ranks)}) cannot hold the model and one sample in {label}"
 
 
 def _not_profiled_to_plan(profile: Profile, stage: int, ranks: list[int], label: str) -> str:
@@ -246,8 +258,8 @@ def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanR
     reason += _coarse_hybrid_note(profile, shaped)
     if excluded_ranks:
         kinds = sorted({profile.ranks[r] for r in excluded_ranks})
-        reason += (f". Rank {_rank_list(excluded_ranks)} ({', '.join(kinds)}) {why_out}: this plan is for rank "
-                   f"{_rank_list(ranks)} (poplar train and bench run it there, the others sitting out)")
+        reason += (f". {_ranks(excluded_ranks).capitalize()} ({', '.join(kinds)}) {why_out}: this plan is for "
+                   f"{_ranks(ranks)} (poplar train and bench run it there, the others sitting out)")
     return PlanResult(plan=best.poplar.plan, stage=best.stage, predicted=pred, stages=results, ranks=best.ranks,
                       reason=reason, excluded_ranks=excluded_ranks, profile=profile, shaped=shaped)
 
