@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 from collections.abc import Callable
+from typing import Any, NamedTuple
 from pathlib import Path
 
 from rich.console import Console
@@ -85,11 +86,20 @@ def run_demo(steps: int, cluster: str, out: str | Path, global_batch: int,
     with (progress("simulating Llama-1B on the same GPUs at full memory") if progress else _nothing()):
         real = real_size(cluster)
     console.print(real_size_table(real))
-    console.print(f"what that means: {real.reason}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"the planner's choice there: {real.evaluation.reason}", markup=False, highlight=False,
+                  soft_wrap=True)
     return {"summaries": summaries, "ideal_samples_per_s": ideal, "planning": result, "plot": plot, "real": real}
 
 
-def real_size(cluster: str):
+class RealSize(NamedTuple):
+    """The real-size comparison, and each kind's peak TFLOP/s and count (for MFU)."""
+
+    evaluation: Any
+    peaks: dict[str, float]
+    counts: dict[str, int]
+
+
+def real_size(cluster: str) -> RealSize:
     """:data:`REAL` on ``cluster``'s GPUs at full memory, simulated and planned (:func:`poplar.evaluate.evaluate`)."""
     from poplar.evaluate import evaluate
     from poplar.precision import fastest
@@ -102,10 +112,10 @@ def real_size(cluster: str):
     evaluation, result = evaluate(Workload(**REAL), spec, REAL_BATCH, ProfileOptions(precision=precision))
     peaks = {k: d.rated_tflops or 0.0 for k, d in result.profile.devices.items()}
     counts = {k: result.profile.ranks.count(k) for k in peaks}
-    return evaluation.model_copy(update={"cluster": f"{spec.describe()}; {precision}"}), peaks, counts
+    return RealSize(evaluation.model_copy(update={"cluster": f"{spec.describe()}; {precision}"}), peaks, counts)
 
 
-def real_size_table(real) -> Table:
+def real_size_table(real: RealSize) -> Table:
     """Each plan's model TFLOP/s (three times a sample's forward FLOPs a sample) and MFU (of the peaks of the GPUs
     it runs on)."""
     evaluation, peaks, counts = real

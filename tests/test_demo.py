@@ -38,6 +38,11 @@ def test_demo_then_bench_on_an_emulated_cluster(tmp_path):
         assert re.search(rf"^memory-bound: (\S+ )?stage {stage}: memory$", run.stdout, re.M), run.stdout[:3000]
         assert re.search(rf"^memory-bound: (\S+ )?stage {stage}: done \(\d+ s\)$", run.stdout, re.M), run.stdout[:3000]
     assert "\u2026" not in run.stdout and "vs uniform" in run.stdout      # the table whole, no column cut
+    # and what the same two GPUs do at full memory with Llama-1B, simulated: Poplar against each card alone
+    assert "llama-1b" in said and "at full memory: simulated" in said and "model TFLOP/s" in said, run.stdout[-3000:]
+    real = re.search(r"Poplar \(stage \d[^)]*\) │ +([\d.]+) │ +([\d.]+) │ +(\d+)% │", run.stdout)
+    alone = re.search(r"a100-80gb alone │ +([\d.]+) │", run.stdout)
+    assert real and alone and float(real.group(1)) > float(alone.group(1)) > 0, run.stdout[-3000:]
     logs = {name: read_log(out / name / "log.jsonl") for name in ("poplar", "uniform", "proportional")}
     # however the batch is spread, the update is the same: so are the losses
     for name in ("uniform", "proportional"):
