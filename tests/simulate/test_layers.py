@@ -18,10 +18,10 @@ CLUSTER = {"network": {"inter_node": {"bandwidth_gbs": 25, "latency_us": 5}},
            "devices": [{"kind": "a", "gpu": "A100-80GB", "count": 4, "gpus_per_node": 2},
                        {"kind": "t", "gpu": "T4-16GB", "count": 2, "gpus_per_node": 2}]}
 # families, unit sizes (a layer one unit, or several), activation checkpointing, mixed precision, every stage:
-# each model in two stages, each stage twice (the whole space: 4 x 4, 50 s)
+# each model in a stage of its own, ZeRO-3 (its prefetches) twice (the whole space, 4 x 4: 50 s)
 CASES = [("llama-125m", 6, False, "bf16"), ("llama-125m", 7, True, "fp32"), ("bert-base", 6, False, "bf16"),
          ("llama-350m", 5, True, "fp16")]
-PAIRS = [(case, stage) for i, case in enumerate(CASES) for stage in (i % 4, (i + 2) % 4)]
+PAIRS = [(case, i) for i, case in enumerate(CASES)] + [(CASES[2], 3)]
 
 
 def _traces(source, depths, stage, precision, sizes):
@@ -83,9 +83,9 @@ def test_a_source_without_fewer_layers_is_run_as_it_is():
 
 def test_the_simulated_profile_drawn_from_shallow_steps_is_the_one_run_on_the_whole_model(monkeypatch):
     """The whole procedure (states, largest micro-batch, timed points, anatomy, steps at unlike shares) on a
-    model of 6 layers: drawn from 2 and 3 (checked at 4), against the same run on all 6."""
-    wl = Shallow(Workload(model="llama-125m", seq_len=32), 6)
-    options = ProfileOptions(stages=(2,), n_points=3, max_micro_batch=8, precision="fp16")
+    model of 5 layers: drawn from 2 and 3 (checked at 4), against the same run on all 5."""
+    wl = Shallow(Workload(model="llama-125m", seq_len=32), 5)
+    options = ProfileOptions(stages=(2,), n_points=2, max_micro_batch=4, precision="fp16")
     cluster = {**CLUSTER, "memory_scale": 0.02}
 
     def fresh():
