@@ -112,8 +112,9 @@ class _UnevenGather:
             # ranks of one size in a row, as one strided copy (a cluster's kinds: a few, not one a rank)
             at, first, width = 0, 0, self.largest
             for size, ranks in _runs(self.sizes):
-                block = self.gathered[first * width:(first + ranks) * width].view(ranks, width)[:, :size]
-                self.output[at:at + ranks * size].view(ranks, size).copy_(block)
+                if size:     # ranks that hold nothing: nothing to copy (no launch)
+                    block = self.gathered[first * width:(first + ranks) * width].view(ranks, width)[:, :size]
+                    self.output[at:at + ranks * size].view(ranks, size).copy_(block)
                 at, first = at + ranks * size, first + ranks
             self.gathered = self.mine = None
         return True
