@@ -83,7 +83,7 @@ def run_demo(steps: int, cluster: str, out: str | Path, global_batch: int,
     for line in (f"planner's choice: {result.reason}",
                  f"plots: {plot} (all three), {out}/<allocation>/report.png; logs: {out}/<allocation>/log.jsonl"):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
-    with (progress("simulating Llama-1B on the same GPUs at full memory") if progress else _nothing()):
+    with (progress("simulating Llama-1B on the same GPUs at full memory") if progress else contextlib.nullcontext()):
         real = real_size(cluster)
     console.print(real_size_table(real))
     console.print(f"the planner's choice there: {real.evaluation.reason}", markup=False, highlight=False,
@@ -126,8 +126,7 @@ def real_size_table(real: RealSize) -> Table:
         table.add_column(col, justify="right", overflow="fold")
     everyone = sum(peaks[k] * counts[k] for k in peaks)
     rows = [(f"Poplar ({evaluation.label})", evaluation.samples_per_s,
-             everyone if " only" not in evaluation.label else peaks[evaluation.label.split(" only")[0]]
-             * counts[evaluation.label.split(" only")[0]])]
+             sum(peaks[k.kind] * k.ranks for k in evaluation.kinds))]     # the GPUs its plan runs on
     rows += [(name, evaluation.baselines.get(name), everyone) for name in ("uniform", "proportional")]
     rows += [(f"{a.kind} alone", a.samples_per_s, peaks[a.kind] * counts[a.kind]) for a in evaluation.alone]
     for name, samples, peak in rows:
@@ -139,7 +138,3 @@ def real_size_table(real: RealSize) -> Table:
                       f"{evaluation.samples_per_s / samples:.2f}x")
     return table
 
-
-@contextlib.contextmanager
-def _nothing():
-    yield

@@ -45,6 +45,7 @@ own, so each group's link carries ``k-1`` copies of the buffer::
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from poplar.cluster.spec import Link, Network
@@ -69,8 +70,7 @@ class Span:
     tree: Link | None
 
     def bottleneck(self, across: Link | None) -> Link:
-        links = [k for k in (self.intra, across) if k is not None]
-        return Link(bandwidth_gbs=min(k.bandwidth_gbs for k in links), latency_us=max(k.latency_us for k in links))
+        return _slowest([k for k in (self.intra, across) if k is not None])
 
 
 def ring_seconds(span: Span, op: str, nbytes: float) -> float:
@@ -121,16 +121,23 @@ class NetworkModel:
 
     def span(self, nodes: list[int]) -> Span:
         """Where ranks on ``nodes`` (a rank's node each) sit, and the links among them."""
-        distinct = sorted(set(nodes))
-        counts = [nodes.count(d) for d in distinct]
+        held = Counter(nodes)
+        distinct = sorted(held)
+        counts = [held[d] for d in distinct]
         inside = [self.intra.get(d, self.network.intra_node) for d, c in zip(distinct, counts) if c > 1]
         if len(distinct) == 1 and not inside:
             inside = [self.intra.get(distinct[0], self.network.intra_node)]
         ring = list(zip(distinct, distinct[1:] + distinct[:1])) if len(distinct) > 1 else []
-        tree = [(a, b) for i, a in enumerate(distinct) for b in distinct[i + 1:]]
         return Span(len(nodes), len(distinct), max(counts, default=0), _slowest(inside),
-                    _slowest([self.network.link(a, b) for a, b in ring]),
-                    _slowest([self.network.link(a, b) for a, b in tree]))
+                    _slowest([self.network.link(a, b) for a, b in ring]), self._between_any(distinct))
+
+    def _between_any(self, distinct: list[int]) -> Link | None:
+        """The slowest link between any two of ``distinct`` nodes (every pair's only where some pair has its own)."""
+        if len(distinct) < 2:
+            return None
+        if not self.network.between:
+            return self.network.inter_node
+        return _slowest([self.network.link(a, b) for i, a in enumerate(distinct) for b in distinct[i + 1:]])
 
     def seconds(self, op: str, nbytes: float, ranks: list[int] | None = None, groups: int = 1) -> float:
         """Time of ``op`` on a buffer of ``nbytes`` (the full, unsharded size) over ``ranks`` (None: every rank).
