@@ -251,8 +251,8 @@ def _split_by_speed(cost: CostModel, global_batch: int, peak: dict[str, float]) 
     samples = np.floor(share).astype(int)
     for i in np.argsort(-(share - samples), kind="stable")[: global_batch - samples.sum()]:
         samples[i] += 1                                                 # largest remainders
-    limits = [cost.kinds[k].max_micro_batch for k in cost.rank_kinds]
-    accum = [-(-int(b) // m) for b, m in zip(samples, limits)]
+    limits = np.array([cost.kinds[k].max_micro_batch for k in cost.rank_kinds])
+    accum = [int(a) for a in -(-samples // limits)]
     if cost.stage >= 2:
         a = max(accum)
         for _ in range(global_batch):     # a rank needs a sample for every micro-step: move the surplus
@@ -261,7 +261,7 @@ def _split_by_speed(cost: CostModel, global_batch: int, peak: dict[str, float]) 
             i, j = int(np.argmin(samples)), int(np.argmax(samples))
             samples[i] += 1
             samples[j] -= 1
-            a = max(-(-int(b) // m) for b, m in zip(samples, limits))
+            a = int(np.max(-(-samples // limits)))
         if samples.min() < a:
             raise Infeasible(f"no proportional split of {global_batch} samples gives every rank the {a} "
                              f"micro-steps stage {cost.stage} needs")

@@ -61,29 +61,37 @@ def simulate_stages(workload: str | Workload, cluster, options: ProfileOptions |
         device = CountingDevice(spec, 0)
         with device:
             run = RankRun(device, 0, spec.world_size, wl, config, warmup=1, repeats=1)
-            saved = _SAVED.get_or((_key(wl), options.precision),
-                                  lambda: Activations(_saved(device, wl, options.precision)))
+            saved = _SAVED.get_or((_key(wl), options.precision), lambda: _saved(device, wl, options.precision))
             for stage in options.stages:
                 for kind, sp in _stage(run, stage, options, kinds, saved).items():
                     out[(kind, stage)] = sp
     return out
 
 
-def _saved(device: CountingDevice, wl: ModelSource, precision: str) -> Callable[[int], int]:
-    """``m`` -> the bytes autograd saves at most in a step of ``m`` samples: drawn through the model with
+def _saved(device: CountingDevice, wl: ModelSource, precision: str) -> Activations:
+    """The bytes autograd saves at most in a step of ``m`` samples: drawn through the model with
     :data:`~poplar.simulate.layers.SHALLOW` layers and one more where its layers allow (each layer saves alike),
     checked at one more still; else measured on the model."""
     layers = layers_of(wl)
     if layers is None or layers < DEEP:
-        return _saved_bytes(device, wl, precision)
-    a, b, c = (Activations(_saved_bytes(device, Shallow(wl, d), precision)).exact
-               for d in (SHALLOW, SHALLOW + 1, SHALLOW + 2))
+        return Activations(_saved_bytes(device, wl, precision))
+    a, b, c = (Activations(_saved_bytes(device, Shallow(wl, d), precision)) for d in (SHALLOW, SHALLOW + 1, SHALLOW + 2))
+    drawn = _DrawnActivations(a, b, SHALLOW + 2)
+    if all(drawn.exact(m) == c.exact(m) for m in (1, 2)):
+        return _DrawnActivations(a, b, layers)
+    return Activations(_saved_bytes(device, wl, precision))
 
-    def drawn(m: int, depth: int) -> int:
-        return a(m) + (depth - SHALLOW) * (b(m) - a(m))
-    if all(drawn(m, SHALLOW + 2) == c(m) for m in (1, 2)):
-        return lambda m: drawn(m, layers)
-    return _saved_bytes(device, wl, precision)
+
+class _DrawnActivations(Activations):
+    """The saved bytes of the model with ``layers`` layers, from those of two shallow ones (``a``, ``b``: one layer
+    apart); each on its line where both are (:meth:`Activations.proven` of each)."""
+
+    def __init__(self, a: Activations, b: Activations, layers: int):
+        super().__init__(lambda m: a.exact(m) + (layers - SHALLOW) * (b.exact(m) - a.exact(m)))
+        self.parts = (a, b)
+
+    def proven(self, upto: int) -> bool:
+        return all(p.proven(upto) for p in self.parts) and super().proven(upto)
 
 
 def _saved_bytes(device: CountingDevice, wl: ModelSource, precision: str):
@@ -288,6 +296,7 @@ class _Recording:
         self.before = self.engine.model_state_bytes() + optimizer_states_to_come(self.engine)
         timed_step(run.device, self.engine, run.workload.random_batch(1), run.workload.loss)
         self.most = 0
+        self._traces: dict[tuple[int, int], Trace] = {}   # each size once: the steps after the warm-up count alike
 
     @property
     def sharded(self) -> int:
@@ -302,6 +311,11 @@ class _Recording:
 
     def trace(self, m: int, accumulation: int) -> Trace:
         """The trace of a step of ``accumulation`` micro-batches of ``m``, with its marks."""
+        if (m, accumulation) not in self._traces:
+            self._traces[(m, accumulation)] = self._record(m, accumulation)
+        return self._traces[(m, accumulation)]
+
+    def _record(self, m: int, accumulation: int) -> Trace:
         run, wl, engine = self.run, self.run.workload, self.engine
         engine.set_plan(self._plan(m, accumulation))
         batch = wl.random_batch(m * accumulation)
@@ -322,6 +336,8 @@ def _key(wl: ModelSource) -> str:
 def _largest(saved: Activations, held: int, capacity: int, limit: int) -> int:
     """The probe's answer: the largest micro-batch up to ``limit`` whose saved bytes fit beside ``held``."""
     found = grow_then_bisect(lambda m: held + saved(m) <= capacity, limit)
+    if saved.proven(limit + 1):
+        return found     # read from the line, exact up to one more than the limit: it fits, one more does not
 
     def fits(m: int) -> bool:
         return held + saved.exact(m) <= capacity

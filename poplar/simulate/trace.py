@@ -177,11 +177,17 @@ class Steps:
 
 class Activations:
     """The bytes autograd saves in a forward and backward of ``m`` samples (a memory probe's peak), by ``m``:
-    measured at 1 and at :data:`LINE_SIZES` and, where those are on a line, read from it; ``exact(m)`` measures."""
+    measured at 1 and at :data:`LINE_SIZES` and, where those are on a line, read from it; ``exact(m)`` measures.
+
+    Where a model runs the same operators at every size, each tensor's bytes grow with ``m`` as a polynomial of
+    non-negative coefficients, so the peak (the most, over the step, of the sums of those alive) is convex in ``m``.
+    A convex function on the line at 2, 3 and 4 lies on it at every size up to the first one where it leaves it:
+    measured on the line at ``M`` too, it is on it all the way to ``M`` (:meth:`proven`)."""
 
     def __init__(self, measure: Callable[[int], int]):
         self._measure = measure
         self._seen: dict[int, int] = {}
+        self._through = LINE_SIZES[-1]    # the line is exact up to here, once it holds at all
 
     def exact(self, m: int) -> int:
         if m not in self._seen:
@@ -191,10 +197,23 @@ class Activations:
     def __call__(self, m: int) -> int:
         if m == 1 or m in self._seen:
             return self.exact(m)
+        line = self._line()
+        return self.exact(m) if line is None else line(m)
+
+    def proven(self, upto: int) -> bool:
+        """Whether every size up to ``upto`` reads exactly as measured (one measurement, at ``upto``)."""
+        line = self._line()
+        if line is None:
+            return False
+        if upto > self._through and self.exact(upto) == line(upto):
+            self._through = upto
+        return upto <= self._through
+
+    def _line(self) -> Callable[[int], int] | None:
         a2, a3, a4 = (self.exact(k) for k in LINE_SIZES)
         if a4 - a3 != a3 - a2:
-            return self.exact(m)
-        return a2 + (m - 2) * (a3 - a2)
+            return None
+        return lambda m: a2 + (m - 2) * (a3 - a2)
 
 
 class CountedMarks(Marks):

@@ -9,7 +9,7 @@ from poplar.emulate.model import GpuModel, WorkCounter
 from poplar.engine.config import EngineConfig
 from poplar.profile.timing import RankRun
 from poplar.simulate.fake import fake_tensors
-from poplar.simulate.profile import _Recording, _saved_bytes
+from poplar.simulate.profile import _largest, _Recording, _saved_bytes
 from poplar.simulate.trace import Activations, CountingDevice, Recorder, Steps, Trace
 from poplar.workload import Workload
 
@@ -123,3 +123,22 @@ def test_fake_tensors_run_the_operators_a_real_step_runs(tmp_path, family):
         with fake:
             wl.loss(model, tuple(mode.from_tensor(t) for t in batch)).backward()
     assert fake.names == real.names and len(real.names) > 50
+
+
+@pytest.mark.parametrize("kink", [5, 20, 63, 64, 65, None])
+def test_saved_bytes_read_from_the_line_only_as_far_as_it_is_proven(kink):
+    """A convex peak (a line, then steeper past ``kink``): read from the line up to a size measured on it, and the
+    largest micro-batch that fits is the one found by measuring every size."""
+    measured = []
+
+    def measure(m):
+        measured.append(m)
+        return 100 + 10 * m + (0 if kink is None else 7 * max(0, m - kink))
+
+    for capacity in range(100, 1000, 37):
+        truth = max((m for m in range(1, 65) if measure(m) <= capacity), default=0)
+        assert _largest(Activations(measure), 0, capacity, 64) == truth
+    saved, measured[:] = Activations(measure), []
+    on_line = kink is None or kink >= 65
+    assert saved.proven(65) == on_line and sorted(measured) == [2, 3, 4, 65]
+    assert all(saved(m) == measure(m) for m in range(1, 65)) == (kink is None or kink >= 64)
