@@ -171,6 +171,7 @@ class StepSchedule:
         self.sum_s = [shape.across.sum_seconds(n) for n in self.numels] if shape else []
         # the step's own all-reduces of a few numbers over the world (batch check, loss, norm): latency only
         self.small_s = profile.comm.seconds("all_reduce", 1)
+        self._steps: dict[tuple, float] = {}    # by the distinct ranks (group, kind, samples, micro-steps)
 
     def step_s(self, plan, rank_kinds: list[str], kinds: dict) -> float:
         """The plan's step time: every distinct rank (group, kind and micro-batches) followed together; a group
@@ -185,9 +186,11 @@ class StepSchedule:
             stand_in = [firsts.setdefault((link, frozenset(m)), j) for j, (link, m) in
                         enumerate(zip(self.shape.links, members))]
             group = [stand_in[j] for j in self.shape.rank_groups]
-        distinct = dict.fromkeys((g, *size) for g, size in zip(group, sizes))
-        return self.run([(g, [(m, float(kinds[k].g[m])) for m in near_equal(b, a)], kinds[k])
-                         for g, k, b, a in distinct])
+        distinct = tuple(dict.fromkeys((g, *size) for g, size in zip(group, sizes)))
+        if distinct not in self._steps:     # the search asks for some plans' ranks again
+            self._steps[distinct] = self.run([(g, [(m, float(kinds[k].g[m])) for m in near_equal(b, a)], kinds[k])
+                                              for g, k, b, a in distinct])
+        return self._steps[distinct]
 
     @property
     def ranks_start_together(self) -> bool:
