@@ -47,18 +47,23 @@ def cluster(pair: str, each: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    """The rows as the markdown table of docs/simulate.md."""
-    lines = ["| cluster | GPUs | model | Poplar's plan | model TFLOP/s | vs uniform | vs proportional | vs each kind "
-             "alone | of ideal |", "|---|---|---|---|---|---|---|---|---|"]
+    """The rows as the markdown table of docs/simulate.md: each plan's model TFLOP/s, and Poplar's over it."""
+    lines = ["| cluster | GPUs | model | Poplar's plan | Poplar TFLOP/s | uniform | proportional | each kind alone "
+             "| of ideal |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        head = f"| {' + '.join(PAIRS[r['pair']])} | {r['each']}+{r['each']} | {r['model']} {r.get('precision', 'bf16')} "
+        head = f"| {' + '.join(PAIRS[r['pair']])} | {r['each']}+{r['each']} | {r['model']} {r.get('precision', '')} "
         if "no_plan" in r:
-            lines.append(head + "| no plan: no stage fits a sample | - | - | - | - | - |")
+            lines.append(head + "| no plan: the model and a sample fit no stage | - | - | - | - | - |")
             continue
-        x = lambda v: f"{r['samples_per_s'] / v:.2f}x" if v else "no plan"   # noqa: E731
-        alone = ", ".join(f"{a['kind']} {x(a['samples_per_s'])}" for a in r["alone"])
-        lines.append(head + f"| {r['label']} | {r['tflops']:,.1f} | {x(r['baselines']['uniform'])} | "
-                     f"{x(r['baselines']['proportional'])} | {alone} | "
+        per_sample = r["tflops"] / r["samples_per_s"]    # model TFLOP a sample, whichever plan runs it
+
+        def other(samples: float | None) -> str:
+            if not samples:
+                return "no plan"
+            return f"{samples * per_sample:,.1f} ({r['samples_per_s'] / samples:.2f}x)"
+        alone = ", ".join(f"{a['kind']} {other(a['samples_per_s'])}" for a in r["alone"])
+        lines.append(head + f"| {r['label']} | {r['tflops']:,.1f} | {other(r['baselines']['uniform'])} | "
+                     f"{other(r['baselines']['proportional'])} | {alone} | "
                      f"{100 * r['samples_per_s'] / r['ideal_samples_per_s']:.1f}% |")
     return "\n".join(lines)
 
@@ -85,8 +90,9 @@ def main() -> None:
                 options = ProfileOptions(precision=fastest(lambda p: all(g.computes(p) for g in spec.devices)))
                 try:
                     ev, _ = evaluate(wl, spec, TOKENS // wl.seq_len, options)
-                except PlanningError as e:
-                    rows.append({"pair": pair, "each": each, "model": model, "no_plan": str(e)})
+                except (PlanningError, ValueError) as e:    # ValueError: the states fit not even all devices together
+                    rows.append({"pair": pair, "each": each, "model": model, "precision": options.precision,
+                                 "no_plan": str(e)})
                     json.dump(rows, open(args.out, "w"), indent=1)
                     print(f"{pair} {each}+{each} {model}: no plan: {e}", flush=True)
                     continue

@@ -75,7 +75,8 @@ def _saved(device: CountingDevice, wl: ModelSource, precision: str) -> Activatio
     layers = layers_of(wl)
     if layers is None or layers < DEEP:
         return Activations(_saved_bytes(device, wl, precision))
-    a, b, c = (Activations(_saved_bytes(device, Shallow(wl, d), precision)) for d in (SHALLOW, SHALLOW + 1, SHALLOW + 2))
+    a, b, c = (Activations(_saved_bytes(device, Shallow(wl, d), precision))
+               for d in (SHALLOW, SHALLOW + 1, SHALLOW + 2))
     drawn = _DrawnActivations(a, b, SHALLOW + 2)
     if all(drawn.exact(m) == c.exact(m) for m in (1, 2)):
         return _DrawnActivations(a, b, layers)
