@@ -120,14 +120,14 @@ def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int]
         if a.plan is not None and out.poplar.plan is not None and a.predicted.step_s < out.poplar.predicted.step_s:
             out.allocations["poplar"] = Allocation("poplar", a.plan, a.predicted)
     # A split predicted to gain less than TIE over a baseline's is a gain the cost model
-    # cannot tell from its own error: Poplar keeps the baseline's split (uniform's first,
-    # the simplest), which then measures as well as the baseline by construction.
-    for name in BASELINES:
-        a, best = out.allocations.get(name), out.poplar
-        if a is not None and a.plan is not None and best.plan is not None and a.plan != best.plan \
-                and a.predicted.step_s <= best.predicted.step_s * (1 + TIE):
-            out.allocations["poplar"] = Allocation("poplar", a.plan, a.predicted)
-            break
+    # cannot tell from its own error: Poplar keeps the fastest baseline's split (uniform's
+    # among equals, the simplest), which then measures as well as the baseline by
+    # construction, and is never predicted slower than another baseline.
+    runs = [out.allocations[n] for n in BASELINES if n in out.allocations and out.allocations[n].plan is not None]
+    fastest, best = min(runs, key=lambda a: a.predicted.step_s, default=None), out.poplar
+    if fastest is not None and best.plan is not None and fastest.plan != best.plan \
+            and fastest.predicted.step_s <= best.predicted.step_s * (1 + TIE):
+        out.allocations["poplar"] = Allocation("poplar", fastest.plan, fastest.predicted)
     if out.poplar.plan is None:
         out.excluded = out.poplar.why_not
     out.ideal_samples_per_s = ideal_samples_per_s(cost, global_batch)

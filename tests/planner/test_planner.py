@@ -160,3 +160,29 @@ def test_a_kind_whose_one_sample_holds_every_rank_back_is_planned_without(old_fi
             assert name == "poplar" or alloc.predicted.samples_per_s < result.predicted.samples_per_s
     else:
         assert result.excluded_ranks == [] and result.ranks == [0, 1, 2]
+
+
+def test_poplars_split_is_never_predicted_slower_than_any_baselines():
+    """Seeded walk of kinds, counts, links and batches, every stage: whichever split Poplar keeps (its own, or a
+    baseline's within the cost model's error), none of the baselines is predicted faster in that stage."""
+    import random
+
+    import poplar.planner.planner as planner
+
+    rng = random.Random(11)
+    for _ in range(60):
+        kinds = {f"k{i}": (rng.randint(1, 3), rng.uniform(0.002, 0.02), rng.uniform(2e-4, 5e-3), rng.randint(2, 40))
+                 for i in range(rng.randint(2, 3))}
+        comm = CommProfile(numel=1000, all_reduce_s=rng.uniform(0, 0.02), reduce_scatter_s=rng.uniform(0, 0.01),
+                           all_gather_s=rng.uniform(0, 0.01))
+        rated = {k: rng.uniform(10, 300) for k in kinds}    # proportional's split: by rating, not as measured
+        prof = make_profile(kinds, comm=comm, per_step=rng.uniform(0, 0.01), rated_tflops=rated)
+        global_batch = rng.randint(len(prof.ranks) * 2, 300)
+        for stage in range(4):
+            allocations = planner.plan_stage(prof, stage, global_batch).allocations
+            if "poplar" not in allocations or allocations["poplar"].plan is None:
+                continue
+            mine = allocations["poplar"].predicted.step_s
+            for name in ("uniform", "proportional", "measured-peak"):
+                other = allocations.get(name)
+                assert other is None or other.plan is None or mine <= other.predicted.step_s, (kinds, stage, name)
