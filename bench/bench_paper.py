@@ -89,8 +89,12 @@ def main() -> None:
                 spec = parse_cluster(cluster(pair, each))
                 options = ProfileOptions(precision=fastest(lambda p: all(g.computes(p) for g in spec.devices)))
                 try:
+                    try:   # the states fit not even all the devices together: refused before anything runs
+                        spec.check_holds_states(wl.name, wl.n_params(), options.precision)
+                    except ValueError as e:
+                        raise PlanningError(str(e)) from e
                     ev, _ = evaluate(wl, spec, TOKENS // wl.seq_len, options)
-                except (PlanningError, ValueError) as e:    # ValueError: the states fit not even all devices together
+                except PlanningError as e:
                     rows.append({"pair": pair, "each": each, "model": model, "precision": options.precision,
                                  "no_plan": str(e)})
                     json.dump(rows, open(args.out, "w"), indent=1)

@@ -171,7 +171,9 @@ class StepSchedule:
         self.sum_s = [shape.across.sum_seconds(n) for n in self.numels] if shape else []
         # the step's own all-reduces of a few numbers over the world (batch check, loss, norm): latency only
         self.small_s = profile.comm.seconds("all_reduce", 1)
-        self._steps: dict[tuple, float] = {}    # by the distinct ranks (group, kind, samples, micro-steps)
+        # by the distinct ranks (group, kind, samples, micro-steps): a schedule is one cost model's, whose kinds
+        # every call passes (CostModel.schedule)
+        self._steps: dict[tuple, float] = {}
 
     def step_s(self, plan, rank_kinds: list[str], kinds: dict) -> float:
         """The plan's step time: every distinct rank (group, kind and micro-batches) followed together; a group
