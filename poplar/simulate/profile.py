@@ -120,6 +120,10 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
     measures = {k: _KindMeasure(steps, GpuModel.of(d), saved, spec.memory_bytes(d), run.device.probe_headroom)
                 for k, d in kinds.items()}
     fits_one = {k: states.before + saved.exact(1) <= m.capacity for k, m in measures.items()}
+    if stage and any(fits_one.values()) and not all(fits_one.values()):
+        larger = _at_larger_shares(run, stage, options, kinds, saved, fits_one, recording.sharded)
+        if larger is not None:
+            return larger
     fits = {k: fits_one[k] and m.largest(states.most + m.headroom, options.max_micro_batch) > 0
             for k, m in measures.items()}
     shares = _Shares(run, stage, recording, measures, kinds) if stage and all(fits.values()) else None
@@ -127,6 +131,29 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
     for k, m in measures.items():
         m.shares = (lambda micro_step, k=k: shares.of(k, micro_step)) if shares else None
         out[k] = merge_stage([_kind_stage(m, states._replace(fits_one=fits_one[k]), options, fits[k])])
+    return out
+
+
+def _at_larger_shares(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, DeviceGroup],
+                      saved: Activations, fits_one: dict[str, bool], even: int) -> dict[str, StageProfile] | None:
+    """As the profiler where some kind holds no sample beside an even share (:func:`poplar.profile.rank._profile`):
+    the kinds that do hold the sharded states, the others none; each kind timed on the step recorded at those
+    shares (its rank moved first) and written as at an even share (``even``: its sharded bytes there). None where
+    some kind holds no sample even so."""
+    spec: ClusterSpec = run.device.cluster
+    rank_kinds = [d.kind for d in spec.rank_devices()]
+    shares = [1.0 if fits_one[k] else 0.0 for k in rank_kinds]
+    counted = {k: _counted(run, stage, (shares[r], *(w for q, w in enumerate(shares) if q != r)))
+               for k, r in ((k, rank_kinds.index(k)) for k in kinds)}
+    if any(rec.before + saved.exact(1) > spec.memory_bytes(kinds[k]) for k, (_, rec) in counted.items()):
+        return None
+    out = {}
+    for k, (steps, rec) in counted.items():
+        m = _KindMeasure(steps, GpuModel.of(kinds[k]), saved, spec.memory_bytes(kinds[k]), run.device.probe_headroom)
+        sp = timed_stage(m, States(True, rec.before, rec.most, rec.sharded, rec.units), options.n_points,
+                         options.max_micro_batch)
+        sp = sp if fits_one[k] else with_less(m, sp, m.capacity)
+        out[k] = merge_stage([at_even_share(sp, rec.sharded, even, m.capacity)])
     return out
 
 
@@ -246,17 +273,18 @@ _SAVED = _Kept(most=4)
 _DRAWN: dict[tuple, bool] = {}    # (model, stage, engine options) -> whether its deep steps are drawn from shallow ones
 
 
-def _counted(run: RankRun, stage: int) -> tuple[Steps, Any]:
-    """The stage's step traces for ``run``'s workload and world, and the recording (its states)."""
+def _counted(run: RankRun, stage: int, shares: tuple[float, ...] | None = None) -> tuple[Steps, Any]:
+    """The stage's step traces for ``run``'s workload and world (at ``shares`` of the states: None, even), and
+    the recording (its states)."""
     step = (_key(run.workload), stage, run.config.model_dump_json())
 
     def record() -> tuple[Steps, Any]:
-        recording = _recorded(run, stage)
+        recording = _recorded(run, stage, shares)
         checked = frozenset().union(*(s.held for key, (s, _) in _COUNTED.items() if key[:3] == step))
         steps = Steps(recording.trace, checked)
         steps.recorded(1, 2)    # two steps of two micro-batches of 1: the states at their most
         return steps, recording
-    return _COUNTED.get_or((*step, run.world_size), record)
+    return _COUNTED.get_or((*step, run.world_size, shares), record)
 
 
 def _shared(run: RankRun, stage: int, shares: tuple[float, ...]):

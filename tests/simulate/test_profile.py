@@ -134,3 +134,21 @@ def test_a_kind_that_fits_only_beside_a_smaller_share_is_timed_and_planned_with_
     assert result.excluded_ranks == [] and result.plan.shard_shares is not None
     assert alone.poplar.plan.micro_batch_sizes[0] < prof.stage("big", 1).max_micro_batch
     assert result.predicted.samples_per_s > alone.poplar.predicted.samples_per_s
+
+
+def test_beside_a_kind_that_holds_a_sample_only_with_less_the_others_are_timed_holding_more_as_the_profiler_does():
+    """The profiler times the big card holding every sharded state where the small one holds none
+    (:data:`~poplar.profile.profile.AT_LARGER_SHARE`): so does the simulator, on the step recorded at those shares
+    (its update on the whole of them, not an even half), written as at an even share."""
+    from poplar.profile.options import ProfileOptions
+    from poplar.profile.profile import AT_LARGER_SHARE
+
+    options = ProfileOptions(stages=(1,), n_points=2)
+    tight = simulate_profile("tiny", {"devices": [BIG, {"kind": "small", "gpu": "A100-40GB"}],
+                                      "memory_scale": 0.000045}, options)
+    roomy = simulate_profile("tiny", {"devices": [BIG, {"kind": "small", "gpu": "A100-40GB"}]}, options)
+    big, even = tight.stage("big", 1), roomy.stage("big", 1)
+    assert big.note == AT_LARGER_SHARE and not even.note
+    assert big.state_bytes == even.state_bytes == tight.stage("small", 1).state_bytes   # as at an even share
+    # each step longer by the other half's update
+    assert all(t > even.time(m) for m, t in big.points) and big.per_step_s > even.per_step_s, (big, even)
