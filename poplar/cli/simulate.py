@@ -53,29 +53,26 @@ def simulate(
     """Plan a model on a cluster from a simulated profile: the device model counted on fake tensors, not run."""
     from pydantic import ValidationError
 
-    from poplar.cli.inputs import BAD_INPUT_ERRORS, _check_writable, _error, refused_early, stages_option
+    from poplar.cli.inputs import BAD_INPUT_ERRORS, _error
     from poplar.cli.output import console as _console
 
     console = _console()
-    refused_early(console, [cluster], model, mixed_precision)   # what arithmetic refuses, before torch is imported
-    from poplar.cluster.spec import load_cluster
+    stage_list, spec, tokens = _options(console, cluster, model, mixed_precision, stages, global_batch,
+                                        global_batch_tokens, [(out, "--out"), (profile_out, "--profile-out"),
+                                                              (json_out, "--json"), (plot, "--plot")])
     from poplar.evaluate import evaluate
     from poplar.profile.options import ProfileOptions
     from poplar.workload import model_source
 
-    try:   # everything that can be refused is, before anything is simulated
-        stage_list = stages_option(stages)
+    try:   # what needs the model, before anything is simulated
         options = ProfileOptions(stages=stage_list, n_points=points, max_micro_batch=max_micro_batch,
                                  precision=mixed_precision)
         try:
             workload = model_source(model, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
         except ValidationError as e:
             raise ValueError(f"--model/--seq-len: {e.errors()[0]['msg']}") from None
-        spec = load_cluster(cluster)
-        batch = _global_batch(global_batch, global_batch_tokens, workload.seq_len)
+        batch = global_batch if tokens is None else _samples(global_batch_tokens, tokens, workload.seq_len)
         spec.check_global_batch(batch)
-        for path, option in ((out, "--out"), (profile_out, "--profile-out"), (json_out, "--json"), (plot, "--plot")):
-            _check_writable(path, option)
     except BAD_INPUT_ERRORS as e:
         _error(console, e)
         raise typer.Exit(2) from None
@@ -106,16 +103,39 @@ def _report(console, evaluation, result, writes: list[tuple[Path | None, str]]) 
             say(console, f"wrote {path}" + (f" ({result.plan.summary()})" if what == "plan" else ""))
 
 
-def _global_batch(samples: int | None, tokens: str | None, seq_len: int) -> int:
-    """The global batch in samples, from exactly one of the two options."""
+def _options(console, cluster: str, model: str, precision: str, stages: str, samples: int | None,
+             tokens: str | None, writes: list[tuple[Path | None, str]]):
+    """What the options say without the model, refused in one line before torch is imported: the stages, the
+    cluster, the global batch's tokens (None: given in samples, checked against the ranks), the files to write."""
+    from poplar.cli.inputs import BAD_INPUT_ERRORS, _check_writable, _error, refused_early, stages_option
+    from poplar.cluster.spec import load_cluster
+
+    refused_early(console, [cluster], model, precision)   # what arithmetic refuses
+    try:
+        stage_list, spec = stages_option(stages), load_cluster(cluster)
+        n_tokens = _global_batch(samples, tokens)
+        if samples is not None:
+            spec.check_global_batch(samples)
+        for path, option in writes:
+            _check_writable(path, option)
+    except BAD_INPUT_ERRORS as e:
+        _error(console, e)
+        raise typer.Exit(2) from None
+    return stage_list, spec, n_tokens
+
+
+def _global_batch(samples: int | None, tokens: str | None) -> int | None:
+    """The global batch's tokens where given so (None: given in samples), from exactly one of the two options."""
     if (samples is None) == (tokens is None):
         raise ValueError("give the global batch as --global-batch (samples) or --global-batch-tokens, one of them")
-    if samples is not None:
-        return samples
-    n = parse_tokens(tokens) // seq_len
-    if n < 1:
-        raise ValueError(f"--global-batch-tokens {tokens}: fewer tokens than one sample of {seq_len}")
-    return n
+    return None if tokens is None else parse_tokens(tokens)
+
+
+def _samples(text: str, tokens: int, seq_len: int) -> int:
+    """The samples of ``seq_len`` in ``tokens`` (``--global-batch-tokens text``), rounded down."""
+    if tokens < seq_len:
+        raise ValueError(f"--global-batch-tokens {text}: fewer tokens than one sample of {seq_len}")
+    return tokens // seq_len
 
 
 def _summary_table(ev):
