@@ -22,11 +22,8 @@ fake tensor cannot say (a value: the loss, the gradient norm) reads as
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections import OrderedDict
-from typing import Any, Callable
+from typing import Callable
 
-import poplar
 from poplar.cluster.spec import ClusterSpec, DeviceGroup, parse_cluster
 from poplar.emulate.model import GpuModel
 from poplar.engine.config import EngineConfig
@@ -35,14 +32,15 @@ from poplar.profile.fits import check_states_fit
 from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import forward_backward, grow_then_bisect
 from poplar.profile.procedure import States, at_even_share, timed_stage, with_less
-from poplar.profile.profile import DOES_NOT_FIT, Profile, StageProfile
+from poplar.profile.profile import DOES_NOT_FIT, NOT_TIMED, Profile, StageProfile
 from poplar.profile.profiler import merge_stage
-from poplar.profile.rank import optimizer_states_to_come, held_at_shares, shard_bytes
-from poplar.profile.timing import RankRun, fraction_held, skewed_shares, timed_step
+from poplar.profile.rank import held_at_shares
+from poplar.profile.timing import RankRun, fraction_held, skewed_shares
 from poplar.simulate.comm import simulated_comm
 from poplar.simulate.fake import fake_tensors
-from poplar.simulate.layers import DEEP, SHALLOW, DeepRecording, Shallow, layers_of
-from poplar.simulate.trace import Activations, CountedMarks, CountingDevice, Steps, Trace
+from poplar.simulate.layers import DEEP, SHALLOW, Shallow, layers_of
+from poplar.simulate.recording import Kept, Recording, counted, model_key, shared
+from poplar.simulate.trace import Activations, CountingDevice, Steps, Trace
 from poplar.workload import ModelSource, Workload, as_workload
 
 
@@ -61,11 +59,15 @@ def simulate_stages(workload: str | Workload, cluster, options: ProfileOptions |
         device = CountingDevice(spec, 0)
         with device:
             run = RankRun(device, 0, spec.world_size, wl, config, warmup=1, repeats=1)
-            saved = _SAVED.get_or((_key(wl), options.precision), lambda: _saved(device, wl, options.precision))
+            saved = _SAVED.get_or((model_key(wl), options.precision), lambda: _saved(device, wl, options.precision))
             for stage in options.stages:
                 for kind, sp in _stage(run, stage, options, kinds, saved).items():
                     out[(kind, stage)] = sp
     return out
+
+
+# The saved bytes depend on the model and the precision only: measured once a process, for the last few.
+_SAVED = Kept(most=4)
 
 
 def _saved(device: CountingDevice, wl: ModelSource, precision: str) -> Activations:
@@ -112,18 +114,20 @@ def _saved_bytes(device: CountingDevice, wl: ModelSource, precision: str):
 
 def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, DeviceGroup],
            saved: Activations) -> dict[str, StageProfile]:
-    """Every kind's profile of ``stage``: the profiler's procedure (:mod:`poplar.profile.procedure`) for each kind
-    alone, on the stage's counted steps priced on its roofline."""
+    """Every kind's profile of ``stage``: the profiler's procedure (:mod:`poplar.profile.procedure`) for each kind,
+    on the stage's counted steps priced on its roofline; where some kind holds no sample beside an even share, as
+    the profiler goes on (:func:`poplar.profile.rank.profile_stage`): at other shares, or among the others."""
     spec: ClusterSpec = run.device.cluster
-    steps, recording = _counted(run, stage)
+    steps, recording = counted(run, stage)
     states = States(True, recording.before, recording.most, recording.sharded, recording.units)
     measures = {k: _KindMeasure(steps, GpuModel.of(d), saved, spec.memory_bytes(d), run.device.probe_headroom)
                 for k, d in kinds.items()}
     fits_one = {k: states.before + saved.exact(1) <= m.capacity for k, m in measures.items()}
-    if stage and any(fits_one.values()) and not all(fits_one.values()):
-        larger = _at_larger_shares(run, stage, options, kinds, saved, fits_one, recording.sharded)
-        if larger is not None:
-            return larger
+    if not all(fits_one.values()):
+        larger = None
+        if stage and any(fits_one.values()):
+            larger = _at_larger_shares(run, stage, options, kinds, saved, fits_one, recording.sharded)
+        return larger or _among_members(run, stage, options, kinds, saved, fits_one, recording)
     fits = {k: fits_one[k] and m.largest(states.most + m.headroom, options.max_micro_batch) > 0
             for k, m in measures.items()}
     shares = _Shares(run, stage, recording, measures, kinds) if stage and all(fits.values()) else None
@@ -143,17 +147,38 @@ def _at_larger_shares(run: RankRun, stage: int, options: ProfileOptions, kinds: 
     spec: ClusterSpec = run.device.cluster
     rank_kinds = [d.kind for d in spec.rank_devices()]
     shares = [1.0 if fits_one[k] else 0.0 for k in rank_kinds]
-    counted = {k: _counted(run, stage, (shares[r], *(w for q, w in enumerate(shares) if q != r)))
-               for k, r in ((k, rank_kinds.index(k)) for k in kinds)}
-    if any(rec.before + saved.exact(1) > spec.memory_bytes(kinds[k]) for k, (_, rec) in counted.items()):
+    at_shares = {k: counted(run, stage, (shares[r], *(w for q, w in enumerate(shares) if q != r)))
+                 for k, r in ((k, rank_kinds.index(k)) for k in kinds)}
+    if any(rec.before + saved.exact(1) > spec.memory_bytes(kinds[k]) for k, (_, rec) in at_shares.items()):
         return None
     out = {}
-    for k, (steps, rec) in counted.items():
+    for k, (steps, rec) in at_shares.items():
         m = _KindMeasure(steps, GpuModel.of(kinds[k]), saved, spec.memory_bytes(kinds[k]), run.device.probe_headroom)
         sp = timed_stage(m, States(True, rec.before, rec.most, rec.sharded, rec.units), options.n_points,
                          options.max_micro_batch)
         sp = sp if fits_one[k] else with_less(m, sp, m.capacity)
         out[k] = merge_stage([at_even_share(sp, rec.sharded, even, m.capacity)])
+    return out
+
+
+def _among_members(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, DeviceGroup],
+                   saved: Activations, fits_one: dict[str, bool], recording) -> dict[str, StageProfile]:
+    """As the profiler where some kind holds no sample even so: the kinds that do simulated among their own ranks
+    (the cluster without the others), each written as at an even share of the whole cluster's; the others not
+    timed (:data:`~poplar.profile.profile.DOES_NOT_FIT`)."""
+    spec: ClusterSpec = run.device.cluster
+    members = [r for r, d in enumerate(spec.rank_devices()) if fits_one[d.kind]]
+    if not members:
+        return {k: StageProfile(max_micro_batch=0, state_bytes=recording.before, note=NOT_TIMED) for k in kinds}
+    out = {k: StageProfile(max_micro_batch=0, state_bytes=recording.before, note=DOES_NOT_FIT)
+           for k in kinds if not fits_one[k]}
+    sub = spec.subset(members)
+    with CountingDevice(sub, 0) as device:
+        among = dataclasses.replace(run, device=device, world_size=sub.world_size)
+        theirs = _stage(among, stage, options, {k: d for k, d in kinds.items() if fits_one[k]}, saved)
+        sharded = counted(among, stage)[1].sharded
+    for k, sp in theirs.items():
+        out[k] = at_even_share(sp, sharded, recording.sharded, spec.memory_bytes(kinds[k]))
     return out
 
 
@@ -212,7 +237,7 @@ class _Shares:
     where every kind holds a sample at an even share and every rank beside its states at both skews): each kind's
     ranks' shares, each priced from a step recorded on the first rank with the same shares as its."""
 
-    def __init__(self, run: RankRun, stage: int, recording: _Recording, measures: dict[str, _KindMeasure],
+    def __init__(self, run: RankRun, stage: int, recording: Recording, measures: dict[str, _KindMeasure],
                  kinds: dict[str, DeviceGroup]):
         self.run, self.stage, self.measures, self.kinds = run, stage, measures, kinds
         rank_kinds = [d.kind for d in run.device.cluster.rank_devices()]
@@ -236,130 +261,11 @@ class _Shares:
                 continue
             first = (v[r], *(w for q, w in enumerate(v) if q != r))
             if first not in self.traces:
-                self.traces[first] = _shared(self.run, self.stage, first).trace(1, 1)
+                self.traces[first] = shared(self.run, self.stage, first).trace(1, 1)
             trace = self.traces[first]
             points[fraction_held(v, r)] = (max(0.0, trace.busy(gpu) - micro_step), trace.marks_on(gpu).gather_phase())
         return ([(f, step) for f, (step, _) in sorted(points.items())],
                 [(f, *phase) for f, (_, phase) in sorted(points.items())])
-
-
-# A kind is simulated alone: it is timed even where another kind does not fit (the planner then plans around the
-# one that does not), and its notes are the profiler's (poplar.profile.profile).
-
-
-class _Kept(OrderedDict):
-    """The last ``most`` values made, by key."""
-
-    def __init__(self, most: int):
-        super().__init__()
-        self.most = most
-
-    def get_or(self, key, make: Callable[[], Any]) -> Any:
-        if key in self:
-            self.move_to_end(key)
-        else:
-            self[key] = make()
-            while len(self) > self.most:
-                self.popitem(last=False)
-        return self[key]
-
-
-# What a step runs depends on the model, the stage, the world's size and the engine's options, not on the
-# devices: counted once a process, for every cluster simulated in it (as the saved bytes, by model and precision).
-# Kept for the last few: the paper's evaluation simulates 24 models and worlds in one process.
-_COUNTED = _Kept(most=16)
-_SHARED = _Kept(most=8)     # the recordings at unlike shares
-_SAVED = _Kept(most=4)
-_DRAWN: dict[tuple, bool] = {}    # (model, stage, engine options) -> whether its deep steps are drawn from shallow ones
-
-
-def _counted(run: RankRun, stage: int, shares: tuple[float, ...] | None = None) -> tuple[Steps, Any]:
-    """The stage's step traces for ``run``'s workload and world (at ``shares`` of the states: None, even), and
-    the recording (its states)."""
-    step = (_key(run.workload), stage, run.config.model_dump_json())
-
-    def record() -> tuple[Steps, Any]:
-        recording = _recorded(run, stage, shares)
-        checked = frozenset().union(*(s.held for key, (s, _) in _COUNTED.items() if key[:3] == step))
-        steps = Steps(recording.trace, checked)
-        steps.recorded(1, 2)    # two steps of two micro-batches of 1: the states at their most
-        return steps, recording
-    return _COUNTED.get_or((*step, run.world_size, shares), record)
-
-
-def _shared(run: RankRun, stage: int, shares: tuple[float, ...]):
-    """The stage's recording with ``shares`` of the states, made once a process (as the even one's steps)."""
-    key = (_key(run.workload), stage, run.config.model_dump_json(), run.world_size, tuple(shares))
-    return _SHARED.get_or(key, lambda: _recorded(run, stage, tuple(shares)))
-
-
-def _recorded(run: RankRun, stage: int, shares: tuple[float, ...] | None = None):
-    """The stage's recording: drawn from the model with :data:`~poplar.simulate.layers.SHALLOW` layers and one
-    more where its layers allow (:mod:`poplar.simulate.layers`; the drawing checked against a recording of one
-    more still, once a model, stage and engine options), else the model's own."""
-    layers = layers_of(run.workload)
-
-    def full() -> _Recording:
-        return _Recording(run, stage, shares)
-    if layers is None or layers < DEEP:
-        return full()
-    a, b = (_Recording(dataclasses.replace(run, workload=Shallow(run.workload, d)), stage, shares)
-            for d in (SHALLOW, SHALLOW + 1))
-    deep = DeepRecording(a, b, layers, full)
-    key = (_key(run.workload), stage, run.config.model_dump_json())
-    if key not in _DRAWN:
-        c = _Recording(dataclasses.replace(run, workload=Shallow(run.workload, SHALLOW + 2)), stage, shares)
-        _DRAWN[key] = deep.matches(c)
-    return deep if _DRAWN[key] else full()
-
-
-class _Recording:
-    """A stage's steps recorded on one engine, re-planned to each micro-batch and accumulation after a warm-up
-    step of one sample (the optimizer's states are made in it; the steps after it count the same operators as
-    after a warm-up of two micro-batches); the model states around it.
-    The engine lives on (fake: it holds no memory), for the sizes asked for later."""
-
-    def __init__(self, run: RankRun, stage: int, shares: tuple[float, ...] | None = None):
-        self.run, self.stage, self.shares = run, stage, shares
-        self.engine = run.engine(self._plan(1, 1))
-        self.before = self.engine.model_state_bytes() + optimizer_states_to_come(self.engine)
-        timed_step(run.device, self.engine, run.workload.random_batch(1), run.workload.loss)
-        self.most = 0
-        self._traces: dict[tuple[int, int], Trace] = {}   # each size once: the steps after the warm-up count alike
-
-    @property
-    def sharded(self) -> int:
-        return shard_bytes(self.engine, self.stage, self.run.config.mixed_precision)
-
-    @property
-    def units(self) -> tuple[int, ...]:
-        return tuple(u.numel for u in self.engine.units)
-
-    def _plan(self, m: int, accumulation: int) -> poplar.Plan:
-        return poplar.Plan(self.stage, [m] * self.run.world_size, accumulation, shard_shares=self.shares)
-
-    def trace(self, m: int, accumulation: int) -> Trace:
-        """The trace of a step of ``accumulation`` micro-batches of ``m``, with its marks."""
-        if (m, accumulation) not in self._traces:
-            self._traces[(m, accumulation)] = self._record(m, accumulation)
-        return self._traces[(m, accumulation)]
-
-    def _record(self, m: int, accumulation: int) -> Trace:
-        run, wl, engine = self.run, self.run.workload, self.engine
-        engine.set_plan(self._plan(m, accumulation))
-        batch = wl.random_batch(m * accumulation)
-        marks = CountedMarks(run.device)
-        with marks.watch(engine), run.device.step(engine.held_state):
-            engine.train_batch(batch, wl.loss)
-            marks.mark("end", 0)
-        if (m, accumulation) == (1, 2):
-            self.most = engine.model_state_bytes()
-        return Trace.of(run.device.recorder, marks, tuple(u.numel for u in engine.units))
-
-
-def _key(wl: ModelSource) -> str:
-    """The model source's identity, as a key of the process's memos."""
-    return json.dumps(wl.identity(), sort_keys=True)
 
 
 def _largest(saved: Activations, held: int, capacity: int, limit: int) -> int:

@@ -289,7 +289,7 @@ def test_a_card_that_holds_a_sample_only_beside_less_than_its_share_is_timed_the
     simulated = simulate_profile("tiny", cluster, ProfileOptions(stages=(0, 1), n_points=2))
     big0, small0, big1, small1 = (prof.stage(k, s) for s in (0, 1) for k in ("big", "small"))
     assert small0.note == DOES_NOT_FIT and not small0.points
-    assert big0.points and abs(big0.max_micro_batch - simulated.stage("big", 0).max_micro_batch) <= 1
+    assert big0.points and big0.max_micro_batch == simulated.stage("big", 0).max_micro_batch
     assert small1.note == FITS_WITH_LESS and small1.max_micro_batch == 0 and small1.points
     assert big1.note == AT_LARGER_SHARE and big1.points
     assert big1.state_bytes == small1.state_bytes   # each written as at an even share of the same states

@@ -9,6 +9,7 @@ from poplar.engine.config import EngineConfig
 from poplar.profile.options import ProfileOptions
 from poplar.profile.timing import RankRun
 from poplar.simulate import profile as simulated
+from poplar.simulate import recording
 from poplar.simulate.fake import fake_tensors
 from poplar.simulate.layers import SHALLOW, Shallow, deeper, deeper_units, layers_of
 from poplar.simulate.trace import CountingDevice
@@ -33,8 +34,8 @@ def _traces(source, depths, stage, precision, sizes):
             out = {}
             for d in depths:
                 run = RankRun(device, 0, spec.world_size, Shallow(source, d), config, warmup=1, repeats=1)
-                recording = simulated._Recording(run, stage)
-                out[d] = ({k: recording.trace(*k) for k in sizes}, recording)
+                made = recording.Recording(run, stage)
+                out[d] = ({k: made.trace(*k) for k in sizes}, made)
             return out
 
 
@@ -89,13 +90,14 @@ def test_the_simulated_profile_drawn_from_shallow_steps_is_the_one_run_on_the_wh
     cluster = {**CLUSTER, "memory_scale": 0.02}
 
     def fresh():
-        for memo in (simulated._COUNTED, simulated._SHARED, simulated._SAVED, simulated._DRAWN):
+        for memo in (recording.COUNTED, recording.SHARED, simulated._SAVED, recording.DRAWN):
             memo.clear()
     fresh()
     drawn = simulated.simulate_stages(wl, cluster, options)
-    assert all(simulated._DRAWN.values()) and simulated._DRAWN
+    assert all(recording.DRAWN.values()) and recording.DRAWN
     fresh()
     monkeypatch.setattr(simulated, "layers_of", lambda source: None)
+    monkeypatch.setattr(recording, "layers_of", lambda source: None)
     whole = simulated.simulate_stages(wl, cluster, options)
     fresh()
     assert drawn.keys() == whole.keys()

@@ -73,8 +73,8 @@ def test_the_collectives_are_the_network_models(both):
 
 def test_a_stage_whose_states_do_not_fit_is_simulated_as_not_fitting_and_planned_around():
     """Stage 0 does not fit the small card (as the profiler records it: tests/profile/test_profiler.py); the big
-    one is timed there all the same (the profiler's ranks cannot time a step without the small one); stage 1 fits
-    both. Planned on stage 0 only, the small card is left out."""
+    one is timed there among its own ranks, as the profiler times it: as on the cluster without the small card;
+    stage 1 fits both. Planned on stage 0 only, the small card is left out."""
     from poplar.planner import make_plan
     from poplar.profile.options import ProfileOptions
 
@@ -83,6 +83,9 @@ def test_a_stage_whose_states_do_not_fit_is_simulated_as_not_fitting_and_planned
     small0, big0 = prof.stage("small", 0), prof.stage("big", 0)
     assert small0.max_micro_batch == 0 and small0.points == [] and "does not fit" in small0.note
     assert big0.max_micro_batch > 0 and big0.points
+    alone = simulate_profile("tiny", {"devices": [BIG], "memory_scale": STATES_SCALE},
+                             ProfileOptions(stages=(0,), n_points=2))
+    assert big0 == alone.stage("big", 0)
     assert prof.stage("small", 1).max_micro_batch > 0 and prof.stage("big", 1).points
     result = make_plan(prof, 8, [0])
     assert result.excluded_ranks == [1] and result.plan.world_size == 1
@@ -97,9 +100,9 @@ def test_values_read_from_fake_tensors_are_a_finite_step():
 
 
 def test_the_process_keeps_only_the_last_few_counted_steps():
-    from poplar.simulate.profile import _Kept
+    from poplar.simulate.recording import Kept
 
-    kept, made = _Kept(most=2), []
+    kept, made = Kept(most=2), []
     for key in ["a", "b", "a", "c", "b"]:
         kept.get_or(key, lambda k=key: made.append(k) or k.upper())
     assert made == ["a", "b", "c", "b"]          # "a" was reused; "b", the least recently used, made again

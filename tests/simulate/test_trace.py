@@ -9,7 +9,8 @@ from poplar.emulate.model import GpuModel, WorkCounter
 from poplar.engine.config import EngineConfig
 from poplar.profile.timing import RankRun
 from poplar.simulate.fake import fake_tensors
-from poplar.simulate.profile import _largest, _Recording, _saved_bytes
+from poplar.simulate.profile import _largest, _saved_bytes
+from poplar.simulate.recording import Recording
 from poplar.simulate.trace import Activations, CountingDevice, Recorder, Steps, Trace
 from poplar.workload import Workload
 
@@ -45,8 +46,8 @@ def test_a_step_read_from_the_line_is_the_step_recorded_at_that_size(model, stag
         device = CountingDevice(CLUSTER, 0)
         with device:
             run = RankRun(device, 0, CLUSTER.world_size, wl, EngineConfig(check_batches=False), 1, 1)
-            derived = Steps(_Recording(run, stage).trace).at(7, 1)
-            recorded = _Recording(run, stage).trace(7, 1)
+            derived = Steps(Recording(run, stage).trace).at(7, 1)
+            recorded = Recording(run, stage).trace(7, 1)
             saved = Activations(_saved_bytes(device, wl, "fp32"))
             assert saved(9) == saved.exact(9) > saved(8) > saved.exact(1) > 0
     assert np.array_equal(derived.flops, recorded.flops) and np.array_equal(derived.nbytes, recorded.nbytes)

@@ -1,0 +1,134 @@
+"""A stage's steps recorded on fake tensors, once a process: by model, stage, engine options, world size and
+shares of the states (what a step runs depends on those, not on the devices it is priced for).
+
+A deep model's steps are drawn from two shallow ones where its layers allow (:mod:`poplar.simulate.layers`); each
+recording's engine lives on (fake: it holds no memory) for the sizes asked of it later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import OrderedDict
+from typing import Any, Callable
+
+import poplar
+from poplar.profile.rank import optimizer_states_to_come, shard_bytes
+from poplar.profile.timing import RankRun, timed_step
+from poplar.simulate.layers import DEEP, SHALLOW, DeepRecording, Shallow, layers_of
+from poplar.simulate.trace import CountedMarks, Steps, Trace
+from poplar.workload import ModelSource
+
+
+class Kept(OrderedDict):
+    """The last ``most`` values made, by key."""
+
+    def __init__(self, most: int):
+        super().__init__()
+        self.most = most
+
+    def get_or(self, key, make: Callable[[], Any]) -> Any:
+        if key in self:
+            self.move_to_end(key)
+        else:
+            self[key] = make()
+            while len(self) > self.most:
+                self.popitem(last=False)
+        return self[key]
+
+
+# What a step runs depends on the model, the stage, the world's size and the engine's options, not on the
+# devices: counted once a process, for every cluster simulated in it (as the saved bytes, by model and precision).
+# Kept for the last few: the paper's evaluation simulates 24 models and worlds in one process.
+COUNTED = Kept(most=16)
+SHARED = Kept(most=8)     # the recordings at unlike shares
+DRAWN: dict[tuple, bool] = {}    # (model, stage, engine options) -> whether its deep steps are drawn from shallow ones
+
+
+def counted(run: RankRun, stage: int, shares: tuple[float, ...] | None = None) -> tuple[Steps, Any]:
+    """The stage's step traces for ``run``'s workload and world (at ``shares`` of the states: None, even), and
+    the recording (its states)."""
+    step = (model_key(run.workload), stage, run.config.model_dump_json())
+
+    def record() -> tuple[Steps, Any]:
+        recording = recorded(run, stage, shares)
+        checked = frozenset().union(*(s.held for key, (s, _) in COUNTED.items() if key[:3] == step))
+        steps = Steps(recording.trace, checked)
+        steps.recorded(1, 2)    # two steps of two micro-batches of 1: the states at their most
+        return steps, recording
+    return COUNTED.get_or((*step, run.world_size, shares), record)
+
+
+def shared(run: RankRun, stage: int, shares: tuple[float, ...]):
+    """The stage's recording with ``shares`` of the states, made once a process (as the even one's steps)."""
+    key = (model_key(run.workload), stage, run.config.model_dump_json(), run.world_size, tuple(shares))
+    return SHARED.get_or(key, lambda: recorded(run, stage, tuple(shares)))
+
+
+def recorded(run: RankRun, stage: int, shares: tuple[float, ...] | None = None):
+    """The stage's recording: drawn from the model with :data:`~poplar.simulate.layers.SHALLOW` layers and one
+    more where its layers allow (:mod:`poplar.simulate.layers`; the drawing checked against a recording of one
+    more still, once a model, stage and engine options), else the model's own."""
+    layers = layers_of(run.workload)
+
+    def full() -> Recording:
+        return Recording(run, stage, shares)
+    if layers is None or layers < DEEP:
+        return full()
+    a, b = (Recording(dataclasses.replace(run, workload=Shallow(run.workload, d)), stage, shares)
+            for d in (SHALLOW, SHALLOW + 1))
+    deep = DeepRecording(a, b, layers, full)
+    key = (model_key(run.workload), stage, run.config.model_dump_json())
+    if key not in DRAWN:
+        c = Recording(dataclasses.replace(run, workload=Shallow(run.workload, SHALLOW + 2)), stage, shares)
+        DRAWN[key] = deep.matches(c)
+    return deep if DRAWN[key] else full()
+
+
+class Recording:
+    """A stage's steps recorded on one engine, re-planned to each micro-batch and accumulation after a warm-up
+    step of one sample (the optimizer's states are made in it; the steps after it count the same operators as
+    after a warm-up of two micro-batches); the model states around it.
+    The engine lives on (fake: it holds no memory), for the sizes asked for later."""
+
+    def __init__(self, run: RankRun, stage: int, shares: tuple[float, ...] | None = None):
+        self.run, self.stage, self.shares = run, stage, shares
+        self.engine = run.engine(self._plan(1, 1))
+        self.before = self.engine.model_state_bytes() + optimizer_states_to_come(self.engine)
+        timed_step(run.device, self.engine, run.workload.random_batch(1), run.workload.loss)
+        self.most = 0
+        self._traces: dict[tuple[int, int], Trace] = {}   # each size once: the steps after the warm-up count alike
+
+    @property
+    def sharded(self) -> int:
+        return shard_bytes(self.engine, self.stage, self.run.config.mixed_precision)
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        return tuple(u.numel for u in self.engine.units)
+
+    def _plan(self, m: int, accumulation: int) -> poplar.Plan:
+        return poplar.Plan(self.stage, [m] * self.run.world_size, accumulation, shard_shares=self.shares)
+
+    def trace(self, m: int, accumulation: int) -> Trace:
+        """The trace of a step of ``accumulation`` micro-batches of ``m``, with its marks."""
+        if (m, accumulation) not in self._traces:
+            self._traces[(m, accumulation)] = self._record(m, accumulation)
+        return self._traces[(m, accumulation)]
+
+    def _record(self, m: int, accumulation: int) -> Trace:
+        run, wl, engine = self.run, self.run.workload, self.engine
+        engine.set_plan(self._plan(m, accumulation))
+        batch = wl.random_batch(m * accumulation)
+        marks = CountedMarks(run.device)
+        with marks.watch(engine), run.device.step(engine.held_state):
+            engine.train_batch(batch, wl.loss)
+            marks.mark("end", 0)
+        if (m, accumulation) == (1, 2):
+            self.most = engine.model_state_bytes()
+        return Trace.of(run.device.recorder, marks, tuple(u.numel for u in engine.units))
+
+
+def model_key(wl: ModelSource) -> str:
+    """The model source's identity, as a key of the process's memos."""
+    return json.dumps(wl.identity(), sort_keys=True)
