@@ -7,10 +7,10 @@
    ``uniform`` (DeepSpeed-style) and ``proportional`` (Whale-style) ones.
 3. Trains with each of the three allocations for a few steps and prints the measured
    throughput side by side, with the planner's ideal bound, and where the plots are.
-4. Says what the same kinds of GPU do at full memory with a real model (:data:`REAL`:
-   Llama-1B, 2,048-token samples, activation checkpointing, their fastest precision),
-   simulated (:mod:`poplar.simulate`): Poplar's plan against uniform, proportional and
-   each card alone, in model TFLOP/s and MFU.
+4. Says what the same kinds of GPU do at full memory with a real model (:data:`REAL_MODEL`:
+   Llama-1B, 2,048-token samples, activation checkpointing, their fastest precision; or
+   another preset, or none), simulated (:mod:`poplar.simulate`): Poplar's plan against
+   uniform, proportional and each card alone, in model TFLOP/s and MFU.
 """
 
 from __future__ import annotations
@@ -31,22 +31,42 @@ from poplar.train.run import run_training
 
 ALLOCATIONS = ("poplar", "uniform", "proportional")
 WORKLOAD = {"model": "llama-tiny", "seq_len": 64, "vocab_size": 1024}   # the tokenizer's vocabulary, as trained
-REAL = {"model": "llama-1b", "seq_len": 2048, "activation_checkpointing": True}
-REAL_BATCH = 64          # samples of 2,048 tokens a step: 128K tokens
+REAL_MODEL = "llama-1b"
+REAL_SEQ_LEN = 2048      # a Hugging Face preset's samples at real size, where it has the positions (a built-in
+                         # preset keeps its own length)
+REAL_BATCH = 64          # samples a step: 128K tokens of 2,048
 
 
-def check_demo(cluster: str, out: str | Path, global_batch: int) -> None:
+def real_workload(model: str):
+    """The real-size table's workload: ``model`` (a preset), checkpointed, its samples at real length."""
+    from poplar.models.hf import HF_PRESETS
+    from poplar.workload import Workload
+
+    seq = min(REAL_SEQ_LEN, HF_PRESETS[model][1]["max_position_embeddings"]) if model in HF_PRESETS else None
+    return Workload(model=model, seq_len=seq, activation_checkpointing=True)
+
+
+def check_demo(cluster: str, out: str | Path, global_batch: int, real_model: str | None = REAL_MODEL) -> None:
     """Everything the demo can be refused for, found before anything is profiled or written."""
     load_cluster(cluster).check_global_batch(global_batch)
     if Path(out).is_file():
         raise ValueError(f"--out {out} is a file: give a directory for the demo's runs")
+    if real_model is not None:
+        from pydantic import ValidationError
+
+        try:
+            real_workload(real_model)
+        except ValidationError as e:   # an unknown preset
+            raise ValueError(f"--real-model: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
 
 
 def run_demo(steps: int, cluster: str, out: str | Path, global_batch: int,
-             console: Console | None = None, progress: Callable[[str], object] | None = None) -> dict:
-    """Profile, plan and train each allocation; print the table. ``progress(title)``: a context reporting a wait."""
+             console: Console | None = None, progress: Callable[[str], object] | None = None,
+             real_model: str | None = REAL_MODEL) -> dict:
+    """Profile, plan and train each allocation; print the table; then ``real_model`` at full memory, simulated
+    (None: not). ``progress(title)``: a context reporting a wait."""
     console = console or Console()
-    check_demo(cluster, out, global_batch)
+    check_demo(cluster, out, global_batch, real_model)
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)       # the demo's own directory: each run starts afresh
@@ -83,11 +103,14 @@ def run_demo(steps: int, cluster: str, out: str | Path, global_batch: int,
     for line in (f"planner's choice: {result.reason}",
                  f"plots: {plot} (all three), {out}/<allocation>/report.png; logs: {out}/<allocation>/log.jsonl"):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
-    with (progress("simulating Llama-1B on the same GPUs at full memory") if progress else contextlib.nullcontext()):
-        real = real_size(cluster)
-    console.print(real_size_table(real))
-    console.print(f"the planner's choice there: {real.evaluation.reason}", markup=False, highlight=False,
-                  soft_wrap=True)
+    real = None
+    if real_model is not None:
+        with (progress(f"simulating {real_model} on the same GPUs at full memory") if progress
+              else contextlib.nullcontext()):
+            real = real_size(cluster, real_model)
+        console.print(real_size_table(real))
+        console.print(f"the planner's choice there: {real.evaluation.reason}", markup=False, highlight=False,
+                      soft_wrap=True)
     return {"summaries": summaries, "ideal_samples_per_s": ideal, "planning": result, "plot": plot, "real": real}
 
 
@@ -97,30 +120,33 @@ class RealSize(NamedTuple):
     evaluation: Any
     peaks: dict[str, float]
     counts: dict[str, int]
+    seq_len: int
 
 
-def real_size(cluster: str) -> RealSize:
-    """:data:`REAL` on ``cluster``'s GPUs at full memory, simulated and planned (:func:`poplar.evaluate.evaluate`)."""
+def real_size(cluster: str, model: str = REAL_MODEL) -> RealSize:
+    """``model`` (:func:`real_workload`) on ``cluster``'s GPUs at full memory, simulated and planned
+    (:func:`poplar.evaluate.evaluate`)."""
     from poplar.evaluate import evaluate
     from poplar.precision import fastest
     from poplar.profile.options import ProfileOptions
-    from poplar.workload import Workload
 
     spec = load_cluster(cluster)
     spec = spec.model_copy(update={"memory_scale": 1.0})
     precision = fastest(lambda p: all(g.computes(p) for g in spec.devices))
-    evaluation, result = evaluate(Workload(**REAL), spec, REAL_BATCH, ProfileOptions(precision=precision))
+    workload = real_workload(model)
+    evaluation, result = evaluate(workload, spec, REAL_BATCH, ProfileOptions(precision=precision))
     peaks = {k: d.rated_tflops or 0.0 for k, d in result.profile.devices.items()}
     counts = {k: result.profile.ranks.count(k) for k in peaks}
-    return RealSize(evaluation.model_copy(update={"cluster": f"{spec.describe()}; {precision}"}), peaks, counts)
+    return RealSize(evaluation.model_copy(update={"cluster": f"{spec.describe()}; {precision}"}), peaks, counts,
+                    result.profile.model.seq_len)
 
 
 def real_size_table(real: RealSize) -> Table:
     """Each plan's model TFLOP/s (three times a sample's forward FLOPs a sample) and MFU (of the peaks of the GPUs
     it runs on)."""
-    evaluation, peaks, counts = real
+    evaluation, peaks, counts, seq_len = real
     per_sample = evaluation.tflops / evaluation.samples_per_s     # model TFLOP a sample
-    table = Table(title=f"{REAL['model']} ({REAL['seq_len']}-token samples, checkpointed), global batch "
+    table = Table(title=f"{evaluation.model} ({seq_len}-token samples, checkpointed), global batch "
                         f"{REAL_BATCH}, on {evaluation.cluster} at full memory: simulated")
     for col in ("plan", "samples/s", "model TFLOP/s", "MFU", "Poplar's speedup"):
         table.add_column(col, justify="right", overflow="fold")

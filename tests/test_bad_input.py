@@ -201,6 +201,8 @@ CASES = [
     ("demo: a cluster that does not exist", ["demo", "--cluster", "{tmp}/nope.yaml", "--out", "{tmp}/r"],
      "no cluster file", 2),
     ("demo: --out that is a file", ["demo", "--out", "{tmp}/a-file"], "is a file", 2),
+    ("demo: an unknown real model", ["demo", "--real-model", "gpt-17", "--out", "{tmp}/r"],
+     "--real-model: model 'gpt-17': choose one of", 2),
     ("bench: an unknown model", ["bench", "--cluster", "both-differ", "--model", "gpt-17"],
      "model 'gpt-17': choose one of", 2),
     ("bench: no cluster named", ["bench", "--cluster", ","], "--cluster ','", 2),

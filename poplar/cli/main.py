@@ -37,6 +37,9 @@ def demo(
     cluster: str = typer.Option(DEMO_CLUSTER, help="emulated cluster: a preset or a YAML file"),
     out: Path = typer.Option(Path("runs/demo"), help="where the runs, the table and the plots go"),
     global_batch: int = typer.Option(DEMO_BATCH, min=1, help="samples per optimizer step, over all ranks"),
+    real_model: str = typer.Option("llama-1b", help="the model the closing table simulates on the same GPUs at "
+                                   "full memory (a preset: llama-1b, llama-7b, ...; Hugging Face presets at "
+                                   "2,048-token samples), or none"),
 ) -> None:
     """The main job: profile, plan and train a small Llama on real text with Poplar's plan and both baselines."""
     from poplar.cli.output import Progress
@@ -45,7 +48,8 @@ def demo(
     console = _console()
     try:
         run_demo(steps=steps, cluster=cluster, out=out, global_batch=global_batch, console=console,
-                 progress=lambda title, **kw: Progress(console, title, **kw))
+                 progress=lambda title, **kw: Progress(console, title, **kw),
+                 real_model=None if real_model.strip().lower() == "none" else real_model)
     except BAD_INPUT_ERRORS as e:
         _error(console, e)
         raise typer.Exit(2) from None
