@@ -11,6 +11,7 @@ without torchrun. Every wait is bounded: a rank that fails or hangs stops all of
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -75,6 +76,10 @@ def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float, threads:
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(threads)
+    # What the server imported (torch, transformers: hundreds of thousands of objects) lives as long as the rank:
+    # kept out of the collector's reach, so that a collection (the memory probe makes one after every trial)
+    # scans only what the rank made since.
+    gc.freeze()
     try:
         init_distributed(timeout_s=timeout_s, backend="gloo")
         out = fn(rank, world_size, *args, **kwargs)
