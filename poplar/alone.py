@@ -38,6 +38,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from poplar.cluster.spec import ClusterSpec
+from poplar.lazy import imported_for_good
 from poplar.planner import make_plan
 from poplar.planner.planner import PlanningError, PlanResult
 from poplar.profile.options import ProfileOptions
@@ -262,6 +263,7 @@ def serve() -> None:
     os.dup2(2, 1)    # what the simulation prints goes to stderr, not into the answers
     with open(sys.argv[1], "rb") as f:
         jobs, args = pickle.load(f)
+    imported_for_good()     # a fresh interpreter: the simulator's collections scan only what its jobs make
     skipped: set[int] = set()
     for job, kinds in jobs.items():
         while select.select([0], [], [], 0)[0]:

@@ -11,7 +11,6 @@ without torchrun. Every wait is bounded: a rank that fails or hangs stops all of
 
 from __future__ import annotations
 
-import gc
 import os
 import pickle
 import signal
@@ -27,6 +26,7 @@ import torch.multiprocessing as mp
 
 from poplar.engine import flight
 from poplar.engine.dist import init_distributed, shutdown
+from poplar.lazy import imported_for_good
 from poplar.sigterm import SigtermCounter
 
 # A rank that stops because another died or failed exits with these (poplar.train.watchdog does).
@@ -76,10 +76,7 @@ def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float, threads:
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(threads)
-    # What the server imported (torch, transformers: hundreds of thousands of objects) lives as long as the rank:
-    # kept out of the collector's reach, so that a collection (the memory probe makes one after every trial)
-    # scans only what the rank made since.
-    gc.freeze()
+    imported_for_good()     # what the server imported: the probe's collections scan only what the rank makes
     try:
         init_distributed(timeout_s=timeout_s, backend="gloo")
         out = fn(rank, world_size, *args, **kwargs)

@@ -46,6 +46,18 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "paced: asserts about time; never beside another paced test")
 
 
+def pytest_sessionstart(session):
+    # as Poplar's own processes do (poplar.lazy.imported_for_good): what the tests import lives as long as the
+    # session, and a collection (the simulator's, in this process) scans only what the tests make
+    import torch  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    import poplar.simulate.profile  # noqa: F401
+    from poplar.lazy import imported_for_good
+
+    imported_for_good()
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         where = Path(item.fspath).resolve().relative_to(HERE).as_posix()

@@ -44,7 +44,9 @@ def demo(
     """The main job: profile, plan and train a small Llama on real text with Poplar's plan and both baselines."""
     from poplar.cli.output import Progress
     from poplar.demo import run_demo
+    from poplar.lazy import imported_for_good
 
+    imported_for_good()     # this command's process: the simulator's collections scan only what it makes
     console = _console()
     try:
         run_demo(steps=steps, cluster=cluster, out=out, global_batch=global_batch, console=console,
