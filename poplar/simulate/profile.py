@@ -140,10 +140,10 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
 
 def _at_larger_shares(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, DeviceGroup],
                       saved: Activations, fits_one: dict[str, bool], even: int) -> dict[str, StageProfile] | None:
-    """As the profiler where some kind holds no sample beside an even share (:func:`poplar.profile.rank._profile`):
-    the kinds that do hold the sharded states, the others none; each kind timed on the step recorded at those
-    shares (its rank moved first) and written as at an even share (``even``: its sharded bytes there). None where
-    some kind holds no sample even so."""
+    """As the profiler where some kind holds no sample beside an even share
+    (:func:`poplar.profile.rank.profile_stage`): the kinds that do hold the sharded states, the others none; each
+    kind timed on the step recorded at those shares (its rank moved first) and written as at an even share
+    (``even``: its sharded bytes there). None where some kind holds no sample even so."""
     spec: ClusterSpec = run.device.cluster
     rank_kinds = [d.kind for d in spec.rank_devices()]
     shares = [1.0 if fits_one[k] else 0.0 for k in rank_kinds]
