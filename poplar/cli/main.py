@@ -13,9 +13,10 @@ import typer
 
 from poplar.cli.inputs import (BAD_INPUT_ERRORS, BAD_INPUT_IN_RANKS, _check_writable, _error,  # noqa: F401
                                is_bad_input_in_rank, stages_option)
-from poplar.cli.output import CHECKPOINTING_HELP
+from poplar.cli.output import CHECKPOINTING_HELP, Progress, say
 from poplar.cli.output import console as _console
-from poplar.cli.output import say
+from poplar.cli.demo import demo
+from poplar.lazy import imported_for_good
 
 app = typer.Typer(help="Poplar: ZeRO data parallelism for clusters of different GPUs.", no_args_is_help=True,
                   add_completion=False)
@@ -26,35 +27,7 @@ def main() -> None:
     """Poplar: ZeRO data parallelism for clusters of different GPUs."""
 
 
-# The demo's cluster: its small card holds the model states only sharded (ZeRO-1), and then one sample a
-# micro-step, the regime Poplar is for; a batch and steps that measure it in a few minutes on a laptop's CPU.
-DEMO_CLUSTER, DEMO_BATCH, DEMO_STEPS = "memory-bound", 24, 6
-
-
-@app.command()
-def demo(
-    steps: int = typer.Option(DEMO_STEPS, min=2, help="training steps per allocation (medians over all but the first)"),
-    cluster: str = typer.Option(DEMO_CLUSTER, help="emulated cluster: a preset or a YAML file"),
-    out: Path = typer.Option(Path("runs/demo"), help="where the runs, the table and the plots go"),
-    global_batch: int = typer.Option(DEMO_BATCH, min=1, help="samples per optimizer step, over all ranks"),
-    real_model: str = typer.Option("llama-1b", help="the model the closing table simulates on the same GPUs at "
-                                   "full memory (a preset: llama-1b, llama-7b, ...; Hugging Face presets at "
-                                   "2,048-token samples), or none"),
-) -> None:
-    """The main job: profile, plan and train a small Llama on real text with Poplar's plan and both baselines."""
-    from poplar.cli.output import Progress
-    from poplar.demo import run_demo
-    from poplar.lazy import imported_for_good
-
-    imported_for_good()     # this command's process: the simulator's collections scan only what it makes
-    console = _console()
-    try:
-        run_demo(steps=steps, cluster=cluster, out=out, global_batch=global_batch, console=console,
-                 progress=lambda title, **kw: Progress(console, title, **kw),
-                 real_model=None if real_model.strip().lower() == "none" else real_model)
-    except BAD_INPUT_ERRORS as e:
-        _error(console, e)
-        raise typer.Exit(2) from None
+app.command()(demo)     # the main job, first in the help (its command, defined beside this file)
 
 
 @app.command()
@@ -98,12 +71,12 @@ def profile(
 
     console = _console()
     refused_early(console, [cluster], model, mixed_precision)   # what arithmetic refuses, before torch is imported
-    from poplar.cli.output import Progress
     from poplar.profile.options import ProfileOptions
     from poplar.profile.plot import plot_profile
     from poplar.profile.report import cluster_line, comm_line, profile_table
     from poplar.profile.run import run_profile
 
+    imported_for_good()     # this command's process (under torchrun, a rank): the probe's collections scan less
     try:
         options = ProfileOptions(stages=stages, n_points=points, repeats=repeats, use_cache=not no_cache,
                                  max_micro_batch=max_micro_batch, precision=mixed_precision)
@@ -233,11 +206,11 @@ def train(
     console = _console()
     # a cluster file's fields and figures, and a precision it lacks, before torch is imported
     refused_early(console, [cluster], precision=_set_precision(set_))
-    from poplar.cli.output import Progress
     from poplar.launch import RankFailed
     from poplar.train.config import load_config
     from poplar.train.run import run_training
 
+    imported_for_good()     # this command's process (under torchrun, a rank): the probe's collections scan less
     cfg = None
     overrides = {"model": model, "cluster": cluster, "global_batch": global_batch, "steps": steps, "plan": plan,
                  "baseline": baseline, "out": out, "resume": resume or None, "data": data, "export": export}
@@ -359,7 +332,6 @@ def bench(
     refused_early(_console(), [] if cluster.strip() == "all" else [c.strip() for c in cluster.split(",")])
     from poplar.bench import bench_clusters, check_clusters, results_table
     from poplar.precision import precision as canonical_precision
-    from poplar.cli.output import Progress
     from poplar.workload import model_source
 
     console = _console()

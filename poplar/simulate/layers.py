@@ -218,14 +218,28 @@ def deeper_units(a: tuple[int, ...], b: tuple[int, ...], extra: int) -> tuple[in
 class DeepRecording:
     """A stage's recording (its steps and model states) of a model of ``layers`` layers, drawn from recordings of
     :data:`SHALLOW` layers and one more (``a``, ``b``: each with ``before``, ``most``, ``sharded``, ``units`` and
-    ``trace(m, accumulation)``); ``full()`` makes the deep model's own, for a step not drawn so."""
+    ``trace(m, accumulation)``); ``full()`` makes the deep model's own, for a step not drawn so. ``check``: run
+    once before the first step or the states at their most are drawn (False: the deep model's own instead)."""
 
-    def __init__(self, a, b, layers: int, full):
+    def __init__(self, a, b, layers: int, full, check=None):
         self.a, self.b, self.layers, self._full, self._made = a, b, layers, full, None
         self.extra = layers - SHALLOW
+        self.check, self._failed = check, False
 
     def _drawn(self, va: int, vb: int) -> int:
         return va + self.extra * (vb - va)
+
+    def _is_drawn(self) -> bool:
+        """Whether steps and the states at their most are drawn: the check (run once) passed, or there was none."""
+        if self.check is not None:
+            check, self.check = self.check, None
+            self._failed = not check()
+        return not self._failed
+
+    def _own(self):
+        """The deep model's own recording, made once."""
+        self._made = self._made or self._full()
+        return self._made
 
     @property
     def before(self) -> int:
@@ -233,7 +247,7 @@ class DeepRecording:
 
     @property
     def most(self) -> int:
-        return self._drawn(self.a.most, self.b.most)
+        return self._drawn(self.a.most, self.b.most) if self._is_drawn() else self._own().most
 
     @property
     def sharded(self) -> int:
@@ -244,18 +258,27 @@ class DeepRecording:
         return deeper_units(self.a.units, self.b.units, self.extra)
 
     def trace(self, m: int, accumulation: int) -> Trace:
-        drawn = deeper(self.a.trace(m, accumulation), self.b.trace(m, accumulation), self.layers, SHALLOW)
-        if drawn is not None:
-            return drawn
-        self._made = self._made or self._full()
-        return self._made.trace(m, accumulation)
+        if self._is_drawn():
+            drawn = deeper(self.a.trace(m, accumulation), self.b.trace(m, accumulation), self.layers, SHALLOW)
+            if drawn is not None:
+                return drawn
+        return self._own().trace(m, accumulation)
 
-    def matches(self, c) -> bool:
-        """Whether the drawing at ``c``'s layers (``c``: a recording of :data:`SHALLOW` + 2) gives ``c``'s steps
-        (one micro-batch and two) and states, to the last operator."""
+    def states_match(self, c) -> bool:
+        """Whether the drawing at ``c``'s layers (``c``: a recording of :data:`SHALLOW` + 2) gives ``c``'s model
+        states before a step and its units (no step run)."""
+        at_c = DeepRecording(self.a, self.b, SHALLOW + 2, None)
+        return (at_c.before, at_c.sharded, at_c.units) == (c.before, c.sharded, c.units)
+
+    def steps_match(self, c) -> bool:
+        """Whether the drawing at ``c``'s layers gives ``c``'s steps (one micro-batch and two) to the last
+        operator, and its states at their most."""
         for k in (1, 2):
             drawn = deeper(self.a.trace(1, k), self.b.trace(1, k), SHALLOW + 2, SHALLOW)
             if drawn is None or not drawn.same_as(c.trace(1, k)):
                 return False
-        at_c = DeepRecording(self.a, self.b, SHALLOW + 2, None)
-        return (at_c.before, at_c.most, at_c.sharded, at_c.units) == (c.before, c.most, c.sharded, c.units)
+        return DeepRecording(self.a, self.b, SHALLOW + 2, None).most == c.most
+
+    def matches(self, c) -> bool:
+        """:meth:`states_match` and :meth:`steps_match`."""
+        return self.states_match(c) and self.steps_match(c)

@@ -119,15 +119,15 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
     the profiler goes on (:func:`poplar.profile.rank.profile_stage`): at other shares, or among the others."""
     spec: ClusterSpec = run.device.cluster
     steps, recording = counted(run, stage)
-    states = States(True, recording.before, recording.most, recording.sharded, recording.units)
     measures = {k: _KindMeasure(steps, GpuModel.of(d), saved, spec.memory_bytes(d), run.device.probe_headroom)
                 for k, d in kinds.items()}
-    fits_one = {k: states.before + saved.exact(1) <= m.capacity for k, m in measures.items()}
-    if not all(fits_one.values()):
+    fits_one = {k: recording.before + saved.exact(1) <= m.capacity for k, m in measures.items()}
+    if not all(fits_one.values()):    # (no step at an even share is run then)
         larger = None
         if stage and any(fits_one.values()):
             larger = _at_larger_shares(run, stage, options, kinds, saved, fits_one, recording.sharded)
         return larger or _among_members(run, stage, options, kinds, saved, fits_one, recording)
+    states = States(True, recording.before, recording.most, recording.sharded, recording.units)
     fits = {k: fits_one[k] and m.largest(states.most + m.headroom, options.max_micro_batch) > 0
             for k, m in measures.items()}
     shares = _Shares(run, stage, recording, measures, kinds) if stage and all(fits.values()) else None

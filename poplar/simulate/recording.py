@@ -53,9 +53,7 @@ def counted(run: RankRun, stage: int, shares: tuple[float, ...] | None = None) -
     def record() -> tuple[Steps, Any]:
         recording = recorded(run, stage, shares)
         checked = frozenset().union(*(s.held for key, (s, _) in COUNTED.items() if key[:3] == step))
-        steps = Steps(recording.trace, checked)
-        steps.recorded(1, 2)    # two steps of two micro-batches of 1: the states at their most
-        return steps, recording
+        return Steps(recording.trace, checked), recording
     return COUNTED.get_or((*step, run.world_size, shares), record)
 
 
@@ -79,25 +77,37 @@ def recorded(run: RankRun, stage: int, shares: tuple[float, ...] | None = None):
             for d in (SHALLOW, SHALLOW + 1))
     deep = DeepRecording(a, b, layers, full)
     key = (model_key(run.workload), stage, run.config.model_dump_json())
-    if key not in DRAWN:
-        c = Recording(dataclasses.replace(run, workload=Shallow(run.workload, SHALLOW + 2)), stage, shares)
-        DRAWN[key] = deep.matches(c)
-    return deep if DRAWN[key] else full()
+    if key in DRAWN:
+        return deep if DRAWN[key] else full()
+    c = Recording(dataclasses.replace(run, workload=Shallow(run.workload, SHALLOW + 2)), stage, shares)
+    if not deep.states_match(c):     # what the engines hold before a step: no step run
+        DRAWN[key] = False
+        return full()
+    # the steps checked before the first is drawn: a recording whose steps are never asked for runs none
+    deep.check = lambda: DRAWN[key] if key in DRAWN else DRAWN.setdefault(key, deep.steps_match(c))
+    return deep
 
 
 class Recording:
     """A stage's steps recorded on one engine, re-planned to each micro-batch and accumulation after a warm-up
     step of one sample (the optimizer's states are made in it; the steps after it count the same operators as
     after a warm-up of two micro-batches); the model states around it.
-    The engine lives on (fake: it holds no memory), for the sizes asked for later."""
+    The engine lives on (fake: it holds no memory), for the sizes asked for later; nothing is run until a step
+    or the states at their most are asked for (the states before a step are the engine's, as built)."""
 
     def __init__(self, run: RankRun, stage: int, shares: tuple[float, ...] | None = None):
         self.run, self.stage, self.shares = run, stage, shares
         self.engine = run.engine(self._plan(1, 1))
         self.before = self.engine.model_state_bytes() + optimizer_states_to_come(self.engine)
-        timed_step(run.device, self.engine, run.workload.random_batch(1), run.workload.loss)
-        self.most = 0
+        self._warm, self._most = False, None
         self._traces: dict[tuple[int, int], Trace] = {}   # each size once: the steps after the warm-up count alike
+
+    @property
+    def most(self) -> int:
+        """The model states at their most: after a step of two micro-batches of one sample."""
+        if self._most is None:
+            self.trace(1, 2)
+        return self._most
 
     @property
     def sharded(self) -> int:
@@ -118,6 +128,9 @@ class Recording:
 
     def _record(self, m: int, accumulation: int) -> Trace:
         run, wl, engine = self.run, self.run.workload, self.engine
+        if not self._warm:
+            timed_step(run.device, engine, wl.random_batch(1), wl.loss)
+            self._warm = True
         engine.set_plan(self._plan(m, accumulation))
         batch = wl.random_batch(m * accumulation)
         marks = CountedMarks(run.device)
@@ -125,7 +138,7 @@ class Recording:
             engine.train_batch(batch, wl.loss)
             marks.mark("end", 0)
         if (m, accumulation) == (1, 2):
-            self.most = engine.model_state_bytes()
+            self._most = engine.model_state_bytes()
         return Trace.of(run.device.recorder, marks, tuple(u.numel for u in engine.units))
 
 
