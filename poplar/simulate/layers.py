@@ -278,7 +278,3 @@ class DeepRecording:
             if drawn is None or not drawn.same_as(c.trace(1, k)):
                 return False
         return DeepRecording(self.a, self.b, SHALLOW + 2, None).most == c.most
-
-    def matches(self, c) -> bool:
-        """:meth:`states_match` and :meth:`steps_match`."""
-        return self.states_match(c) and self.steps_match(c)

@@ -128,13 +128,12 @@ def _stage(run: RankRun, stage: int, options: ProfileOptions, kinds: dict[str, D
             larger = _at_larger_shares(run, stage, options, kinds, saved, fits_one, recording.sharded)
         return larger or _among_members(run, stage, options, kinds, saved, fits_one, recording)
     states = States(True, recording.before, recording.most, recording.sharded, recording.units)
-    fits = {k: fits_one[k] and m.largest(states.most + m.headroom, options.max_micro_batch) > 0
-            for k, m in measures.items()}
+    fits = {k: m.largest(states.most + m.headroom, options.max_micro_batch) > 0 for k, m in measures.items()}
     shares = _Shares(run, stage, recording, measures, kinds) if stage and all(fits.values()) else None
     out = {}
     for k, m in measures.items():
         m.shares = (lambda micro_step, k=k: shares.of(k, micro_step)) if shares else None
-        out[k] = merge_stage([_kind_stage(m, states._replace(fits_one=fits_one[k]), options, fits[k])])
+        out[k] = merge_stage([_kind_stage(m, states, options, fits[k])])
     return out
 
 
@@ -147,8 +146,7 @@ def _at_larger_shares(run: RankRun, stage: int, options: ProfileOptions, kinds: 
     spec: ClusterSpec = run.device.cluster
     rank_kinds = [d.kind for d in spec.rank_devices()]
     shares = [1.0 if fits_one[k] else 0.0 for k in rank_kinds]
-    at_shares = {k: counted(run, stage, (shares[r], *(w for q, w in enumerate(shares) if q != r)))
-                 for k, r in ((k, rank_kinds.index(k)) for k in kinds)}
+    at_shares = {k: counted(run, stage, _moved_first(shares, rank_kinds.index(k))) for k in kinds}
     if any(rec.before + saved.exact(1) > spec.memory_bytes(kinds[k]) for k, (_, rec) in at_shares.items()):
         return None
     out = {}
@@ -182,6 +180,11 @@ def _among_members(run: RankRun, stage: int, options: ProfileOptions, kinds: dic
     return out
 
 
+def _moved_first(shares: list[float], rank: int) -> tuple[float, ...]:
+    """``shares`` with ``rank``'s moved to the first rank, whose steps are recorded (slices of one size cost alike)."""
+    return (shares[rank], *(w for q, w in enumerate(shares) if q != rank))
+
+
 def _kind_stage(m: _KindMeasure, states: States, options: ProfileOptions, fits: bool) -> StageProfile:
     """One kind, as a rank of the profiler: timed beside an even share where it holds a sample there; else beside
     none of the sharded states, where it holds one there (:data:`~poplar.profile.profile.FITS_WITH_LESS`); else not at all."""
@@ -191,8 +194,7 @@ def _kind_stage(m: _KindMeasure, states: States, options: ProfileOptions, fits: 
     if states.sharded and m.largest(fewer + m.headroom, 1):
         sp = timed_stage(m, states._replace(most=fewer, sharded=0), options.n_points, options.max_micro_batch)
         return at_even_share(with_less(m, sp, m.capacity), 0, states.sharded, m.capacity)
-    return StageProfile(max_micro_batch=0, state_bytes=states.most if states.fits_one else states.before,
-                        note=DOES_NOT_FIT)
+    return StageProfile(max_micro_batch=0, state_bytes=states.most, note=DOES_NOT_FIT)
 
 
 class _KindMeasure:
@@ -256,10 +258,10 @@ class _Shares:
             return [], []
         points: dict[float, tuple] = {}
         gpu = self.measures[kind].gpu
-        for v, r, k in self.alike:    # rank r's shares, moved to the first rank (slices of one size cost alike)
+        for v, r, k in self.alike:    # rank r's shares, moved to the first rank
             if k != kind:
                 continue
-            first = (v[r], *(w for q, w in enumerate(v) if q != r))
+            first = _moved_first(v, r)
             if first not in self.traces:
                 self.traces[first] = shared(self.run, self.stage, first).trace(1, 1)
             trace = self.traces[first]
