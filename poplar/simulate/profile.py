@@ -210,6 +210,8 @@ class _KindMeasure:
         return _largest(self.saved, held, self.capacity, limit)
 
     def everyone(self, flag: bool) -> bool:
+        # a kind is measured alone: timed even where another kind's headroom leaves it no sample (the profiler's
+        # ranks, agreeing, time none then; the planner plans around the one that has no room)
         return flag
 
     def agree_sizes(self, mine: list[int]) -> list[list[int]]:

@@ -161,3 +161,27 @@ def test_beside_a_kind_that_holds_a_sample_only_with_less_the_others_are_timed_h
     assert big.state_bytes == even.state_bytes == tight.stage("small", 1).state_bytes   # as at an even share
     # each step longer by the other half's update
     assert all(t > even.time(m) for m, t in big.points) and big.per_step_s > even.per_step_s, (big, even)
+
+
+@pytest.mark.parametrize("scale", [0.00003, 0.000035, 0.00004, 0.000045, 0.00005, 0.00006, 0.0005])
+def test_every_stage_at_every_memory_regime_is_timed_as_the_profiler_would(scale):
+    """From no room for either card to room for both, every stage: where the small card holds no sample even
+    beside none of the states, the big one is timed on the cluster without it; where it holds one only beside less
+    than an even share, the big one holding more; where it holds one at an even share, both at an even share."""
+    from poplar.profile.options import ProfileOptions
+    from poplar.profile.profile import AT_LARGER_SHARE, DOES_NOT_FIT, FITS_WITH_LESS
+
+    small_card = {"kind": "small", "gpu": "A100-40GB"}
+    options = ProfileOptions(n_points=2)
+    both = simulate_profile("tiny", {"devices": [BIG, small_card], "memory_scale": scale}, options)
+    alone = simulate_profile("tiny", {"devices": [BIG], "memory_scale": scale}, options)
+    for stage in range(4):
+        big, small = both.stage("big", stage), both.stage("small", stage)
+        if small.note == DOES_NOT_FIT and big.points:
+            assert big.points == alone.stage("big", stage).points, stage
+        elif small.note == FITS_WITH_LESS:
+            # (the small card untimed where the probe's headroom leaves it no sample: the big one timed all the
+            # same, where the profiler's ranks, agreeing, would time neither)
+            assert stage > 0 and big.note == AT_LARGER_SHARE and big.points, stage
+        elif not small.note:
+            assert not big.note and big.points and small.points, stage
