@@ -225,9 +225,9 @@ def check_collective_sizes(world_size: int, groups: Sequence[Sequence[int]] | No
 @functools.lru_cache(maxsize=64)
 def _check_sizes(world_size: int, groups, shares, numels) -> None:
     """:func:`check_collective_sizes`, once a process for a shape (every engine of a simulation builds alike)."""
-    layouts = [ShardLayout(world_size, groups, r, shares) for r in range(world_size)]
-    if layouts[0].replicas == 1:
+    if not groups or len(groups) == 1:
         return   # flat: every collective is the world's, of the unit's padded size on every rank alike
+    layouts = [ShardLayout(world_size, groups, r, shares) for r in range(world_size)]
     for numel in numels:
         sizes = [layout._exchange(numel).sizes for layout in layouts]
         for r, s in ((r, s) for r in range(world_size) for s in range(r + 1, world_size)):

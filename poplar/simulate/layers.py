@@ -264,6 +264,15 @@ class DeepRecording:
                 return drawn
         return self._own().trace(m, accumulation)
 
+    def at_shares(self, shares: tuple[float, ...]) -> Trace:
+        """The step of one sample at unlike ``shares`` (:meth:`~poplar.simulate.recording.Recording.at_shares`),
+        drawn as :meth:`trace` is."""
+        if self._is_drawn():
+            drawn = deeper(self.a.at_shares(shares), self.b.at_shares(shares), self.layers, SHALLOW)
+            if drawn is not None:
+                return drawn
+        return self._own().at_shares(shares)
+
     def states_match(self, c) -> bool:
         """Whether the drawing at ``c``'s layers (``c``: a recording of :data:`SHALLOW` + 2) gives ``c``'s model
         states before a step and its units (no step run)."""

@@ -265,7 +265,7 @@ class _Shares:
                 continue
             first = _moved_first(v, r)
             if first not in self.traces:
-                self.traces[first] = shared(self.run, self.stage, first).trace(1, 1)
+                self.traces[first] = shared(self.run, self.stage, first)
             trace = self.traces[first]
             points[fraction_held(v, r)] = (max(0.0, trace.busy(gpu) - micro_step), trace.marks_on(gpu).gather_phase())
         return ([(f, step) for f, (step, _) in sorted(points.items())],

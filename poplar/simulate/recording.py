@@ -41,7 +41,7 @@ class Kept(OrderedDict):
 # devices: counted once a process, for every cluster simulated in it (as the saved bytes, by model and precision).
 # Kept for the last few: the paper's evaluation simulates 24 models and worlds in one process.
 COUNTED = Kept(most=16)
-SHARED = Kept(most=8)     # the recordings at unlike shares
+SHARED = Kept(most=64)    # the steps at unlike shares
 DRAWN: dict[tuple, bool] = {}    # (model, stage, engine options) -> whether its deep steps are drawn from shallow ones
 
 
@@ -57,10 +57,11 @@ def counted(run: RankRun, stage: int, shares: tuple[float, ...] | None = None) -
     return COUNTED.get_or((*step, run.world_size, shares), record)
 
 
-def shared(run: RankRun, stage: int, shares: tuple[float, ...]):
-    """The stage's recording with ``shares`` of the states, made once a process (as the even one's steps)."""
+def shared(run: RankRun, stage: int, shares: tuple[float, ...]) -> Trace:
+    """The stage's step of one sample with ``shares`` of the states, recorded once a process on the even share's
+    engine re-cut to them (:meth:`Recording.at_shares`: no engine built nor warmed up a share vector)."""
     key = (model_key(run.workload), stage, run.config.model_dump_json(), run.world_size, tuple(shares))
-    return SHARED.get_or(key, lambda: recorded(run, stage, tuple(shares)))
+    return SHARED.get_or(key, lambda: counted(run, stage)[1].at_shares(tuple(shares)))
 
 
 def recorded(run: RankRun, stage: int, shares: tuple[float, ...] | None = None):
@@ -116,6 +117,16 @@ class Recording:
     @property
     def units(self) -> tuple[int, ...]:
         return tuple(u.numel for u in self.engine.units)
+
+    def at_shares(self, shares: tuple[float, ...]) -> Trace:
+        """The step of one sample with ``shares`` of the states: this engine's, its states re-cut to them for the
+        step (the engine's own :meth:`~poplar.engine.Engine.set_plan`, as re-planning cuts them) and back to this
+        recording's before its next; the same operators as an engine built at those shares and warmed up there."""
+        own, self.shares = self.shares, tuple(shares)
+        try:
+            return self._record(1, 1)
+        finally:
+            self.shares = own
 
     def _plan(self, m: int, accumulation: int) -> poplar.Plan:
         return poplar.Plan(self.stage, [m] * self.run.world_size, accumulation, shard_shares=self.shares)

@@ -143,3 +143,34 @@ def test_saved_bytes_read_from_the_line_only_as_far_as_it_is_proven(kink):
     on_line = kink is None or kink >= 65
     assert saved.proven(65) == on_line and sorted(measured) == [2, 3, 4, 65]
     assert all(saved(m) == measure(m) for m in range(1, 65)) == (kink is None or kink >= 64)
+
+
+SHARES_CLUSTER = parse_cluster({"devices": [{"kind": "big", "gpu": "A100-80GB", "count": 2},
+                                            {"kind": "small", "gpu": "T4-16GB", "count": 3}]})
+
+
+@pytest.mark.parametrize("model, precision", [("tiny", "fp32"), ("llama-tiny", "bf16")])
+def test_a_step_at_unlike_shares_on_the_even_engine_re_cut_is_an_engine_built_at_them(model, precision):
+    """Every operator, mark, launch and wait of a step of one sample at unlike shares, in every sharded stage: the
+    even share's engine, warmed up there and re-cut to the shares for the step, runs what an engine built and
+    warmed up at them runs; its own steps are as before the detour (seeded share vectors, a rank of each weight
+    moved first as the simulator asks)."""
+    import random
+
+    rng = random.Random(7)
+    config = EngineConfig(mixed_precision=precision, check_batches=False)
+    with fake_tensors():
+        device = CountingDevice(SHARES_CLUSTER, 0)
+        with device:
+            run = RankRun(device, 0, SHARES_CLUSTER.world_size, Workload(model=model), config, 1, 1)
+            for stage in (1, 2, 3):
+                even = Recording(run, stage)
+                before = even.trace(1, 2)
+                vectors = [(2.0, 1.0, 1.0, 1.0, 1.0), (1.0, 0.0, 0.0, 1.0, 1.0)]
+                vectors += [tuple(rng.choice([0.0, 0.5, 1.0, 1.5, 2.0]) for _ in range(4)) + (1.0,) for _ in range(2)]
+                for shares in vectors:
+                    recut = even.at_shares(shares)
+                    built = Recording(run, stage, shares).trace(1, 1)
+                    assert recut.same_as(built), (stage, shares)
+                    assert recut.marks == built.marks and recut.launches == built.launches
+                assert even._record(1, 2).same_as(before) and even.most == Recording(run, stage).most
