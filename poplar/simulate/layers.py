@@ -264,14 +264,11 @@ class DeepRecording:
                 return drawn
         return self._own().trace(m, accumulation)
 
-    def at_shares(self, shares: tuple[float, ...]) -> Trace:
-        """The step of one sample at unlike ``shares`` (:meth:`~poplar.simulate.recording.Recording.at_shares`),
-        drawn as :meth:`trace` is."""
-        if self._is_drawn():
-            drawn = deeper(self.a.at_shares(shares), self.b.at_shares(shares), self.layers, SHALLOW)
-            if drawn is not None:
-                return drawn
-        return self._own().at_shares(shares)
+    def recut(self, shares: tuple[float, ...]) -> DeepRecording:
+        """This recording with other ``shares`` of the states (:meth:`~poplar.simulate.recording.Recording.recut`),
+        drawn where this one is."""
+        return DeepRecording(self.a.recut(shares), self.b.recut(shares), self.layers,
+                             lambda: self._own().recut(shares), self._is_drawn)
 
     def states_match(self, c) -> bool:
         """Whether the drawing at ``c``'s layers (``c``: a recording of :data:`SHALLOW` + 2) gives ``c``'s model

@@ -7,6 +7,7 @@ recording's engine lives on (fake: it holds no memory) for the sizes asked of it
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections import OrderedDict
@@ -59,28 +60,30 @@ def counted(run: RankRun, stage: int, shares: tuple[float, ...] | None = None) -
 
 def shared(run: RankRun, stage: int, shares: tuple[float, ...]) -> Trace:
     """The stage's step of one sample with ``shares`` of the states, recorded once a process on the even share's
-    engine re-cut to them (:meth:`Recording.at_shares`: no engine built nor warmed up a share vector)."""
+    engine re-cut to them (:meth:`Recording.recut`: no engine built nor warmed up a share vector)."""
     key = (model_key(run.workload), stage, run.config.model_dump_json(), run.world_size, tuple(shares))
-    return SHARED.get_or(key, lambda: counted(run, stage)[1].at_shares(tuple(shares)))
+    return SHARED.get_or(key, lambda: counted(run, stage)[1].recut(tuple(shares)).trace(1, 1))
 
 
 def recorded(run: RankRun, stage: int, shares: tuple[float, ...] | None = None):
     """The stage's recording: drawn from the model with :data:`~poplar.simulate.layers.SHALLOW` layers and one
     more where its layers allow (:mod:`poplar.simulate.layers`; the drawing checked against a recording of one
     more still, once a model, stage and engine options), else the model's own."""
+    if shares is not None:   # the even share's engine, re-cut: nothing built again
+        return counted(run, stage)[1].recut(shares)
     layers = layers_of(run.workload)
 
     def full() -> Recording:
-        return Recording(run, stage, shares)
+        return Recording(run, stage)
     if layers is None or layers < DEEP:
         return full()
-    a, b = (Recording(dataclasses.replace(run, workload=Shallow(run.workload, d)), stage, shares)
+    a, b = (Recording(dataclasses.replace(run, workload=Shallow(run.workload, d)), stage)
             for d in (SHALLOW, SHALLOW + 1))
     deep = DeepRecording(a, b, layers, full)
     key = (model_key(run.workload), stage, run.config.model_dump_json())
     if key in DRAWN:
         return deep if DRAWN[key] else full()
-    c = Recording(dataclasses.replace(run, workload=Shallow(run.workload, SHALLOW + 2)), stage, shares)
+    c = Recording(dataclasses.replace(run, workload=Shallow(run.workload, SHALLOW + 2)), stage)
     if not deep.states_match(c):     # what the engines hold before a step: no step run
         DRAWN[key] = False
         return full()
@@ -94,14 +97,24 @@ class Recording:
     step of one sample (the optimizer's states are made in it; the steps after it count the same operators as
     after a warm-up of two micro-batches); the model states around it.
     The engine lives on (fake: it holds no memory), for the sizes asked for later; nothing is run until a step
-    or the states at their most are asked for (the states before a step are the engine's, as built)."""
+    or the states at their most are asked for (the states before a step are the engine's, as built).
+    :meth:`recut` gives the same engine's recording at other shares of the states: nothing built again."""
 
     def __init__(self, run: RankRun, stage: int, shares: tuple[float, ...] | None = None):
         self.run, self.stage, self.shares = run, stage, shares
         self.engine = run.engine(self._plan(1, 1))
-        self.before = self.engine.model_state_bytes() + optimizer_states_to_come(self.engine)
-        self._warm, self._most = False, None
+        self._home = shares     # the shares the engine was built at, and is warmed up at
+        self._warm = [False]    # the engine's, shared with the recordings re-cut from this one
+        self._states()
+        self._most = None
         self._traces: dict[tuple[int, int], Trace] = {}   # each size once: the steps after the warm-up count alike
+
+    def _states(self) -> None:
+        """The model states before a step and the sharded bytes, as the engine is cut now (read at once: the
+        engine is cut again for the recordings that share it)."""
+        engine = self.engine
+        self.before = engine.model_state_bytes() + optimizer_states_to_come(engine)
+        self.sharded = shard_bytes(engine, self.stage, self.run.config.mixed_precision)
 
     @property
     def most(self) -> int:
@@ -111,22 +124,18 @@ class Recording:
         return self._most
 
     @property
-    def sharded(self) -> int:
-        return shard_bytes(self.engine, self.stage, self.run.config.mixed_precision)
-
-    @property
     def units(self) -> tuple[int, ...]:
         return tuple(u.numel for u in self.engine.units)
 
-    def at_shares(self, shares: tuple[float, ...]) -> Trace:
-        """The step of one sample with ``shares`` of the states: this engine's, its states re-cut to them for the
-        step (the engine's own :meth:`~poplar.engine.Engine.set_plan`, as re-planning cuts them) and back to this
-        recording's before its next; the same operators as an engine built at those shares and warmed up there."""
-        own, self.shares = self.shares, tuple(shares)
-        try:
-            return self._record(1, 1)
-        finally:
-            self.shares = own
+    def recut(self, shares: tuple[float, ...]) -> Recording:
+        """This engine's recording with ``shares`` of the states: its states re-cut to them before each of its
+        steps (the engine's own :meth:`~poplar.engine.Engine.set_plan`, as re-planning cuts them), warmed up once
+        for both; the same states and operators as an engine built and warmed up at those shares."""
+        other = copy.copy(self)
+        other.shares, other._most, other._traces = tuple(shares), None, {}
+        self.engine.set_plan(other._plan(1, 1))
+        other._states()
+        return other
 
     def _plan(self, m: int, accumulation: int) -> poplar.Plan:
         return poplar.Plan(self.stage, [m] * self.run.world_size, accumulation, shard_shares=self.shares)
@@ -139,9 +148,10 @@ class Recording:
 
     def _record(self, m: int, accumulation: int) -> Trace:
         run, wl, engine = self.run, self.run.workload, self.engine
-        if not self._warm:
+        if not self._warm[0]:
+            engine.set_plan(poplar.Plan(self.stage, [1] * run.world_size, 1, shard_shares=self._home))
             timed_step(run.device, engine, wl.random_batch(1), wl.loss)
-            self._warm = True
+            self._warm[0] = True
         engine.set_plan(self._plan(m, accumulation))
         batch = wl.random_batch(m * accumulation)
         marks = CountedMarks(run.device)

@@ -150,11 +150,12 @@ SHARES_CLUSTER = parse_cluster({"devices": [{"kind": "big", "gpu": "A100-80GB", 
 
 
 @pytest.mark.parametrize("model, precision", [("tiny", "fp32"), ("llama-tiny", "bf16")])
-def test_a_step_at_unlike_shares_on_the_even_engine_re_cut_is_an_engine_built_at_them(model, precision):
-    """Every operator, mark, launch and wait of a step of one sample at unlike shares, in every sharded stage: the
-    even share's engine, warmed up there and re-cut to the shares for the step, runs what an engine built and
-    warmed up at them runs; its own steps are as before the detour (seeded share vectors, a rank of each weight
-    moved first as the simulator asks)."""
+def test_a_recording_re_cut_to_unlike_shares_is_an_engine_built_at_them(model, precision):
+    """The model states before a step and at their most, the sharded bytes, and every operator, mark, launch and
+    wait of steps of one and two samples and two micro-batches, in every sharded stage: the even share's engine,
+    re-cut to the shares before each step (warmed up once, at its own shares), records what an engine built and
+    warmed up at them records; its own steps are as before the detours (seeded share vectors, some with ranks
+    that hold nothing, as the simulator asks)."""
     import random
 
     rng = random.Random(7)
@@ -165,12 +166,17 @@ def test_a_step_at_unlike_shares_on_the_even_engine_re_cut_is_an_engine_built_at
             run = RankRun(device, 0, SHARES_CLUSTER.world_size, Workload(model=model), config, 1, 1)
             for stage in (1, 2, 3):
                 even = Recording(run, stage)
-                before = even.trace(1, 2)
-                vectors = [(2.0, 1.0, 1.0, 1.0, 1.0), (1.0, 0.0, 0.0, 1.0, 1.0)]
+                vectors = [(2.0, 1.0, 1.0, 1.0, 1.0), (1.0, 0.0, 0.0, 1.0, 1.0), (0.0, 1.0, 1.0, 0.0, 0.0)]
                 vectors += [tuple(rng.choice([0.0, 0.5, 1.0, 1.5, 2.0]) for _ in range(4)) + (1.0,) for _ in range(2)]
-                for shares in vectors:
-                    recut = even.at_shares(shares)
-                    built = Recording(run, stage, shares).trace(1, 1)
-                    assert recut.same_as(built), (stage, shares)
-                    assert recut.marks == built.marks and recut.launches == built.launches
-                assert even._record(1, 2).same_as(before) and even.most == Recording(run, stage).most
+                # made together before any step (the even engine cold): each re-cuts the engine before its steps
+                views = [even.recut(v) for v in vectors]
+                for shares, view in zip(vectors, views):
+                    built = Recording(run, stage, shares)
+                    assert (view.before, view.sharded) == (built.before, built.sharded), (stage, shares)
+                    for size in ((1, 1), (2, 1), (1, 2)):
+                        assert view.trace(*size).same_as(built.trace(*size)), (stage, shares, size)
+                        assert view.trace(*size).launches == built.trace(*size).launches
+                    assert view.most == built.most
+                alone = Recording(run, stage)
+                assert even.trace(1, 2).same_as(alone.trace(1, 2)) and even.most == alone.most
+                assert (even.before, even.sharded) == (alone.before, alone.sharded)
