@@ -35,6 +35,11 @@ _DEVICE = torch.ops.prim.device.default
 _OP_IDS: dict = {}     # each operator a number, for a step's operators to be compared (poplar.simulate.layers)
 
 
+def operator_name(number: int) -> str:
+    """The operator a trace's number stands for (``Trace.ops``), by its name (``aten.mm.default``)."""
+    return next(str(op) for op, n in _OP_IDS.items() if n == number)
+
+
 class Recorder(TorchDispatchMode):
     """Writes down every operator run inside it that launches a kernel: its FLOPs, bytes and dtype."""
 
