@@ -60,15 +60,16 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
     wl = as_workload(meta["workload"])
     check_exportable(wl)
     out.mkdir(exist_ok=True)
-    _write_weights(cfg, wl, checkpoint, meta, out)
-    _save_tokenizer(cfg, wl, out)
+    _write_weights(wl, cfg.seed, cfg.engine, checkpoint, meta, out)
+    _save_tokenizer(cfg.model_data, wl, out)
     return out
 
 
-def _write_weights(cfg: TrainConfig, wl, checkpoint: Path, meta: dict, out: Path) -> None:
+def _write_weights(wl, seed: int, engine, checkpoint: Path, meta: dict, out: Path) -> None:
     """The model's config, and its weights unit by unit: each unit's fp32 master read from the checkpoint whole
     (any stage, world size and plan wrote it), cut into its parameters and written as a safetensors file of its
-    own, under an index; then the saved buffers. One unit in memory at a time, never the whole model."""
+    own, under an index; then the saved buffers. One unit in memory at a time, never the whole model.
+    ``seed``: the run's; ``engine``: its engine options (how its units were cut)."""
     import json
 
     import torch
@@ -78,8 +79,8 @@ def _write_weights(cfg: TrainConfig, wl, checkpoint: Path, meta: dict, out: Path
     from poplar.train.checkpoint import read_tensors
 
     with torch.device("meta"):
-        model = wl.build(seed=cfg.seed)
-    specs = build_units(model, cfg.engine.unit_classes, cfg.engine.unit_numel)
+        model = wl.build(seed=seed)
+    specs = build_units(model, engine.unit_classes, engine.unit_numel)
     if [{"name": s.name, "numel": sum(p.numel() for p in s.params)} for s in specs] != meta.get("layout"):
         raise CheckpointError(f"checkpoint {checkpoint} holds other units than {wl.name} is cut into: export it "
                               "with the engine options it was trained with")
@@ -114,7 +115,7 @@ def _save(tensors: dict, path: Path, weight_map: dict, save_file) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _save_tokenizer(cfg: TrainConfig, wl, out: Path) -> None:
+def _save_tokenizer(model_data, wl, out: Path) -> None:
     """The tokenizer the run read its text with, saved beside the model (none where the data was ids alone)."""
     from transformers import PreTrainedTokenizerFast
 
@@ -127,7 +128,7 @@ def _save_tokenizer(cfg: TrainConfig, wl, out: Path) -> None:
 
         auto_tokenizer(directory).save_pretrained(out)
         return
-    tok, _ = prepare_data(cfg.model_data)
+    tok, _ = prepare_data(model_data)
     if tok is not None:
         PreTrainedTokenizerFast(tokenizer_object=tok.backend, eos_token=EOT, pad_token=EOT,
                                 mask_token=MASK).save_pretrained(out)

@@ -42,7 +42,7 @@ def given_plan(cfg: TrainConfig, wl: Workload, world_size: int, cluster):
         plan.check_world_size(world_size)
         return plan
     previous = Path(cfg.out) / "plan.json"
-    if cfg.resume and previous.exists() and same_cluster(cfg, world_size, cluster):   # the run's own, as it was
+    if cfg.resume and previous.exists() and same_cluster(cfg.out, world_size, cluster):   # the run's own, as it was
         return poplar.Plan.load(previous)
     return None
 
@@ -56,7 +56,7 @@ def plan_basis(cfg: TrainConfig, result, world_size: int, cluster) -> dict | Non
     if result is not None:
         return PlanBasis(result.profile, list(result.ranks)).to_dict() if result.profile is not None else None
     written = Path(cfg.out) / "basis.json"
-    if cfg.resume and not cfg.plan and written.is_file() and same_cluster(cfg, world_size, cluster):
+    if cfg.resume and not cfg.plan and written.is_file() and same_cluster(cfg.out, world_size, cluster):
         return json.loads(written.read_text())
     return None
 

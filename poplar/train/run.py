@@ -74,7 +74,7 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
         print(chosen, flush=True)
     from poplar.launch import spawn
 
-    out_dir = check_out(cfg)
+    out_dir = check_out(cfg.out, cfg.resume)
     given = given_plan(cfg, named_model(cfg.model_data), launch.world_size, cluster)   # before the data: a wrong plan, at once
     wl = workload_of(cfg.model_data, prepare_data(cfg.model_data, progress))     # prepared once, shown: the ranks read it back
     if cfg.export:
@@ -104,7 +104,7 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
 
     from poplar.engine.dist import init_distributed, shutdown
 
-    out_dir = check_out(cfg, launch.restarted)    # every rank sees the same directory: all refuse alike
+    out_dir = check_out(cfg.out, cfg.resume, launch.restarted)    # every rank sees the same directory: all refuse alike
     given = given_plan(cfg, named_model(cfg.model_data), launch.world_size, cluster)
     init_distributed()
     rank = dist.get_rank()

@@ -18,16 +18,16 @@ import poplar
 from poplar.train.config import TrainConfig
 
 
-def check_out(cfg: TrainConfig, restarted: bool = False) -> Path:
-    """Refuse to clobber an earlier run, or to resume one that is not there."""
-    out_dir = Path(cfg.out)
+def check_out(out: str, resume: bool, restarted: bool = False) -> Path:
+    """Refuse to clobber an earlier run in ``out``, or to ``resume`` one that is not there."""
+    out_dir = Path(out)
     held = out_dir.exists() and ((out_dir / "log.jsonl").exists() or (out_dir / "checkpoints").exists())
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} is a file: give a directory for the run")
-    if held and not cfg.resume:
+    if held and not resume:
         raise ValueError(f"{out_dir} already holds a run: pass --resume to continue it, or choose another --out "
                          "(nothing is overwritten)")
-    if cfg.resume and not held and not restarted:
+    if resume and not held and not restarted:
         raise ValueError(f"--resume: {out_dir} holds no run to continue (no log, no checkpoints): check --out, "
                          "or leave --resume out to start one")
     return out_dir
@@ -39,8 +39,9 @@ def cluster_record(cluster, world_size: int) -> dict:
     return {"world_size": world_size, "cluster": None if cluster is None else cluster.model_dump(mode="json")}
 
 
-def same_cluster(cfg: TrainConfig, world_size: int, cluster) -> bool:
-    recorded = Path(cfg.out) / "cluster.json"
+def same_cluster(out: str, world_size: int, cluster) -> bool:
+    """Whether the run in ``out`` recorded this cluster (:func:`cluster_record`)."""
+    recorded = Path(out) / "cluster.json"
     try:
         return json.loads(recorded.read_text()) == cluster_record(cluster, world_size)
     except (OSError, ValueError):
