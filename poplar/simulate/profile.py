@@ -40,7 +40,7 @@ from poplar.simulate.comm import simulated_comm
 from poplar.simulate.fake import fake_tensors
 from poplar.simulate.layers import DEEP, SHALLOW, Shallow, layers_of
 from poplar.simulate.recording import Kept, Recording, counted, model_key, shared
-from poplar.simulate.trace import Activations, CountingDevice, Steps, Trace
+from poplar.simulate.trace import Activations, CountingDevice, Steps
 from poplar.workload import ModelSource, Workload, as_workload
 
 
@@ -252,7 +252,6 @@ class _Shares:
         self.held = all(measures[k].largest(held_at_shares(recording.most, sharded, units, stage, v, r,
                                                            run.config.mixed_precision) + measures[k].headroom, 1) >= 1
                         for v, r, k in self.alike)
-        self.traces: dict[tuple, Trace] = {}
 
     def of(self, kind: str, micro_step: float) -> tuple[list, list]:
         """``kind``'s share steps and share gathers (:class:`~poplar.profile.profile.StageProfile`)."""
@@ -263,10 +262,7 @@ class _Shares:
         for v, r, k in self.alike:    # rank r's shares, moved to the first rank
             if k != kind:
                 continue
-            first = _moved_first(v, r)
-            if first not in self.traces:
-                self.traces[first] = shared(self.run, self.stage, first)
-            trace = self.traces[first]
+            trace = shared(self.run, self.stage, _moved_first(v, r))    # once a process
             points[fraction_held(v, r)] = (max(0.0, trace.busy(gpu) - micro_step), trace.marks_on(gpu).gather_phase())
         return ([(f, step) for f, (step, _) in sorted(points.items())],
                 [(f, *phase) for f, (_, phase) in sorted(points.items())])
