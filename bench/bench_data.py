@@ -85,7 +85,7 @@ def main() -> None:
               f"{os.cpu_count()} cores; tokenizer of {args.vocab:,} ids")
         timed_prepare(tmp, args, "first run")
         subprocess.run([sys.executable, __file__, "--again", str(tmp), "--seq-len", str(args.seq_len),
-                        "--vocab", str(args.vocab)], check=True)
+                        "--vocab", str(args.vocab)], check=True, timeout=600)
 
 
 if __name__ == "__main__":
