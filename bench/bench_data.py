@@ -37,8 +37,8 @@ def write_pairs(path: Path, n: int, seed: int = 0) -> None:
                                 "completion": " ".join(r.choices(words, k=r.randint(4, 40)))}) + "\n")
 
 
-def timed_prepare(tmp: Path, args, attempt: str) -> float:
-    """Prepare the pairs for the model directory under ``tmp``; print and return the seconds it took."""
+def timed_prepare(tmp: Path, args, attempt: str) -> None:
+    """Prepare the pairs for the model directory under ``tmp``; print the seconds it took."""
     from poplar.data.prepare import prepare
     from poplar.data.records import DataFields
     from poplar.models.pretrained import ModelDirectory
@@ -50,7 +50,6 @@ def timed_prepare(tmp: Path, args, attempt: str) -> float:
     counted = int((prepared.targets != -100).sum())
     print(f"{attempt}: {seconds:.2f} s, {len(prepared.tokens):,} samples of {args.seq_len + 1} tokens, "
           f"{counted:,} completion tokens counted", flush=True)
-    return seconds
 
 
 def write_model(tmp: Path, vocab: int) -> None:
