@@ -36,7 +36,8 @@ class Device:
 
     After a step: ``step_s`` its time, ``wait_s`` the part spent waiting for collectives,
     ``compute_s`` the rest. ``overruns``: spans whose real work ran past the device's
-    time (only an emulated device has a time of its own to run past).
+    time (only an emulated device has a time of its own to run past); ``late_s``: the
+    device seconds they added.
     """
 
     capacity: int | None = None
@@ -54,12 +55,17 @@ class Device:
         self.wait_s = 0.0
         self.peak_bytes = 0
         self.overruns = 0
+        self.late_s = 0.0
         self._in_step = False
         self.comm = ObservedComm(self)   # collectives through it are seen by this device
 
     @property
     def compute_s(self) -> float:
         return self.step_s - self.wait_s
+
+    def lateness(self) -> tuple[int, float]:
+        """The overruns so far and the device seconds they added (a step's: the difference of two readings)."""
+        return self.overruns, self.late_s
 
     # -- start, and the collectives it observes (through self.comm) -------------------------
     def __enter__(self) -> Device:

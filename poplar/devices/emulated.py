@@ -127,6 +127,7 @@ class EmulatedDevice(Device):
         span = self.dilation * (self.T - self._step_T)   # judged against the step's time so far
         if late > max(OVERRUN_FLOOR_S, OVERRUN_TOLERANCE * span):
             self.overruns += 1
+            self.late_s += late / self.dilation
             self.T = (now - self.origin) / self.dilation   # the real work ran past: the device is late
 
     # -- the seam -----------------------------------------------------------------------

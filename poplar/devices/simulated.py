@@ -62,6 +62,10 @@ class SimulatedComm(ObservedComm):
     def world_size(self) -> int:
         return self._world_size
 
+    def torch_device(self):
+        """The device's (no process group: a simulated rank issues no collective)."""
+        return self.observer.torch_device
+
     def on_group(self, group) -> SimulatedComm:
         return SimulatedComm(self.observer, self._rank, self._world_size, group)
 

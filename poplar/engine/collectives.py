@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from poplar.engine import flight
+from poplar.engine.dist import init_distributed
 
 # torch 2.13 renamed the *_tensor collectives; keep working on older releases too.
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -143,6 +144,11 @@ class Comm:
     def on_group(self, group: dist.ProcessGroup) -> "Comm":
         """The same kind of comm (observed by the same observer) on another process group."""
         return Comm(group)
+
+    def torch_device(self) -> torch.device:
+        """Where the tensors of its collectives live: the default group's device (the group joined, or one of this
+        process alone made, as :func:`~poplar.engine.dist.init_distributed` does)."""
+        return init_distributed().device
 
     @property
     def rank(self) -> int:

@@ -38,7 +38,6 @@ from poplar.engine.agreement import check_same_everywhere, check_shape
 from poplar.engine.batch import BatchCheck, batch_size, split_batch
 from poplar.engine.collectives import Comm
 from poplar.engine.config import EngineConfig, LossFn, OptimizerFactory
-from poplar.engine.dist import init_distributed
 from poplar.engine.flat_unit import FlatUnit
 from poplar.engine.grad_reduce import GradReducer
 from poplar.engine.layout import ShardLayout, check_collective_sizes
@@ -67,8 +66,8 @@ class Engine:
         if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("optimizer must be a callable that builds an optimizer from a parameter list, "
                             "e.g. functools.partial(torch.optim.AdamW, lr=1e-3), not an optimizer instance")
-        self.device = init_distributed().device
         self.comm = comm if comm is not None else Comm()
+        self.device = self.comm.torch_device()
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.config = config
         self._adopt(plan)

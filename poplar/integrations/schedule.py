@@ -75,13 +75,13 @@ class FollowedPlan:
         self.replanner, self.schedule, self.rank, self.change_plan = replanner, schedule, rank, change_plan
         self.comm = Comm()        # the figures' small collectives, unpaced (as poplar train's)
         self.replans: list = []   # each :class:`~poplar.train.replan.Replan` taken
-        self._overruns = 0
+        self._late = (0, 0.0)
 
     def before_step(self, engine, device) -> None:
         plan = self.schedule.take()
         if plan != engine.plan:
             self.change_plan(plan)
-        self._overruns = device.overruns
+        self._late = device.lateness()
 
     def after_step(self, engine, device) -> None:
         """Every rank: the step's figures gathered; a re-plan decided alike everywhere and put in force."""
@@ -89,7 +89,7 @@ class FollowedPlan:
 
         if self.replanner is None:
             return
-        figures = StepFigures.gather(device, self.comm, self._overruns, 0.0, None)
+        figures = StepFigures.gather(device, self.comm, self._late, 0.0, None)
         if engine.plan != self.replanner.plan:    # a re-plan not yet in force: its steps are not its plan's
             return
         change = self.replanner.observe(self.schedule.taken, figures)

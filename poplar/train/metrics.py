@@ -49,25 +49,30 @@ def peak_tflops(device, mixed_precision: str, given: float | None = None) -> flo
 
 @dataclass(frozen=True)
 class StepFigures:
-    """One step as every rank saw it: the slowest rank's time, each rank's busy time and MFU peak."""
+    """One step as every rank saw it: the slowest rank's time, each rank's busy time and MFU peak; the spans whose
+    real work ran past an emulated device's time (``overruns``, all ranks') and the most device seconds they
+    added to one rank's step (``late_s``)."""
 
     step_s: float
     busy_s: list[float]
     overruns: int
     peaks: list[float]
     grad_norm: float | None
+    late_s: float = 0.0
 
     @classmethod
-    def gather(cls, device, comm, overruns_before: int, peak: float, grad_norm: float | None) -> StepFigures:
-        """Every rank calls this (one small all-gather)."""
-        mine = torch.tensor([device.step_s, device.compute_s, device.overruns - overruns_before, peak],
+    def gather(cls, device, comm, before: tuple[int, float], peak: float, grad_norm: float | None) -> StepFigures:
+        """Every rank calls this (one small all-gather); ``before``: ``device.lateness()`` as the step began."""
+        overruns, late_s = device.lateness()
+        mine = torch.tensor([device.step_s, device.compute_s, overruns - before[0], peak, late_s - before[1]],
                             dtype=torch.float64, device=device.torch_device)
-        every = torch.zeros(comm.world_size * 4, dtype=torch.float64, device=mine.device)
+        every = torch.zeros(comm.world_size * 5, dtype=torch.float64, device=mine.device)
         comm.all_gather(every, mine)
-        rows = every.view(comm.world_size, 4).tolist()
+        rows = every.view(comm.world_size, 5).tolist()
         return cls(step_s=max(r[0] for r in rows), busy_s=[r[1] for r in rows],
                    overruns=int(sum(r[2] for r in rows)), peaks=[r[3] for r in rows],
-                   grad_norm=grad_norm if grad_norm is None or math.isfinite(grad_norm) else None)
+                   grad_norm=grad_norm if grad_norm is None or math.isfinite(grad_norm) else None,
+                   late_s=max(r[4] for r in rows))
 
 
 class StepLog:
@@ -82,10 +87,10 @@ class StepLog:
         self.tokens = global_batch * settings.seq_len
         self.peak = peak
         self._file = open(settings.out / "log.jsonl", "a") if rank == 0 else None
-        self._overruns = device.overruns
+        self._late = device.lateness()
 
     def step_started(self) -> None:
-        self._overruns = self.device.overruns
+        self._late = self.device.lateness()
 
     def due(self, step: int, last: bool, skipped: bool) -> bool:
         """Whether step ``step`` (from 0) is logged."""
@@ -93,7 +98,7 @@ class StepLog:
 
     def gather(self, grad_norm: float | None) -> StepFigures:
         """Every rank's figures of the step just done (every rank calls this)."""
-        return StepFigures.gather(self.device, self.comm, self._overruns, self.peak, grad_norm)
+        return StepFigures.gather(self.device, self.comm, self._late, self.peak, grad_norm)
 
     def write(self, step: int, loss: float, figures: StepFigures, skipped: bool, loss_scale: float | None = None,
               replan: dict | None = None) -> None:

@@ -16,7 +16,9 @@ residual, so a cost model a little off on this cluster is not re-planned over an
 
 Not counted: the first step after the start and after each change (a warm-up), and a
 step in which an emulated device's real work ran past its declared time (``overruns``:
-the host's time, not the device's). A new split of the same global batch leaves every
+the host's time, not the device's) by more than :data:`LATE_SHARE` of the threshold of
+the step; a step late by less is counted (a host late on every step by a little must not
+freeze re-planning where it is: it cannot put a step off by itself). A new split of the same global batch leaves every
 update exactly what it was (:meth:`poplar.engine.engine.Engine.set_plan`).
 """
 
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 
 from poplar.plan import Plan
 from poplar.planner.replan import SPEED_STEP, PlanBasis, kept_speed
+
+LATE_SHARE = 0.25    # of the threshold: a step whose host lateness is under this share of its time still counts
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ class Replanner:
         every rank meets the same error on the same figures, so all stop alike."""
         if self.stopped:
             return None
-        if self.settling or figures.overruns:
+        if self.settling or self._late(figures):
             self.settling = False
             return None
         self.window = [*self.window, figures][-self.config.patience:] if self._off(figures) else []
@@ -88,6 +92,10 @@ class Replanner:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             self.stopped = f"re-planning stops after step {step}, the plan kept: {why}"
             return None
+
+    def _late(self, figures) -> bool:
+        """Whether the host's lateness (the most device seconds a rank's overruns added) may have put it off."""
+        return figures.overruns > 0 and figures.late_s > LATE_SHARE * self.config.threshold * figures.step_s
 
     def _off(self, figures) -> bool:
         limit = self.config.threshold

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -140,3 +141,23 @@ def test_a_checkpointed_blocks_recomputation_counts_against_memory(monkeypatch):
     assert unseen < checkpointed < plain
     # a block's whole activations (the plain run's, over its 4 blocks, at most) are what the re-run adds
     assert checkpointed - unseen <= plain / 4
+
+
+@pytest.mark.parametrize("dilation", [1.0, 4.0])
+def test_a_span_the_host_ran_late_counts_as_an_overrun_and_says_how_late(dilation):
+    from poplar.cluster.spec import parse_cluster
+    from poplar.devices.emulated import EmulatedDevice
+
+    with EmulatedDevice(parse_cluster(TWO_KINDS), 0, dilation=dilation) as device:
+        with device.step(None):
+            device.clock()
+        assert device.lateness() == (0, 0.0)      # nothing ran: on time
+        start = time.time()
+        with device.step(None):
+            time.sleep(0.05)                      # real work the device declares no time for
+            device.clock()
+        wall = time.time() - start
+        overruns, late_s = device.lateness()
+        assert overruns == 1
+        assert 0.05 / dilation <= late_s <= wall / dilation    # in the device's seconds
+        assert device.step_s == pytest.approx(late_s, rel=0.05, abs=1e-4)

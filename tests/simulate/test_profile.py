@@ -185,3 +185,18 @@ def test_every_stage_at_every_memory_regime_is_timed_as_the_profiler_would(scale
             assert stage > 0 and big.note == AT_LARGER_SHARE and big.points, stage
         elif not small.note:
             assert not big.note and big.points and small.points, stage
+
+
+def test_simulating_joins_no_process_group():
+    """A user's process that simulates (a notebook planning before it trains) is left as it was: no group of its own
+    made, which a trainer started after would find in its way. In a process of its own: the suite's may hold one."""
+    import subprocess
+    import sys
+
+    code = ("import torch.distributed as dist\nfrom poplar.simulate import simulate_profile\n"
+            "from poplar.profile.options import ProfileOptions\n"
+            f"simulate_profile('tiny', {CLUSTER!r}, ProfileOptions(stages=(0, 3), n_points=2, max_micro_batch=4))\n"
+            "print('group', dist.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "group False"

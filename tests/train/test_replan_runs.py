@@ -23,7 +23,7 @@ CLUSTER = "compute-differs"          # a V100 and a T4: at 128 tokens a sample b
 FIELDS = dict(model="llama-tiny", seq_len=128, vocab_size=512, global_batch=16, lr=3e-3, cluster=CLUSTER)
 STEPS = 10
 # rank 0 (the V100) at half its speed from step 2, at its speed again from step 6: a re-plan at each (a step in
-# which the host ran late is not counted, which may put one off a step)
+# which the host ran late by more than a little is not counted, which may put one off a step)
 SLOW = "slow@step:rank=0:step=2:to=0.5:until=6"
 EAGER = {"patience": 1, "every": 1}
 
