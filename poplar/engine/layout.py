@@ -31,6 +31,7 @@ of one share hold slices of one size.
 from __future__ import annotations
 
 import functools
+from bisect import bisect_right
 from dataclasses import dataclass
 from fractions import Fraction
 from itertools import accumulate
@@ -73,6 +74,7 @@ class ShardLayout:
         self.shard_comm: Comm | None = None          # this rank's group's
         self._exchanges: dict[int, _Exchange] = {}
         self._sizes: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._group_weights: dict[int, tuple] = {}
 
     @classmethod
     def build(cls, comm: Comm, groups: Sequence[Sequence[int]] | None,
@@ -117,16 +119,21 @@ class ShardLayout:
             g = self.groups[j]
             return (self.padded(numel, len(g)) // len(g),) * len(g)
         if (numel, j) not in self._sizes:
-            g = self.groups[j]
-            total = self.padded(numel, len(g))
+            total = self.padded(numel, len(self.groups[j]))
             # each its share rounded down, what rounding leaves to the last with a share: ranks of one share hold
             # slices of one size (a gather of them copies each run of alike ranks at once)
-            weights = [Fraction(self.shares[r]) for r in g]
-            whole = sum(weights)
+            weights, whole, last = self._weights(j)
             sizes = [int(total * w // whole) for w in weights]
-            sizes[max(i for i, w in enumerate(weights) if w)] += total - sum(sizes)
+            sizes[last] += total - sum(sizes)
             self._sizes[(numel, j)] = tuple(sizes)
         return self._sizes[(numel, j)]
+
+    def _weights(self, j: int) -> tuple[list[Fraction], Fraction, int]:
+        """Group ``j``'s shares as exact fractions, their sum and the last rank with a share (once a cut)."""
+        if j not in self._group_weights:
+            weights = [Fraction(self.shares[r]) for r in self.groups[j]]
+            self._group_weights[j] = (weights, sum(weights), max(i for i, w in enumerate(weights) if w))
+        return self._group_weights[j]
 
     def shard_range(self, numel: int, group: int | None = None, index: int | None = None,
                     even: bool = False) -> tuple[int, int]:
@@ -149,16 +156,10 @@ class ShardLayout:
         """This rank's slice ``mine`` of the group's cut ``held`` (every rank's slice size, in group order) as its
         slice of the cut ``wanted``. Every rank of the shard group calls it at once: one all-to-all, each rank
         sending each other the part of its slice that the other is to hold."""
-        h0 = list(accumulate(held[:-1], initial=0))
-        w0 = list(accumulate(wanted[:-1], initial=0))
         me = self.shard_index
-
-        def overlap(i: int, j: int) -> int:   # of rank i's held range and rank j's wanted one
-            return max(0, min(h0[i] + held[i], w0[j] + wanted[j]) - max(h0[i], w0[j]))
-
         out = torch.empty(wanted[me], dtype=mine.dtype, device=mine.device)
-        send = [overlap(me, j) for j in range(len(held))]          # all of mine, in the order ranks hold it
-        receive = [overlap(i, me) for i in range(len(held))]       # all of what I am to hold, in order
+        send = _overlaps(held, wanted, me)          # all of mine, in the order ranks hold it
+        receive = _overlaps(wanted, held, me)       # all of what I am to hold, in order
         # priced as the unit's all-gather: every element moves at most once
         comm = self.shard_comm
         comm.run("all_gather", out.element_size() * sum(held), lambda a: comm.collectives.all_to_all_single(
@@ -170,6 +171,7 @@ class ShardLayout:
         (:meth:`recut`)."""
         self.shares = list(shares) if shares else None
         self._sizes.clear()
+        self._group_weights.clear()
         self._exchanges.clear()
 
     # -- the sum across groups ----------------------------------------------------------
@@ -209,6 +211,20 @@ class ShardLayout:
             return SumAcross(work, recvbuf, mine, ex.parts, self.group_index)
 
         return self.comm.run("reduce_across", numel * shard.element_size(), issue, async_op, groups=self.replicas)
+
+
+def _overlaps(mine: Sequence[int], theirs: Sequence[int], me: int) -> list[int]:
+    """How much of rank ``me``'s range in the cut ``mine`` each rank's range in the cut ``theirs`` covers (both cut
+    one buffer in rank order): only the ranks whose ranges meet mine, found by bisection (thousands of ranks)."""
+    ends = list(accumulate(theirs))
+    lo = sum(mine[:me])
+    hi = lo + mine[me]
+    out = [0] * len(theirs)
+    j = bisect_right(ends, lo)       # the first rank whose range ends after mine begins
+    while j < len(theirs) and ends[j] - theirs[j] < hi:
+        out[j] = max(0, min(hi, ends[j]) - max(lo, ends[j] - theirs[j]))
+        j += 1
+    return out
 
 
 def check_collective_sizes(world_size: int, groups: Sequence[Sequence[int]] | None,

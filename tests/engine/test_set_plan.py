@@ -79,3 +79,28 @@ def test_stages_and_shapes_changed_between_steps_train_as_one_device(tmp_path):
             torch.testing.assert_close(got["state"][key], value, atol=1e-5, rtol=0,
                                        msg=lambda m: f"{[p['zero_stage'] for p in plans]}: {key}: {m}")
     assert not any(tmp_path.iterdir())      # the scratch checkpoints removed
+
+
+def test_a_recut_sends_and_receives_what_the_two_cuts_overlap_for_any_cuts():
+    """The parts a rank sends and receives when its slices are cut again (:meth:`ShardLayout.recut`), found by
+    bisection, against every pair of ranges compared (seeded cuts, zero-sized slices included)."""
+    import random
+    from itertools import accumulate
+
+    from poplar.engine.layout import _overlaps
+
+    def compared(mine, theirs, me):
+        at, to = list(accumulate(mine, initial=0)), list(accumulate(theirs, initial=0))
+        return [max(0, min(at[me + 1], to[j + 1]) - max(at[me], to[j])) for j in range(len(theirs))]
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        n, total = rng.randint(1, 9), rng.randint(0, 40)
+
+        def cut():
+            points = [0, *sorted(rng.randint(0, total) for _ in range(n - 1)), total]
+            return [b - a for a, b in zip(points, points[1:])]
+        held, wanted, me = cut(), cut(), rng.randrange(n)
+        assert _overlaps(held, wanted, me) == compared(held, wanted, me)
+        assert _overlaps(wanted, held, me) == compared(wanted, held, me)
+        assert sum(_overlaps(held, wanted, me)) == held[me]
