@@ -31,9 +31,11 @@ hop at its link's latency, and the bytes each rank moves over the slowest link c
 links among the nodes it visits, and the link inside every node where it holds two ranks
 or more); the latencies the largest of those links'. A barrier is an all-reduce of
 nothing. A collective on a sub-group (a node's ranks) runs over its own ranks' links.
-The hybrid engine's sum across ``k`` groups (:mod:`poplar.engine.layout`) is one
-exchange in which every group's ranks send the parts of their copy that the other groups
-own, so each group's link carries ``k-1`` copies of the buffer::
+The hybrid engine's sum across ``k`` groups (:mod:`poplar.engine.layout`): where the groups
+are alike, an all-reduce of each slice among its counterparts (one rank a group: priced as
+any all-reduce over those ranks); otherwise one exchange in which every group's ranks send
+the parts of their copy that the other groups own, so each group's link carries ``k-1``
+copies of the buffer::
 
     reduce_across:  (k-1) * latency + (k-1) * bytes / bandwidth
 

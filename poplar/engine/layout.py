@@ -9,9 +9,13 @@ as a flat world of ``n`` ranks would shard it: the unit is padded to a multiple 
 ``n`` and the group's ``i``-th rank owns the ``i``-th slice. Groups may differ in size,
 so their slices differ too. Gathers and reduce-scatters run inside the group (over the
 fast links); the groups' partial gradients are then summed across groups by
-:meth:`ShardLayout.reduce_across`: each rank sends the part of its slice that another
-group's rank owns straight to that rank (one all-to-all over the world), and every
-rank adds the groups' parts in group order, so every copy gets the same bits.
+:meth:`ShardLayout.reduce_across`. Where the groups are alike (one size, even shares:
+a node each, as a hybrid plan usually is) each slice lies on one rank of every group,
+its counterparts, and the sum is one all-reduce among them (each rank moves
+``2(k-1)/k`` of its slice over ``k`` groups, as NCCL's ring does). Otherwise each rank
+sends the part of its slice that another group's rank owns straight to that rank (one
+all-to-all over the world: ``k-1`` copies) and every rank adds the groups' parts in group
+order. Either way every copy gets the same bits.
 
 >>> layout = ShardLayout(4, [[0, 1, 2], [3]], 1)   # where rank 1's shards lie (no process group needed)
 >>> layout.shard_size, layout.shard_index, layout.replicas
@@ -72,6 +76,7 @@ class ShardLayout:
         self.replicas = len(self.groups)             # copies of the states, one per group
         self.comm: Comm | None = None                # the world's (broadcasts, the loss, the norm)
         self.shard_comm: Comm | None = None          # this rank's group's
+        self.across_comm: Comm | None = None         # this rank's counterparts' (:attr:`counterparts`), where alike
         self._exchanges: dict[int, _Exchange] = {}
         self._sizes: dict[tuple[int, int], tuple[int, ...]] = {}
         self._group_weights: dict[int, tuple] = {}
@@ -96,10 +101,28 @@ class ShardLayout:
             pg = dist.new_group([r if base is None else base[r] for r in g])
             if j == self.group_index:
                 self.shard_comm = comm.on_group(pg)
+        if self.alike_groups:
+            for i in range(self.shard_size):   # the ranks holding each slice, one in every group
+                pg = dist.new_group([g[i] if base is None else base[g[i]] for g in self.groups])
+                if i == self.shard_index:
+                    self.across_comm = comm.on_group(pg)
 
     @property
     def hybrid(self) -> bool:
         return self.replicas > 1
+
+    @property
+    def alike_groups(self) -> bool:
+        """Several groups, all of one size: cut evenly, each group's ``i``-th rank holds the same slice."""
+        return self.replicas > 1 and len({len(g) for g in self.groups}) == 1
+
+    @property
+    def counterparts(self) -> list[int] | None:
+        """The ranks that hold this rank's slice, one in every group (this one among them), where every group's
+        slices are alike (groups of one size, even shares); else None."""
+        if not self.alike_groups or self.shares is not None:
+            return None
+        return [g[self.shard_index] for g in self.groups]
 
     # -- where shards lie ---------------------------------------------------------------
     def padded(self, numel: int, size: int | None = None) -> int:
@@ -200,6 +223,11 @@ class ShardLayout:
         Every rank of the world calls it for the same unit at once. Returns a work whose
         ``wait()`` finishes the sum, or ``None`` once it is done unless ``async_op``.
         """
+        if self.counterparts is not None and self.across_comm is not None:
+            # every group's copy of this slice lies on its counterparts: one all-reduce among them (as NCCL runs it,
+            # 2(k-1)/k of the slice a rank), every copy the same bits
+            lo, hi = (min(x, numel) for x in self.shard_range(numel))
+            return self.across_comm.all_reduce(shard[:hi - lo], async_op=async_op)
         ex = self._exchange(numel)
         mine = shard[:ex.valid]
 

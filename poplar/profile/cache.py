@@ -29,8 +29,9 @@ from poplar.workload import Workload, as_workload
 KEYED_ENGINE_OPTIONS = ("unit_classes", "unit_numel", "max_inflight_reduces", "prefetch")
 # what a profile holds and how it is read off the run: raised when that changes (profiles cached before
 # are then measured again). 2: a unit's backward ends where its gradient's collective is issued; 3: the
-# parameter gathers' own work after the update; 4: the work between the gradient collectives' waits.
-MEASURES = 4
+# parameter gathers' own work after the update; 4: the work between the gradient collectives' waits; 5: the sum
+# across nodes alike an all-reduce among each slice's counterparts.
+MEASURES = 5
 
 
 def default_cache_dir() -> Path:

@@ -55,6 +55,8 @@ def _across(device: SimulatedDevice, groups: list[list[int]], numel: int) -> tup
     (the engine's own compute around the exchange: the parts sent cut out, those received added)."""
     layout = ShardLayout(device.comm.world_size, groups, device.rank)
     layout.comm = device.comm
+    if layout.counterparts is not None:    # the engine's own groups, made without a process group
+        layout.across_comm = device.comm.among(layout.counterparts)
     shard = torch.zeros(layout.padded(numel) // layout.shard_size)
     with device.step():
         layout.reduce_across(shard, numel)

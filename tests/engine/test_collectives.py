@@ -103,7 +103,7 @@ def expected_step(stage: int, accum: int, itemsize: int, layout: ShardLayout | N
         elif stage == 2 or k == accum - 1:
             out += [(reduce, grad(i)) for i in range(last, -1, -1)]
     if hybrid:
-        out = _with_sums_across(out, stage, grad, numels)
+        out = _with_sums_across(out, stage, grad, numels, layout)
     out.append(("all_reduce", 4))                # the loss
     if stage >= 1:
         out.append(("all_reduce", 4))            # the squared gradient norm, summed over the shards
@@ -112,15 +112,23 @@ def expected_step(stage: int, accum: int, itemsize: int, layout: ShardLayout | N
     return out
 
 
-def _with_sums_across(out: list, stage: int, grad, numels: list[int]) -> list:
-    """The last micro-step's reduce-scatters each followed (once waited for) by the unit's sum across groups."""
+def _with_sums_across(out: list, stage: int, grad, numels: list[int], layout: ShardLayout) -> list:
+    """The last micro-step's reduce-scatters each followed (once waited for) by the unit's sum across groups: among
+    the rank's counterparts, its slice's unpadded part, where the groups are alike; else the exchange."""
+
+    def summed(numel: int) -> tuple[str, int]:
+        if layout.counterparts is None:
+            return ("reduce_across", 4 * numel)
+        lo, hi = (min(x, numel) for x in layout.shard_range(numel))
+        return ("all_reduce/group", 4 * (hi - lo))
+
     order = list(range(len(numels) - 1, -1, -1))   # the units' reduce-scatters, in launch order
     start = max(i for i, c in enumerate(out) if c[0] == "micro_step")
     scatters = [i for i in range(start, len(out)) if out[i][0] == "reduce_scatter/group"]
     after = {pos: [] for pos in scatters}
     for p, unit in enumerate(order):   # stages 2-3 wait for a bucket when a third is launched; 0-1 at the end
         at = scatters[min(p + 2, len(order) - 1)] if stage >= 2 else scatters[-1]
-        after[at].append(("reduce_across", 4 * numels[unit]))
+        after[at].append(summed(numels[unit]))
     new = []
     for i, c in enumerate(out):
         new += [c] + after.get(i, [])
