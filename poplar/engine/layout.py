@@ -10,9 +10,9 @@ as a flat world of ``n`` ranks would shard it: the unit is padded to a multiple 
 so their slices differ too. Gathers and reduce-scatters run inside the group (over the
 fast links); the groups' partial gradients are then summed across groups by
 :meth:`ShardLayout.reduce_across`. Where the groups are alike (one size, even shares:
-a node each, as a hybrid plan usually is) each slice lies on one rank of every group,
-its counterparts, and the sum is one all-reduce among them (each rank moves
-``2(k-1)/k`` of its slice over ``k`` groups, as NCCL's ring does). Otherwise each rank
+a node each, as a hybrid plan usually is) and three or more, each slice lies on one rank
+of every group, its counterparts, and the sum is one all-reduce among them (each rank
+moves ``2(k-1)/k`` of its slice over ``k`` groups, as NCCL's ring does). Otherwise each rank
 sends the part of its slice that another group's rank owns straight to that rank (one
 all-to-all over the world: ``k-1`` copies) and every rank adds the groups' parts in group
 order. Either way every copy gets the same bits.
@@ -113,8 +113,10 @@ class ShardLayout:
 
     @property
     def alike_groups(self) -> bool:
-        """Several groups, all of one size: cut evenly, each group's ``i``-th rank holds the same slice."""
-        return self.replicas > 1 and len({len(g) for g in self.groups}) == 1
+        """Three groups or more, all of one size: cut evenly, each group's ``i``-th rank holds the same slice, and
+        the sum across them is an all-reduce among those ranks. (Two groups exchange their parts in one hop each
+        way; an all-reduce of two would move the same bytes in two.)"""
+        return self.replicas > 2 and len({len(g) for g in self.groups}) == 1
 
     @property
     def counterparts(self) -> list[int] | None:

@@ -224,3 +224,24 @@ def test_uneven_shares_issue_the_same_collectives_the_gathers_padded_to_the_larg
         expected = expected_step(plan["zero_stage"], plan["accum_steps"][rank], 4, layout)
         for step in run["steps"]:
             assert [tuple(c) for c in step] == expected, (name, rank)
+
+
+@pytest.mark.parametrize("groups, shares, expected", [
+    ([[0, 1], [2, 3], [4, 5]], None, [[0, 2, 4], [1, 3, 5]] * 3),
+    ([[0, 1], [2, 3]], None, [None] * 4),                            # two groups: the exchange (one hop)
+    ([[0, 1, 2], [3, 4, 5], [6, 7, 8]], None, [[0, 3, 6], [1, 4, 7], [2, 5, 8]] * 3),
+    ([[0], [1], [2]], None, [[0, 1, 2]] * 3),
+    ([[3, 1], [0, 2], [5, 4]], None, [[3, 0, 5], [1, 2, 4], [1, 2, 4], [3, 0, 5], [1, 2, 4], [3, 0, 5]]),
+    ([[0, 1, 2], [3]], None, [None] * 4),                            # unlike groups: the exchange
+    ([[0, 1], [2, 3], [4, 5]], [2, 1, 2, 1, 2, 1], [None] * 6),      # shares cut the slices unalike
+    (None, None, [None] * 4),                                        # flat: nothing to sum across
+])
+def test_the_ranks_that_hold_a_slice_in_every_group(groups, shares, expected):
+    world = len(expected)
+    got = []
+    for rank in range(world):
+        layout = ShardLayout(world, groups, rank, shares)
+        got.append(layout.counterparts)
+        if layout.counterparts is not None:    # they hold the same range of the unit: the same slice
+            assert len({ShardLayout(world, groups, r).shard_range(1000) for r in layout.counterparts}) == 1
+    assert got == expected

@@ -236,38 +236,47 @@ def test_a_bf16_profile_is_its_own_and_holds_more_samples(tmp_path):
         _stage0(cluster, tmp_path, precision="fp8")
 
 
-def test_on_several_nodes_the_collectives_are_timed_inside_each_node_and_across():
-    """Nodes of two ranks and one: each node's own collectives on its link, the sum across the nodes on the slow one;
-    the profiler keeps each node's timing by its first rank."""
+@pytest.mark.parametrize("nodes", [(2, 1), (1, 1, 1)])
+def test_on_several_nodes_the_collectives_are_timed_inside_each_node_and_across(nodes):
+    """Nodes of two ranks and one (or three of one: alike, the sum across them an all-reduce among each slice's
+    counterparts): each node's own collectives on its link, the sum across the nodes on the slow one; the profiler
+    keeps each node's timing by its first rank."""
     from poplar.profile.profiler import _merge_comm
     from poplar.profile.rank import RankProfile
     from tests.profile.workers import collectives_on_nodes
 
+    gpus = ["A100-80GB", "T4-16GB", "T4-16GB"]
     cluster = {"network": {"intra_node": {"bandwidth_gbs": 25, "latency_us": 10},
                            "inter_node": {"bandwidth_gbs": 1.25, "latency_us": 50}},
-               "devices": [{"kind": "a100", "gpu": "A100-80GB", "node": 0, "count": 2},
-                           {"kind": "t4", "gpu": "T4-16GB", "node": 1}]}
+               "devices": [{"kind": f"k{i}", "gpu": gpus[i], "node": i, "count": n} for i, n in enumerate(nodes)]}
+    world, firsts = sum(nodes), [sum(nodes[:i]) for i in range(len(nodes))]
+    groups = [list(range(a, a + n)) for a, n in zip(firsts, nodes)]
+    in_pairs = set(groups[0]) if nodes[0] > 1 else set()   # (a lone rank's gather moves nothing over a link: a copy)
+
     def on_time(r, rank) -> bool:   # within 10% of the links' declared time (a busy host can delay a run: again)
         shaped = CommProfile.model_validate(r["comm"]).shaped
-        return (rank == 2 or shaped.inside[0].all_gather_s == pytest.approx(r["declared_gather"], rel=0.1)) and \
-            shaped.reduce_across_s == pytest.approx(r["declared_across"], rel=0.1)
+        return (rank not in in_pairs or shaped.inside[0].all_gather_s == pytest.approx(r["declared_gather"], rel=0.1)) \
+            and shaped.reduce_across_s == pytest.approx(r["declared_across"], rel=0.1)
 
     for _ in range(3):
-        ranks = spawn(collectives_on_nodes, 3, cluster, 2**18, timeout_s=240)
+        ranks = spawn(collectives_on_nodes, world, cluster, 2**18, timeout_s=240)
         if all(on_time(r, rank) for rank, r in enumerate(ranks)):
             break
     for rank, r in enumerate(ranks):
         shaped = CommProfile.model_validate(r["comm"]).shaped
-        assert shaped.groups == [[0, 1], [2]] and len(shaped.inside) == 1
-        if rank < 2:   # (a lone rank's gather moves nothing over a link: a copy, compared below)
+        assert shaped.groups == groups and len(shaped.inside) == 1
+        assert r["alike"] == (len(set(nodes)) == 1 and len(nodes) > 2)
+        if rank in in_pairs:
             assert shaped.inside[0].all_gather_s == pytest.approx(r["declared_gather"], rel=0.1)
         assert shaped.reduce_across_s == pytest.approx(r["declared_across"], rel=0.1)   # the links' time only
-        assert shaped.sum_s > shaped.sum_latency_s > 0      # adding the parts is compute, after the exchange
+        if not r["alike"]:
+            assert shaped.sum_s > shaped.sum_latency_s > 0      # adding the parts is compute, after the exchange
     merged = _merge_comm([RankProfile(kind="k", stages={}, comm=CommProfile.model_validate(r["comm"]), dilation=1.0,
                                       overruns=0) for r in ranks])
-    assert [i.all_gather_s for i in merged.shaped.inside] == [ranks[0]["comm"]["shaped"]["inside"][0]["all_gather_s"],
-                                                              ranks[2]["comm"]["shaped"]["inside"][0]["all_gather_s"]]
-    assert merged.shaped.inside[1].all_gather_s < merged.shaped.inside[0].all_gather_s   # a lone rank's: a copy
+    assert [i.all_gather_s for i in merged.shaped.inside] == [ranks[f]["comm"]["shaped"]["inside"][0]["all_gather_s"]
+                                                              for f in firsts]
+    if nodes == (2, 1):
+        assert merged.shaped.inside[1].all_gather_s < merged.shaped.inside[0].all_gather_s   # a lone rank's: a copy
 
 
 SHARES_SCALE = 0.00005     # 2 MiB on the small card: no sample in stage 0, one in ZeRO-1 beside less than its share

@@ -5,6 +5,7 @@ import torch
 import poplar
 from poplar.cluster.spec import parse_cluster
 from poplar.devices.emulated import EmulatedDevice
+from poplar.engine.layout import ShardLayout
 from poplar.models import build_model, causal_lm_loss, random_token_batch
 
 
@@ -68,9 +69,13 @@ def collectives_on_nodes(rank, world_size, cluster: dict, numel: int):
         comm = time_collectives(device, numel, groups, repeats=1)
         node = next(g for g in groups if rank in g)
         padded = -(-numel // len(node)) * len(node)
-        return {"comm": comm.model_dump(),
-                "declared_gather": device.network.seconds("all_gather", 4 * padded, node),
-                "declared_across": device.network.seconds("reduce_across", 4 * numel, None, len(groups))}
+        layout = ShardLayout(world_size, groups, rank)
+        if layout.counterparts is None:   # the exchange: k-1 copies of the buffer
+            across = device.network.seconds("reduce_across", 4 * numel, None, len(groups))
+        else:     # alike nodes: an all-reduce of this rank's slice among its counterparts
+            across = device.network.seconds("all_reduce", 4 * padded // len(node), layout.counterparts)
+        return {"comm": comm.model_dump(), "declared_gather": device.network.seconds("all_gather", 4 * padded, node),
+                "declared_across": across, "alike": layout.counterparts is not None}
 
 
 def anatomy_at(rank, world_size, cluster: dict, stage: int, sizes: list[int], dilation: float | None = None):
