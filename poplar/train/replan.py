@@ -95,7 +95,7 @@ class Replanner:
 
     def _late(self, figures) -> bool:
         """Whether the host's lateness (the most device seconds a rank's overruns added) may have put it off."""
-        return figures.overruns > 0 and figures.late_s > LATE_SHARE * self.config.threshold * figures.step_s
+        return figures.late_s > LATE_SHARE * self.config.threshold * figures.step_s
 
     def _off(self, figures) -> bool:
         limit = self.config.threshold
