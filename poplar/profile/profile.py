@@ -161,10 +161,18 @@ class DeviceProfile(BaseModel):
     stages: dict[int, StageProfile] = Field(default_factory=dict)
 
 
-def _latency_plus_share(full_s: float, latency_s: float, numel: float, timed_numel: int) -> float:
-    """A collective on ``numel`` elements, from its time on ``timed_numel``: the latency plus its share of the rest."""
+def _latency_plus_share(full_s: float, latency_s: float, numel: float, timed_numel: int,
+                        between: list[tuple[int, float]] | None = None) -> float:
+    """A collective on ``numel`` elements, from its time on ``timed_numel``: the latency plus its share of the rest,
+    on a line through the latency and each size timed ``between`` (``(numel, seconds)``), as NCCL's choice of ring or
+    tree bends it; beyond the last size on the last piece's slope."""
     latency = min(latency_s, full_s)
-    return latency + (full_s - latency) * numel / timed_numel
+    inner = {float(n): s for n, s in between or [] if 0 < n < timed_numel}
+    points = [(0.0, latency), *sorted(inner.items()), (float(timed_numel), full_s)]
+    for (n0, s0), (n1, s1) in zip(points, points[1:]):
+        if numel <= n1:
+            break
+    return s0 + (s1 - s0) * (numel - n0) / (n1 - n0)
 
 
 class CommProfile(BaseModel):
@@ -176,6 +184,10 @@ class CommProfile(BaseModel):
     all_gather_s: float
     latency_s: dict[str, float] = Field(default_factory=dict, description="per collective: its time on a tiny "
                                         "buffer (a few elements a rank), what every call pays however small")
+    between_s: dict[str, list[tuple[int, float]]] | None = Field(
+        None, description="per collective: its time at sizes between the tiny buffer and the model's (the engine's "
+        "unit sizes: a bucket's), where NCCL's choice of ring or tree bends the line through the two; None in "
+        "profiles written before they were timed")
     shaped: ShapedComm | None = Field(None, description="on several nodes: the collectives inside each node and "
                                       "across them (hybrid sharding, two-level all-reduce)")
 
@@ -190,7 +202,8 @@ class CommProfile(BaseModel):
         ...                   latency_s={"all_reduce": 0.001}).seconds("all_reduce", 500), 9)
         0.006
         """
-        return _latency_plus_share(getattr(self, f"{which}_s"), self.latency_s.get(which, 0.0), numel, self.numel)
+        return _latency_plus_share(getattr(self, f"{which}_s"), self.latency_s.get(which, 0.0), numel, self.numel,
+                                   (self.between_s or {}).get(which))
 
 
 class ShapedComm(BaseModel):
@@ -205,13 +218,16 @@ class ShapedComm(BaseModel):
     reduce_across_s: float = Field(description="the sum across nodes (poplar.engine.layout) of the model's size: "
                                    "its time on the links")
     across_latency_s: float = Field(0.0, description="the same on a tiny buffer")
+    across_between_s: list[tuple[int, float]] = Field(default_factory=list, description="the same at the sizes "
+                                                      "between (CommProfile.between_s)")
     sum_s: float | None = Field(None, description="the sum's compute after the exchange (the parts added), at the "
                                 "model's size; None in profiles that timed it with the exchange")
     sum_latency_s: float = Field(0.0, description="the same on a tiny buffer")
 
     def across_seconds(self, numel: float) -> float:
         """The sum across nodes of ``numel`` fp32 elements on the links: its latency plus its share of the bandwidth."""
-        return _latency_plus_share(self.reduce_across_s, self.across_latency_s, numel, self.numel)
+        return _latency_plus_share(self.reduce_across_s, self.across_latency_s, numel, self.numel,
+                                   self.across_between_s)
 
     def sum_seconds(self, numel: float) -> float:
         """The compute that adds the parts of ``numel`` fp32 elements once they are across."""

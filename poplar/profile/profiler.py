@@ -100,8 +100,9 @@ def _from_cache(cache: ProfileCache, spec: ClusterSpec) -> tuple[dict, CommProfi
     # stages written before their anatomy was measured are measured again
     cached = {ks: sp for ks, sp in cache.stages().items() if sp.anatomy is not None or not sp.points}
     comm = cache.comm()
-    if comm is not None and len(spec.node_groups()) > 1 and (comm.shaped is None or comm.shaped.sum_s is None):
-        comm = None   # written before the collectives (and the sum's compute) were timed on the nodes: again
+    if comm is not None and (comm.between_s is None or len(spec.node_groups()) > 1 and
+                             (comm.shaped is None or comm.shaped.sum_s is None)):
+        comm = None   # written before the sizes between, or the collectives on the nodes, were timed: again
     return cached, comm
 
 

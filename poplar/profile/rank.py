@@ -31,6 +31,7 @@ from poplar.profile.procedure import States, at_even_share, timed_stage, with_le
 from poplar.profile.profile import DOES_NOT_FIT, NOT_TIMED, CommProfile, StageProfile
 from poplar.profile.timing import (RankRun, _time_group, fraction_held, skewed_shares, time_collectives,
                                    time_points, timed_step)
+from poplar.profile.units import bucket_numels
 from poplar.stages import OPTIMIZER_BYTES_PER_MASTER_BYTE
 from poplar.stages import stage as zero_stage
 from poplar.workload import Workload, as_workload
@@ -66,8 +67,8 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
         run = RankRun(device, rank, world_size, wl, config, options.warmup, options.repeats or device.timing_repeats,
                       kind, progress if reports else None)
         stages = {s: profile_stage(run, s, options) for s in options.stages}
-        return RankProfile(kind=kind, stages=stages, comm=time_collectives(device, wl.n_params(), spec.node_groups()),
-                           dilation=device.dilation, overruns=device.overruns)
+        comm = time_collectives(device, wl.n_params(), spec.node_groups(), units=bucket_numels(wl, config))
+        return RankProfile(kind=kind, stages=stages, comm=comm, dilation=device.dilation, overruns=device.overruns)
 
 
 def profile_stage(run: RankRun, stage: int, options: ProfileOptions) -> StageProfile:

@@ -26,6 +26,7 @@ from poplar.profile.profile import CommProfile
 from poplar.workload import Workload
 
 PER_STEP_SIZES = 3   # the smallest sizes also timed with two micro-batches, for the once-per-step part
+BETWEEN_MOST = 3    # collective sizes timed between a tiny buffer and the model's
 SHARE_SKEW = 0.5     # unlike shares timed: one rank's weight 1 + this (and 1 + twice this), the others' 1
 _OPTIMIZER_LR = 1e-4
 
@@ -187,8 +188,20 @@ def _timed_parts(device: Device, issue: Callable[[], Any], repeats: int) -> tupl
     return tuple(statistics.median(x[j] for x in out) for j in range(3))
 
 
-def time_ops(device: Device, comm, numel: int, repeats: int) -> CommProfile:
-    """All-reduce, reduce-scatter and all-gather over ``comm``'s ranks, at ``numel`` (padded) and a tiny size."""
+def between_sizes(units: list[int] | tuple[int, ...], numel: int, world: int) -> list[int]:
+    """The sizes a collective over ``world`` ranks is also timed at, between a tiny buffer and ``numel``: the
+    engine's distinct unit sizes (its buckets, as it issues them), padded to the ranks; at most
+    :data:`BETWEEN_MOST` (the smallest, the middle and the largest)."""
+    def padded(n: int) -> int:
+        return -(-n // world) * world
+    inside = sorted({padded(n) for n in units} - {padded(numel)})
+    inside = [n for n in inside if world * 64 < n < padded(numel)]
+    return inside if len(inside) <= BETWEEN_MOST else [inside[0], inside[len(inside) // 2], inside[-1]]
+
+
+def time_ops(device: Device, comm, numel: int, repeats: int, units: tuple[int, ...] = ()) -> CommProfile:
+    """All-reduce, reduce-scatter and all-gather over ``comm``'s ranks, at ``numel`` (padded), at a tiny size and at
+    the sizes between of ``units`` (:func:`between_sizes`)."""
     world = comm.world_size
     padded = -(-numel // world) * world
 
@@ -199,27 +212,29 @@ def time_ops(device: Device, comm, numel: int, repeats: int) -> CommProfile:
                  "all_gather": lambda: comm.all_gather(full, shard)}[op]
         return _timed(device, issue, repeats)
 
-    ops = ("all_reduce", "reduce_scatter", "all_gather")
+    ops, between = ("all_reduce", "reduce_scatter", "all_gather"), between_sizes(units, numel, world)
     return CommProfile(numel=padded, **{f"{op}_s": timed(op, padded) for op in ops},
-                       latency_s={op: timed(op, world * 64) for op in ops})
+                       latency_s={op: timed(op, world * 64) for op in ops},
+                       between_s={op: [(n, timed(op, n)) for n in between] for op in ops})
 
 
 def time_collectives(device: Device, numel: int, node_groups: list[list[int]] | None = None,
-                     repeats: int = 3) -> CommProfile:
-    """The collectives at the model's size and at a tiny one, on the device's clock (a step each).
+                     repeats: int = 3, units: tuple[int, ...] = ()) -> CommProfile:
+    """The collectives at the model's size, at a tiny one and at the engine's unit sizes between (``units``), on
+    the device's clock (a step each).
 
     On several nodes (``node_groups``) also the shaped ones: every node's collectives
     among its own ranks (each rank times its own node's; :attr:`ShapedComm.inside` holds
     this rank's only, the profiler puts the nodes' together) and the sum across nodes.
     """
-    flat = time_ops(device, device.comm, numel, repeats)
+    flat = time_ops(device, device.comm, numel, repeats, units)
     if not node_groups or len(node_groups) < 2:
         return flat
     from poplar.engine.layout import ShardLayout
     from poplar.profile.profile import ShapedComm
 
     layout = ShardLayout.build(device.comm, node_groups)
-    inside = time_ops(device, layout.shard_comm, numel, repeats)
+    inside = time_ops(device, layout.shard_comm, numel, repeats, units)
 
     def across(n: int) -> tuple[float, float]:
         """On the link (the wait: the all-to-all), and computing (the parts added in group order)."""
@@ -228,6 +243,7 @@ def time_collectives(device: Device, numel: int, node_groups: list[list[int]] | 
         return wait, compute
 
     (link, add), (link_tiny, add_tiny) = across(numel), across(len(node_groups) * 64)
+    between = [(n, across(n)[0]) for n in between_sizes(units, numel, 1)]   # the sum pads as it cuts
     shaped = ShapedComm(groups=node_groups, numel=numel, inside=[inside], reduce_across_s=link,
-                        across_latency_s=link_tiny, sum_s=add, sum_latency_s=add_tiny)
+                        across_latency_s=link_tiny, across_between_s=between, sum_s=add, sum_latency_s=add_tiny)
     return flat.model_copy(update={"shaped": shaped})

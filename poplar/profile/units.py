@@ -49,6 +49,15 @@ def unit_numels(workload: str | Workload | torch.nn.Module, config: EngineConfig
                                                                   config.unit_numel)]
 
 
+def bucket_numels(workload: str | Workload, config: EngineConfig | None = None) -> tuple[int, ...]:
+    """:func:`unit_numels` of the workload's model built on fake tensors (a model of any size, nothing allocated):
+    the sizes of the engine's gradient buckets, which the collectives are also timed at."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return tuple(unit_numels(as_workload(workload).build(), config))
+
+
 class _FlopsByUnit(TorchDispatchMode):
     """Adds each operator's FLOPs to the unit on top of ``stack`` (the innermost one running)."""
 

@@ -16,17 +16,18 @@ from poplar.cluster.spec import ClusterSpec
 from poplar.devices.simulated import SimulatedDevice
 from poplar.engine.layout import ShardLayout
 from poplar.profile.profile import CommProfile, ShapedComm
-from poplar.profile.timing import time_ops
+from poplar.profile.timing import between_sizes, time_ops
 
 REPEATS = 1   # the network model is deterministic
 
 
-def simulated_comm(spec: ClusterSpec, numel: int) -> CommProfile:
-    """What :func:`poplar.profile.timing.time_collectives` measures on ``spec``, for ``numel`` parameters."""
+def simulated_comm(spec: ClusterSpec, numel: int, units: tuple[int, ...] = ()) -> CommProfile:
+    """What :func:`poplar.profile.timing.time_collectives` measures on ``spec``, for ``numel`` parameters in
+    ``units`` (the engine's unit sizes)."""
     groups = spec.node_groups()
     with torch.device("meta"):
         first = _on_meta(SimulatedDevice(spec, 0))
-        flat = time_ops(first, first.comm, numel, REPEATS)
+        flat = time_ops(first, first.comm, numel, REPEATS, units)
         if len(groups) < 2:
             return flat
         links, nodes = spec.intra_links(), spec.rank_nodes()
@@ -36,12 +37,13 @@ def simulated_comm(spec: ClusterSpec, numel: int) -> CommProfile:
             key = (len(g), links[nodes[g[0]]])
             if key not in alike:
                 device = _on_meta(SimulatedDevice(spec, g[0]))
-                alike[key] = time_ops(device, device.comm.among(g), numel, REPEATS)
+                alike[key] = time_ops(device, device.comm.among(g), numel, REPEATS, units)
             inside.append(alike[key])
         link, add = _across(first, groups, numel)
         link_tiny, add_tiny = _across(first, groups, len(groups) * 64)
+        between = [(n, _across(first, groups, n)[0]) for n in between_sizes(units, numel, 1)]
     shaped = ShapedComm(groups=groups, numel=numel, inside=inside, reduce_across_s=link, across_latency_s=link_tiny,
-                        sum_s=add, sum_latency_s=add_tiny)
+                        across_between_s=between, sum_s=add, sum_latency_s=add_tiny)
     return flat.model_copy(update={"shaped": shaped})
 
 

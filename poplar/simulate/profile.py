@@ -292,7 +292,7 @@ def simulate_profile(workload: str | Workload, cluster, options: ProfileOptions 
     stages = simulate_stages(wl, spec, options, config)
     with fake_tensors():     # the model is built once more, for its units: of any size
         profile = assemble(wl, spec, options.precision, config, stages, None)
-    return profile.model_copy(update={"comm": simulated_comm(spec, wl.n_params())})
+    return profile.model_copy(update={"comm": simulated_comm(spec, wl.n_params(), tuple(profile.model.unit_numels))})
 
 
 def _resolved(options: ProfileOptions | None, config: EngineConfig | None) -> tuple[ProfileOptions, EngineConfig]:

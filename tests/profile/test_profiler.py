@@ -256,7 +256,9 @@ def test_on_several_nodes_the_collectives_are_timed_inside_each_node_and_across(
     def on_time(r, rank) -> bool:   # within 10% of the links' declared time (a busy host can delay a run: again)
         shaped = CommProfile.model_validate(r["comm"]).shaped
         return (rank not in in_pairs or shaped.inside[0].all_gather_s == pytest.approx(r["declared_gather"], rel=0.1)) \
-            and shaped.reduce_across_s == pytest.approx(r["declared_across"], rel=0.1)
+            and shaped.reduce_across_s == pytest.approx(r["declared_across"], rel=0.1) \
+            and all(s == pytest.approx(d, rel=0.1) for (_, s), (_, d) in zip(shaped.across_between_s,
+                                                                            r["declared_between"]))
 
     for _ in range(3):
         ranks = spawn(collectives_on_nodes, world, cluster, 2**18, timeout_s=240)
@@ -269,6 +271,9 @@ def test_on_several_nodes_the_collectives_are_timed_inside_each_node_and_across(
         if rank in in_pairs:
             assert shaped.inside[0].all_gather_s == pytest.approx(r["declared_gather"], rel=0.1)
         assert shaped.reduce_across_s == pytest.approx(r["declared_across"], rel=0.1)   # the links' time only
+        assert [n for n, _ in shaped.across_between_s] == [n for n, _ in r["declared_between"]]   # the units' sizes
+        for (_, seconds), (_, declared) in zip(shaped.across_between_s, r["declared_between"]):
+            assert seconds == pytest.approx(declared, rel=0.1)
         if not r["alike"]:
             assert shaped.sum_s > shaped.sum_latency_s > 0      # adding the parts is compute, after the exchange
     merged = _merge_comm([RankProfile(kind="k", stages={}, comm=CommProfile.model_validate(r["comm"]), dilation=1.0,

@@ -43,7 +43,8 @@ def test_a_profile_read_from_the_cache_records_the_units_of_its_engine_options(t
                           before_loss_s=1e-3, before_norm_s=0.0)
     stage = StageProfile(max_micro_batch=4, state_bytes=10, points=[(1, 0.1), (4, 0.3)], anatomy=[anatomy])
     cache = ProfileCache(tmp_path, wl, spec, options.stages, options.precision, options.max_micro_batch, config)
-    cache.save({("small", 0): stage}, CommProfile(numel=8, all_reduce_s=1e-3, reduce_scatter_s=1e-3, all_gather_s=1e-3))
+    cache.save({("small", 0): stage}, CommProfile(numel=8, all_reduce_s=1e-3, reduce_scatter_s=1e-3, all_gather_s=1e-3,
+                                                  between_s={}))
     prof, summary = profile_cluster("tiny", ONE, options, config=config)     # nothing to measure: no rank spawned
     assert summary["from_cache"] == [("small", 0)] and summary["measured"] == []
     assert prof.model.unit_numels == unit_numels("tiny", config) != unit_numels("tiny")
@@ -51,9 +52,13 @@ def test_a_profile_read_from_the_cache_records_the_units_of_its_engine_options(t
     assert prof.stage("small", 0) == stage
     # the same cluster with the default units is another profile: not read from this cache
     other = ProfileCache(tmp_path, wl, spec, options.stages, options.precision, options.max_micro_batch, None)
-    assert other.stages() == {} and other.comm() is not None      # the collectives do not depend on the units
+    assert other.stages() == {} and other.comm() is not None      # the collectives' times read at any size
     with pytest.raises(ValueError, match="precision 'fp8': choose one of fp32, bf16, fp16"):
         ProfileOptions(precision="fp8")
+    from poplar.profile.profiler import _from_cache
+    assert _from_cache(cache, spec)[1] is not None
+    cache.save({}, cache.comm().model_copy(update={"between_s": None}))
+    assert _from_cache(cache, spec)[1] is None     # written before the sizes between were timed: timed again
 
 
 def small_units() -> list[int]:

@@ -66,16 +66,19 @@ def collectives_on_nodes(rank, world_size, cluster: dict, numel: int):
     spec = parse_cluster(cluster)
     groups = spec.node_groups()
     with EmulatedDevice(spec, rank, dilation=1000.0) as device:   # gloo's real gathers fit their declared time
-        comm = time_collectives(device, numel, groups, repeats=1)
+        comm = time_collectives(device, numel, groups, repeats=1, units=(numel // 4, numel // 2))
         node = next(g for g in groups if rank in g)
-        padded = -(-numel // len(node)) * len(node)
         layout = ShardLayout(world_size, groups, rank)
-        if layout.counterparts is None:   # the exchange: k-1 copies of the buffer
-            across = device.network.seconds("reduce_across", 4 * numel, None, len(groups))
-        else:     # alike nodes: an all-reduce of this rank's slice among its counterparts
-            across = device.network.seconds("all_reduce", 4 * padded // len(node), layout.counterparts)
+
+        def across(n: int) -> float:
+            if layout.counterparts is None:   # the exchange: k-1 copies of the buffer
+                return device.network.seconds("reduce_across", 4 * n, None, len(groups))
+            padded = -(-n // len(node)) * len(node)   # alike nodes: an all-reduce of this rank's slice, counterparts
+            return device.network.seconds("all_reduce", 4 * padded // len(node), layout.counterparts)
+        padded = -(-numel // len(node)) * len(node)
         return {"comm": comm.model_dump(), "declared_gather": device.network.seconds("all_gather", 4 * padded, node),
-                "declared_across": across, "alike": layout.counterparts is not None}
+                "declared_across": across(numel), "alike": layout.counterparts is not None,
+                "declared_between": [(n, across(n)) for n in (numel // 4, numel // 2)]}
 
 
 def anatomy_at(rank, world_size, cluster: dict, stage: int, sizes: list[int], dilation: float | None = None):

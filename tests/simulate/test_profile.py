@@ -61,6 +61,7 @@ def test_the_collectives_are_the_network_models(both):
     holds the skew of ranks meeting at a barrier and gloo's own copies: docs/simulate.md compares them)."""
     from poplar.cluster.spec import parse_cluster
     from poplar.emulate import NetworkModel
+    from poplar.profile.timing import between_sizes
 
     measured, simulated = both
     spec = parse_cluster(CLUSTER)
@@ -68,7 +69,13 @@ def test_the_collectives_are_the_network_models(both):
     for op in ("all_reduce", "reduce_scatter", "all_gather"):
         assert getattr(comm, f"{op}_s") == pytest.approx(net.seconds(op, 4 * comm.numel), rel=1e-9)
         assert comm.latency_s[op] == pytest.approx(net.seconds(op, 4 * 2 * 64), rel=1e-9)
+        between = between_sizes(simulated.model.unit_numels, simulated.model.n_params, 2)
+        assert [n for n, _ in comm.between_s[op]] == between and between      # the engine's buckets, timed
+        for n, seconds in comm.between_s[op]:
+            assert seconds == pytest.approx(net.seconds(op, 4 * n), rel=1e-9)
     assert simulated.model == measured.model and simulated.ranks == measured.ranks
+    sizes = {op: [n for n, _ in points] for op, points in comm.between_s.items()}
+    assert sizes == {op: [n for n, _ in points] for op, points in measured.comm.between_s.items()}   # the profiler's
 
 
 def test_a_stage_whose_states_do_not_fit_is_simulated_as_not_fitting_and_planned_around():
