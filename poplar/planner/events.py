@@ -11,28 +11,26 @@ is exposed. :mod:`poplar.planner.schedule` writes the events from the engine's s
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+# Events are named tuples: immutable (a schedule's lists are shared), and made by the hundred thousand a plan.
 
 
-@dataclass(frozen=True)
-class Compute:
+class Compute(NamedTuple):
     seconds: float
 
 
-@dataclass(frozen=True)
-class Issue:
+class Issue(NamedTuple):
     key: str                 # names the collective (the same on every rank of its group)
     seconds: float           # its time on the link once started
     link: str = ""           # its group's link ("": the world's)
 
 
-@dataclass(frozen=True)
-class Wait:
+class Wait(NamedTuple):
     key: str
 
 
-@dataclass(frozen=True)
-class StepEnd:
+class StepEnd(NamedTuple):
     """The rank's step ends here; the events after it are its next step, begun at once."""
 
 
@@ -50,11 +48,12 @@ def _issuers(ranks: list[list]) -> dict[str, list[int]]:
     issuers: dict[str, list[int]] = {}
     on_link: dict[str, tuple[int, list[str]]] = {}   # per link: the first rank on it, and its sequence
     for r, events in enumerate(ranks):
+        sequences: dict[str, list[str]] = {}
         for e in events:
-            if isinstance(e, Issue):
+            if type(e) is Issue:
                 issuers.setdefault(e.key, []).append(r)
-        for link in dict.fromkeys(e.link for e in events if isinstance(e, Issue)):
-            seq = [e.key for e in events if isinstance(e, Issue) and e.link == link]
+                sequences.setdefault(e.link, []).append(e.key)
+        for link, seq in sequences.items():
             first, expected = on_link.setdefault(link, (r, seq))
             if seq != expected:
                 raise ValueError(f"rank {r} issues other collectives than rank {first} on link {link or 'world'}: "
@@ -64,6 +63,10 @@ def _issuers(ranks: list[list]) -> dict[str, list[int]]:
 
 def follow_ranks(ranks: list[list]) -> tuple[float, list[float], list[list[float]]]:
     """:func:`run_ranks`, and each rank's clock at each of its :class:`StepEnd`.
+
+    Each collective starts once its last rank has issued it; a rank goes on when it has issued a collective that
+    starts, or the one it waits for is done. (A link's ranks issue one sequence on it, so one of its collectives
+    at most is ready at a time: the order in which ready ones start does not change any time.)
 
     >>> a = [Compute(1.0), Issue("x", 0.5), Compute(3.0), Wait("x"), StepEnd()]
     >>> b = [Compute(2.0), Issue("x", 0.5), Compute(1.0), Wait("x"), StepEnd()]
@@ -75,45 +78,48 @@ def follow_ranks(ranks: list[list]) -> tuple[float, list[float], list[list[float
     ends: list[list[float]] = [[] for _ in ranks]
     done: dict[str, float] = {}
     link_free: dict[str, float] = {}
+    arrived: Counter = Counter()             # ranks at each collective not started yet
+    blocked: dict[str, list[int]] = {}       # ranks waiting for each collective to be done
+    ready: list[Issue] = []                  # collectives every rank that issues them has issued
 
-    def advance(r: int) -> Issue | str | None:
-        """Run rank ``r`` until it issues a collective not started yet (returned), waits for one, or ends."""
-        events = ranks[r]
-        while pos[r] < len(events):
-            e = events[pos[r]]
-            if isinstance(e, Compute):
-                clock[r] += e.seconds
-                busy[r] += e.seconds
-            elif isinstance(e, Wait):
+    def advance(r: int) -> None:
+        """Run rank ``r`` until it issues a collective, waits for one not done, or ends."""
+        events, p, c, b = ranks[r], pos[r], clock[r], busy[r]
+        while p < len(events):
+            e = events[p]
+            kind = type(e)
+            if kind is Compute:
+                c += e.seconds
+                b += e.seconds
+            elif kind is Wait:
                 if e.key not in done:
-                    return e.key
-                clock[r] = max(clock[r], done[e.key])
-            elif isinstance(e, StepEnd):
-                ends[r].append(clock[r])
+                    blocked.setdefault(e.key, []).append(r)
+                    break
+                c = max(c, done[e.key])
+            elif kind is StepEnd:
+                ends[r].append(c)
             else:
-                return e
-            pos[r] += 1
-        return None
+                arrived[e.key] += 1
+                if arrived[e.key] == len(issuers[e.key]):
+                    ready.append(e)
+                break
+            p += 1
+        pos[r], clock[r], busy[r] = p, c, b
 
-    at = [advance(r) for r in range(len(ranks))]
-    while True:
-        waiting = Counter(e.key for e in at if isinstance(e, Issue))   # ranks at each collective, not started
-        ready = {e.key: e for e in at if isinstance(e, Issue) and waiting[e.key] == len(issuers[e.key])}
-        if not ready:
-            if any(a is not None for a in at):
-                raise ValueError("the ranks' collectives cannot all start: ranks of a group must issue the same "
-                                 "sequence on it")
-            return max(clock), busy, ends
-        moved = set()
-        for key, e in ready.items():
-            start = max(max(clock[q] for q in issuers[key]), link_free.get(e.link, 0.0))
-            done[key] = link_free[e.link] = start + e.seconds
-            for q in issuers[key]:
-                pos[q] += 1
-            moved.update(issuers[key])
-        for r, a in enumerate(at):    # only a rank that issued, or waits for what is done now, goes on
-            if r in moved or (isinstance(a, str) and a in done):
-                at[r] = advance(r)
+    for r in range(len(ranks)):
+        advance(r)
+    while ready:
+        e = ready.pop()
+        start = max(max(clock[q] for q in issuers[e.key]), link_free.get(e.link, 0.0))
+        done[e.key] = link_free[e.link] = start + e.seconds
+        for q in issuers[e.key]:
+            pos[q] += 1
+            advance(q)
+        for q in blocked.pop(e.key, ()):
+            advance(q)
+    if any(p < len(events) for p, events in zip(pos, ranks)):
+        raise ValueError("the ranks' collectives cannot all start: ranks of a group must issue the same sequence on it")
+    return max(clock), busy, ends
 
 
 def repeated(events: list, steps: int) -> list:
@@ -121,6 +127,6 @@ def repeated(events: list, steps: int) -> list:
     apart (alike on every rank)."""
     out: list = []
     for k in range(steps):
-        out += [replace(e, key=f"{k}:{e.key}") if isinstance(e, (Issue, Wait)) else e for e in events]
+        out += [e._replace(key=f"{k}:{e.key}") if type(e) in (Issue, Wait) else e for e in events]
         out.append(StepEnd())
     return out

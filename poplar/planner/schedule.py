@@ -174,6 +174,7 @@ class StepSchedule:
         # by the distinct ranks (group, kind, samples, micro-steps): a schedule is one cost model's, whose kinds
         # every call passes (CostModel.schedule)
         self._steps: dict[tuple, float] = {}
+        self._micro: dict[tuple, list] = {}
 
     def step_s(self, plan, rank_kinds: list[str], kinds: dict) -> float:
         """The plan's step time: every distinct rank (group, kind and micro-batches) followed together; a group
@@ -229,14 +230,22 @@ class StepSchedule:
             units = [UnitTimes(f, b, g, r, mid) for (f, b, mid), g, r in zip(self._split(kind_cost, m, c), gather_s,
                                                                              reduce_s)]
             tag = f"{link}.{j if every else ''}."
-            micro_events = micro_step_events(units, gathers=self.stage == 3, reduces=every or last,
-                                             max_inflight=self.max_inflight if every else None, tag=tag, link=link,
-                                             prefetch=self.prefetch)
+            micro_events = self._micro_step_events(units, gathers=self.stage == 3, reduces=every or last,
+                                                   max_inflight=self.max_inflight if every else None, tag=tag,
+                                                   link=link, prefetch=self.prefetch)
             if last:
                 micro_events, placed = self._finishing(micro_events, tag, self._anatomy(kind_cost, m))
             events += self._sum_across(micro_events, tag, link, gather_s) if self.shape and last else micro_events
         anatomy = self._anatomy(kind_cost, micro[-1][0])
         return self._step_ends(self._checked(events), kind_cost.per_step_s, anatomy, link, gather_s, placed)
+
+    def _micro_step_events(self, units: list[UnitTimes], **how) -> list:
+        """:func:`micro_step_events`, written once a schedule for micro-steps alike (a rank's accumulation, and the
+        plans a search tries, repeat them); the list is shared: read, never changed."""
+        key = (tuple(units), *sorted(how.items()))
+        if key not in self._micro:
+            self._micro[key] = micro_step_events(units, **how)
+        return self._micro[key]
 
     def _finishing(self, events: list, tag: str, anatomy) -> tuple[list, float]:
         """The last micro-step's end as the engine runs it: after the root's gradient collective, the work before

@@ -161,6 +161,8 @@ def _share_steps(run: RankRun, stage: int, states: States, options: ProfileOptio
     if stage == 0 or n < 2 or run.shares is not None or run.group is not None:
         return [], []
     vectors = skewed_shares(run.agree_sizes([int(run.device.capacity)])[0])
+    if not vectors:     # every rank as much memory (every rank agrees)
+        return [], []
     headroom = int(run.device.probe_headroom * run.device.capacity)
     held = [held_at_shares(states.most, states.sharded, states.units, stage, v, run.rank, options.precision)
             for v in vectors]

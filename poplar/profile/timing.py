@@ -115,11 +115,14 @@ def point_sizes(max_micro_batch: int, n_points: int) -> list[int]:
 def skewed_shares(capacities: list[int]) -> list[list[float]]:
     """The share vectors the once-per-step part is timed at with unlike shares (stages 1-3), for ranks of these
     memory capacities: the first rank with the most memory holds more than an even share, the others less, at
-    two skews (so that a card with no room for more is never given more).
+    two skews (so that a card with no room for more is never given more). None where every rank has as much
+    memory: no plan takes unlike shares there (memory binds every rank alike: the planner's even split stands).
 
-    >>> skewed_shares([80, 40]), fraction_held(skewed_shares([80, 40])[0], 1)
-    ([[1.5, 1.0], [2.0, 1.0]], 0.4)
+    >>> skewed_shares([80, 40]), fraction_held(skewed_shares([80, 40])[0], 1), skewed_shares([80, 80])
+    ([[1.5, 1.0], [2.0, 1.0]], 0.4, [])
     """
+    if len(set(capacities)) < 2:
+        return []
     big = capacities.index(max(capacities))
     return [[1.0 + k * SHARE_SKEW * (r == big) for r in range(len(capacities))] for k in (1, 2)]
 

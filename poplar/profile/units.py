@@ -50,12 +50,17 @@ def unit_numels(workload: str | Workload | torch.nn.Module, config: EngineConfig
 
 
 def bucket_numels(workload: str | Workload, config: EngineConfig | None = None) -> tuple[int, ...]:
-    """:func:`unit_numels` of the workload's model built on fake tensors (a model of any size, nothing allocated):
-    the sizes of the engine's gradient buckets, which the collectives are also timed at."""
+    """:func:`unit_numels` of the workload's model: the sizes of the engine's gradient buckets, which the
+    collectives are also timed at. Built on fake tensors (a model of any size, nothing allocated; a module given
+    with real weights copied as fake ones); where a model's own code cannot run on them, built as it is."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode():
-        return tuple(unit_numels(as_workload(workload).build(), config))
+    wl = as_workload(workload)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return tuple(unit_numels(wl.build(), config))
+    except Exception:     # (a model's code that reads values, say): the sizes are what matter, not how fast
+        return tuple(unit_numels(wl.build(), config))
 
 
 class _FlopsByUnit(TorchDispatchMode):

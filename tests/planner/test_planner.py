@@ -186,3 +186,26 @@ def test_poplars_split_is_never_predicted_slower_than_any_baselines():
             for name in ("uniform", "proportional", "measured-peak"):
                 other = allocations.get(name)
                 assert other is None or other.plan is None or mine <= other.predicted.step_s, (kinds, stage, name)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_planning_pauses_the_cycle_collector_and_leaves_it_as_it_was(enabled):
+    import gc
+
+    from poplar.planner import planner
+
+    seen = []
+    original = planner.plan_stage
+
+    def watched(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return original(*args, **kwargs)
+
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(planner, "plan_stage", watched)
+            make_plan(make_profile(KINDS), 64, [0, 3])
+        assert seen and not any(seen) and gc.isenabled() == enabled
+    finally:
+        gc.enable()

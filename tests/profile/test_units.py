@@ -79,3 +79,30 @@ def test_each_unit_counts_its_own_forward_flops_and_together_the_whole_model():
     root, *blocks = default
     assert len(blocks) == 2 and blocks[0] == blocks[1] > root > 0     # the blocks alike; the head in the root
     assert len(small) > len(default) and small[0] == root               # sub-units take their FLOPs from the block
+
+
+def test_the_bucket_sizes_are_the_units_of_a_preset_a_module_given_and_a_model_that_reads_values():
+    """The collectives are timed at the engine's unit sizes, read from the model built on fake tensors: a
+    preset's, a module given with real weights (copied as fake ones), and one whose build reads a value (built as
+    it is)."""
+    import torch
+
+    from poplar.integrations.module_source import ModuleSource, output_loss
+    from poplar.models import build_model
+    from poplar.profile.units import bucket_numels
+
+    config = EngineConfig(unit_numel=SMALL_UNITS)
+    assert bucket_numels("tiny", config) == tuple(unit_numels("tiny", config)) and len(bucket_numels("tiny")) > 1
+    given = build_model("tiny")
+    source = ModuleSource(given, lambda model, batch: output_loss(model, batch).float().mean(),
+                          [torch.randint(0, 100, (8,)) for _ in range(4)], lambda xs: torch.stack(xs))
+    assert bucket_numels(source, config) == tuple(unit_numels(given, config))
+
+    class ReadsAValue(ModuleSource):
+        def build(self, seed: int = 0):
+            model = super().build(seed)
+            for p in model.parameters():
+                p.requires_grad_(bool(p.detach().abs().sum().item() >= 0))    # a value read: no fake tensor has it
+            return model
+    reads = ReadsAValue(given, source.loss, source.dataset, source.collate)
+    assert bucket_numels(reads, config) == tuple(unit_numels(given, config))

@@ -207,3 +207,23 @@ def test_simulating_joins_no_process_group():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "group False"
+
+
+@pytest.mark.parametrize("gpus", [("A100-80GB", "H100-80GB"), ("A100-80GB", "A100-40GB")])
+def test_the_steps_at_unlike_shares_are_recorded_only_where_memories_differ(gpus):
+    """Uneven shares are planned only where the ranks' memories differ (memory binds alike ranks alike): the
+    steps at unlike shares are simulated there only, as the profiler times them; the plan is the same."""
+    from poplar.planner import make_plan
+    from poplar.profile.options import ProfileOptions
+
+    cluster = {"devices": [{"kind": f"k{i}", "gpu": g} for i, g in enumerate(gpus)], "memory_scale": 0.002}
+    prof = simulate_profile("tiny", cluster, ProfileOptions(stages=(2,), n_points=2))
+    unlike = gpus[1] == "A100-40GB"
+    for kind in ("k0", "k1"):
+        sp = prof.stage(kind, 2)
+        assert bool(sp.share_steps) == bool(sp.share_gathers) == unlike, kind
+    if not unlike:     # had they been recorded, the plan would not read them
+        fake = {k: prof.stage(k, 2).model_copy(update={"share_steps": [(0.4, 1.0), (0.6, 9.0)]}) for k in ("k0", "k1")}
+        other = prof.model_copy(update={"devices": {k: d.model_copy(update={"stages": {2: fake[k]}})
+                                                    for k, d in prof.devices.items()}})
+        assert make_plan(other, 64, [2]).predicted == make_plan(prof, 64, [2]).predicted
