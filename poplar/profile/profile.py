@@ -161,7 +161,7 @@ class DeviceProfile(BaseModel):
     stages: dict[int, StageProfile] = Field(default_factory=dict)
 
 
-def _latency_plus_share(full_s: float, latency_s: float, numel: float, timed_numel: int,
+def _on_pieces(full_s: float, latency_s: float, numel: float, timed_numel: int,
                         between: list[tuple[int, float]] | None = None) -> float:
     """A collective on ``numel`` elements, from its time on ``timed_numel``: the latency plus its share of the rest,
     on a line through the latency and each size timed ``between`` (``(numel, seconds)``), as NCCL's choice of ring or
@@ -202,7 +202,7 @@ class CommProfile(BaseModel):
         ...                   latency_s={"all_reduce": 0.001}).seconds("all_reduce", 500), 9)
         0.006
         """
-        return _latency_plus_share(getattr(self, f"{which}_s"), self.latency_s.get(which, 0.0), numel, self.numel,
+        return _on_pieces(getattr(self, f"{which}_s"), self.latency_s.get(which, 0.0), numel, self.numel,
                                    (self.between_s or {}).get(which))
 
 
@@ -226,12 +226,12 @@ class ShapedComm(BaseModel):
 
     def across_seconds(self, numel: float) -> float:
         """The sum across nodes of ``numel`` fp32 elements on the links: its latency plus its share of the bandwidth."""
-        return _latency_plus_share(self.reduce_across_s, self.across_latency_s, numel, self.numel,
+        return _on_pieces(self.reduce_across_s, self.across_latency_s, numel, self.numel,
                                    self.across_between_s)
 
     def sum_seconds(self, numel: float) -> float:
         """The compute that adds the parts of ``numel`` fp32 elements once they are across."""
-        return _latency_plus_share(self.sum_s or 0.0, self.sum_latency_s, numel, self.numel)
+        return _on_pieces(self.sum_s or 0.0, self.sum_latency_s, numel, self.numel)
 
 
 CommProfile.model_rebuild()

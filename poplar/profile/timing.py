@@ -191,14 +191,18 @@ def _timed_parts(device: Device, issue: Callable[[], Any], repeats: int) -> tupl
     return tuple(statistics.median(x[j] for x in out) for j in range(3))
 
 
+def _padded(numel: int, world: int) -> int:
+    """``numel`` padded to a multiple of ``world`` (a reduce-scatter's buffer over its ranks)."""
+    return -(-numel // world) * world
+
+
 def between_sizes(units: list[int] | tuple[int, ...], numel: int, world: int) -> list[int]:
     """The sizes a collective over ``world`` ranks is also timed at, between a tiny buffer and ``numel``: the
     engine's distinct unit sizes (its buckets, as it issues them), padded to the ranks; at most
     :data:`BETWEEN_MOST` (the smallest, the middle and the largest)."""
-    def padded(n: int) -> int:
-        return -(-n // world) * world
-    inside = sorted({padded(n) for n in units} - {padded(numel)})
-    inside = [n for n in inside if world * 64 < n < padded(numel)]
+    whole = _padded(numel, world)
+    inside = sorted({_padded(n, world) for n in units} - {whole})
+    inside = [n for n in inside if world * 64 < n < whole]
     return inside if len(inside) <= BETWEEN_MOST else [inside[0], inside[len(inside) // 2], inside[-1]]
 
 
@@ -206,7 +210,7 @@ def time_ops(device: Device, comm, numel: int, repeats: int, units: tuple[int, .
     """All-reduce, reduce-scatter and all-gather over ``comm``'s ranks, at ``numel`` (padded), at a tiny size and at
     the sizes between of ``units`` (:func:`between_sizes`)."""
     world = comm.world_size
-    padded = -(-numel // world) * world
+    padded = _padded(numel, world)
 
     def timed(op: str, n: int) -> float:
         full, shard = torch.zeros(n, device=device.torch_device), torch.zeros(n // world, device=device.torch_device)
