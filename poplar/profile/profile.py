@@ -162,7 +162,7 @@ class DeviceProfile(BaseModel):
 
 
 def _on_pieces(full_s: float, latency_s: float, numel: float, timed_numel: int,
-                        between: list[tuple[int, float]] | None = None) -> float:
+               between: list[tuple[int, float]] | None = None) -> float:
     """A collective on ``numel`` elements, from its time on ``timed_numel``: the latency plus its share of the rest,
     on a line through the latency and each size timed ``between`` (``(numel, seconds)``), as NCCL's choice of ring or
     tree bends it; beyond the last size on the last piece's slope."""
