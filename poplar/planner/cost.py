@@ -211,6 +211,17 @@ class CostModel:
 
     # -- a whole plan -------------------------------------------------------------------
     def predict(self, plan: Plan) -> Prediction:
+        busy = self.busy_s(plan)
+        if self.profile.comm is None or len(self.ranks) < 2:
+            step = max(busy) + self.comm_s(int(max(plan.accum_steps)))
+        else:
+            step = self.schedule.step_s(plan, self.rank_kinds, self.kinds)
+        return Prediction(step_s=step, busy_s=busy, comm_s=step - max(busy), global_batch=plan.global_batch_size,
+                          seq_len=self.profile.model.seq_len)
+
+    def busy_s(self, plan: Plan) -> list[float]:
+        """Each rank's compute seconds in ``plan`` (in its order): no step of it is shorter than the most of them
+        (a rank's scheduled compute adds up to at least its busy time, and its collectives only add waits)."""
         if plan.world_size != len(self.ranks):
             raise ValueError(f"the plan has {plan.world_size} ranks, the cost model {len(self.ranks)}")
         if plan.zero_stage != self.stage:
@@ -219,7 +230,7 @@ class CostModel:
             raise ValueError(f"the plan is {plan.shape}, the cost model for "
                              f"{'flat' if not self.shape else 'the nodes ' + str(self.shard_groups)}")
         samples, accum = np.array(plan.local_batch_sizes), np.array(plan.accum_steps)
-        busy_arr = np.zeros(len(self.ranks))
+        busy = np.zeros(len(self.ranks))
         for kind, idx in self._rank_index.items():
             kc = self.kinds[kind]
             over = [i for i in idx if plan.micro_batch_sizes[i] > kc.max_micro_batch]
@@ -227,14 +238,8 @@ class CostModel:
                 i = over[0]
                 raise ValueError(f"rank {self.ranks[i]} ({kind}): micro-batch {plan.micro_batch_sizes[i]} is over "
                                  f"its stage-{self.stage} limit {kc.max_micro_batch}")
-            busy_arr[idx] = kc.busy(samples[idx], accum[idx])
-        busy = busy_arr.tolist()
-        if self.profile.comm is None or len(self.ranks) < 2:
-            step = max(busy) + self.comm_s(int(accum.max()))
-        else:
-            step = self.schedule.step_s(plan, self.rank_kinds, self.kinds)
-        return Prediction(step_s=step, busy_s=busy, comm_s=step - max(busy), global_batch=plan.global_batch_size,
-                          seq_len=self.profile.model.seq_len)
+            busy[idx] = kc.busy(samples[idx], accum[idx])
+        return busy.tolist()
 
     @cached_property
     def schedule(self) -> StepSchedule:
