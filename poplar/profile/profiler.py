@@ -175,16 +175,23 @@ def _merge_comm(ranks: list[RankProfile]) -> CommProfile:
 
 
 def assemble(wl: Workload, spec: ClusterSpec, precision: str, config: EngineConfig,
-              stages: dict[tuple[str, int], StageProfile], comm: CommProfile | None) -> Profile:
+             stages: dict[tuple[str, int], StageProfile], comm: CommProfile | None,
+             info: ModelInfo | None = None) -> Profile:
+    """The profile of ``stages`` and ``comm`` on ``spec``; ``info``: the model's (:func:`model_info`), where known."""
     kinds = {d.kind: d for d in spec.devices}
     devices = {k: DeviceProfile(kind=k, memory_gb=spec.memory_bytes(d) / 2**30,
                                 rated_tflops=_rated_tflops(d, precision),
                                 stages={s: sp for (kk, s), sp in sorted(stages.items()) if kk == k})
                for k, d in kinds.items()}
+    engine = EngineOptions(**config.model_dump(include=set(EngineOptions.model_fields)))
+    return Profile(model=info or model_info(wl, precision, config), ranks=[d.kind for d in spec.rank_devices()],
+                   devices=devices, comm=comm, engine=engine)
+
+
+def model_info(wl: Workload, precision: str, config: EngineConfig) -> ModelInfo:
+    """What a profile says of the model: its parameters, the engine's units of it and their FLOPs (the model
+    built: on fake tensors, where made inside them)."""
     model = wl.build()
-    info = ModelInfo(name=wl.name, n_params=sum(p.numel() for p in model.parameters()),
+    return ModelInfo(name=wl.name, n_params=sum(p.numel() for p in model.parameters()),
                      unit_numels=unit_numels(model, config), unit_flops=unit_flops(wl, config, model),
                      seq_len=wl.seq_len, dtype=precision)
-    engine = EngineOptions(**config.model_dump(include=set(EngineOptions.model_fields)))
-    return Profile(model=info, ranks=[d.kind for d in spec.rank_devices()], devices=devices, comm=comm,
-                   engine=engine)

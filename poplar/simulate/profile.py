@@ -66,8 +66,10 @@ def simulate_stages(workload: str | Workload, cluster, options: ProfileOptions |
     return out
 
 
-# The saved bytes depend on the model and the precision only: measured once a process, for the last few.
+# The saved bytes depend on the model and the precision only, the model's units and their FLOPs on the engine's
+# options too: each made once a process, for the last few.
 _SAVED = Kept(most=4)
+_INFO = Kept(most=4)
 
 
 def _saved(device: CountingDevice, wl: ModelSource, precision: str) -> Activations:
@@ -285,13 +287,15 @@ def _largest(saved: Activations, held: int, capacity: int, limit: int) -> int:
 def simulate_profile(workload: str | Workload, cluster, options: ProfileOptions | None = None,
                      config: EngineConfig | None = None) -> Profile:
     """The :class:`Profile` of ``workload`` on ``cluster``, simulated (see the module)."""
-    from poplar.profile.profiler import assemble
+    from poplar.profile.profiler import assemble, model_info
 
     options, config = _resolved(options, config)
     wl, spec = as_workload(workload), parse_cluster(cluster)
     stages = simulate_stages(wl, spec, options, config)
-    with fake_tensors():     # the model is built once more, for its units: of any size
-        profile = assemble(wl, spec, options.precision, config, stages, None)
+    with fake_tensors():     # the model is built once more, for its units: of any size; once a process
+        info = _INFO.get_or((model_key(wl), options.precision, config.model_dump_json()),
+                            lambda: model_info(wl, options.precision, config))
+    profile = assemble(wl, spec, options.precision, config, stages, None, info.model_copy(deep=True))
     return profile.model_copy(update={"comm": simulated_comm(spec, wl.n_params(), tuple(profile.model.unit_numels))})
 
 
