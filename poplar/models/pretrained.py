@@ -21,6 +21,7 @@ on the meta device: their names and shapes, not their tensors.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -126,6 +127,32 @@ class ModelDirectory(BaseModel):
         else:
             torch.manual_seed(seed)
             model = auto.from_config(self.config, dtype=torch.float32)
+        self._configure(model)
+        return checkpointing.enable(model) if self.activation_checkpointing else model
+
+    @property
+    def layers(self) -> int | None:
+        """The model's alike layers, where it can be built with fewer (:meth:`build_layers`; the simulator draws a
+        deep model's step from shallow ones, :mod:`poplar.simulate.layers`): its config's ``num_hidden_layers``,
+        unless a setting of one value a layer tells its layers apart (alternating attention, say)."""
+        n = getattr(self.config, "num_hidden_layers", None)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            return None
+        per_layer = [v for v in self.config.to_dict().values() if isinstance(v, list) and len(v) == n]
+        if any(len({json.dumps(x, sort_keys=True) for x in values}) > 1 for values in per_layer):
+            return None
+        return n
+
+    def build_layers(self, layers: int, seed: int = 0) -> torch.nn.Module:
+        """The model with ``layers`` of its alike layers (:attr:`layers`), initialised from ``seed``: never its
+        weights (a shallow model is only counted)."""
+        config, n = copy.deepcopy(self.config), self.layers
+        for key, value in self.config.to_dict().items():   # (settings of one value a layer: as many as built)
+            if isinstance(value, list) and len(value) == n:
+                setattr(config, key, value[:layers])
+        config.num_hidden_layers = layers
+        torch.manual_seed(seed)
+        model = _auto_class(self.task).from_config(config, dtype=torch.float32)
         self._configure(model)
         return checkpointing.enable(model) if self.activation_checkpointing else model
 

@@ -82,13 +82,9 @@ def test_a_source_without_fewer_layers_is_run_as_it_is():
     assert not hasattr(FactorySource, "build_layers")
 
 
-def test_the_simulated_profile_drawn_from_shallow_steps_is_the_one_run_on_the_whole_model(monkeypatch):
-    """The whole procedure (states, largest micro-batch, timed points, anatomy, steps at unlike shares) on a
-    model of 5 layers: drawn from 2 and 3 (checked at 4), against the same run on all 5."""
-    wl = Shallow(Workload(model="llama-125m", seq_len=32), 5)
-    options = ProfileOptions(stages=(2,), n_points=2, max_micro_batch=4, precision="fp16")
-    cluster = {**CLUSTER, "memory_scale": 0.02}
-
+def _drawn_and_whole(wl, options, cluster, monkeypatch):
+    """The stages simulated with ``wl``'s deep steps drawn from shallow ones (every drawing checked and kept),
+    and again on the whole model."""
     def fresh():
         for memo in (recording.COUNTED, recording.SHARED, simulated._SAVED, recording.DRAWN):
             memo.clear()
@@ -96,12 +92,69 @@ def test_the_simulated_profile_drawn_from_shallow_steps_is_the_one_run_on_the_wh
     drawn = simulated.simulate_stages(wl, cluster, options)
     assert all(recording.DRAWN.values()) and recording.DRAWN
     fresh()
-    monkeypatch.setattr(simulated, "layers_of", lambda source: None)
-    monkeypatch.setattr(recording, "layers_of", lambda source: None)
-    whole = simulated.simulate_stages(wl, cluster, options)
+    with monkeypatch.context() as m:
+        m.setattr(simulated, "layers_of", lambda source: None)
+        m.setattr(recording, "layers_of", lambda source: None)
+        whole = simulated.simulate_stages(wl, cluster, options)
     fresh()
     assert drawn.keys() == whole.keys()
     for key in drawn:
         assert drawn[key].model_dump() == whole[key].model_dump(), key
+    return drawn
+
+
+def test_the_simulated_profile_drawn_from_shallow_steps_is_the_one_run_on_the_whole_model(monkeypatch):
+    """The whole procedure (states, largest micro-batch, timed points, anatomy, steps at unlike shares) on a
+    model of 5 layers: drawn from 2 and 3 (checked at 4), against the same run on all 5."""
+    wl = Shallow(Workload(model="llama-125m", seq_len=32), 5)
+    options = ProfileOptions(stages=(2,), n_points=2, max_micro_batch=4, precision="fp16")
+    drawn = _drawn_and_whole(wl, options, {**CLUSTER, "memory_scale": 0.02}, monkeypatch)
     assert any(sp.share_steps for sp in drawn.values())      # the unlike shares' steps were drawn too
     assert {sp.max_micro_batch for sp in drawn.values()} != {0}
+
+
+def _config_only(directory, family: str):
+    """A config.json of 6 layers 768 wide (as small real models are: a step's operators of unlike kinds then differ
+    in size, which the drawing's diff aligns by), no weights: the simulator builds on fake tensors."""
+    import transformers as tf
+
+    small = dict(vocab_size=320, num_hidden_layers=6, num_attention_heads=4, max_position_embeddings=128)
+    config = {"qwen2": lambda: tf.Qwen2Config(hidden_size=768, intermediate_size=1536, num_key_value_heads=2,
+                                              architectures=["Qwen2ForCausalLM"], **small),
+              "gpt2": lambda: tf.GPT2Config(n_embd=768, n_layer=6, n_head=4, n_positions=128, vocab_size=320,
+                                            architectures=["GPT2LMHeadModel"]),
+              "bert": lambda: tf.BertConfig(hidden_size=768, intermediate_size=1536, architectures=["BertForMaskedLM"],
+                                            **small)}[family]()
+    config.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("family, stage", [("qwen2", 3), ("gpt2", 2), ("bert", 1)])
+def test_a_model_directory_is_drawn_from_shallow_steps_as_a_preset_is(tmp_path, monkeypatch, family, stage):
+    """A user's own Hugging Face directory of 6 alike layers (a causal LM of the Llama line, GPT-2's Conv1D
+    layers and tied head, a masked LM): its simulated profile drawn from 2 and 3 layers, as run on all 6."""
+    from poplar.models.pretrained import ModelDirectory
+
+    wl = ModelDirectory(directory=str(_config_only(tmp_path / "m", family)), seq_len=16)
+    assert layers_of(wl) == 6 and sum(p.numel() for p in wl.build_layers(6).parameters()) == wl.n_params()
+    options = ProfileOptions(stages=(stage,), n_points=2, max_micro_batch=4, precision="fp16")
+    drawn = _drawn_and_whole(wl, options, {**CLUSTER, "memory_scale": 0.01}, monkeypatch)
+    assert {sp.max_micro_batch for sp in drawn.values()} != {0}
+
+
+def test_a_directory_whose_layers_differ_by_a_setting_is_run_whole(tmp_path):
+    """Layers told apart by a setting of one value a layer (Qwen2's sliding window from its fourth layer on) are
+    not alike: such a model is not drawn from shallow ones; where every layer's value is alike, it is."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from poplar.models.pretrained import ModelDirectory
+
+    for name, window in (("alike", {}), ("unlike", {"use_sliding_window": True, "sliding_window": 8,
+                                                    "max_window_layers": 3})):
+        config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **window)
+        Qwen2ForCausalLM(config).save_pretrained(tmp_path / name)
+    assert layers_of(ModelDirectory(directory=str(tmp_path / "alike"), seq_len=16)) == 6
+    assert layers_of(ModelDirectory(directory=str(tmp_path / "unlike"), seq_len=16)) is None
+    shallow = ModelDirectory(directory=str(tmp_path / "alike"), seq_len=16).build_layers(2)
+    assert shallow.config.num_hidden_layers == 2 and len(shallow.model.layers) == 2
