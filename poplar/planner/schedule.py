@@ -164,9 +164,16 @@ class StepSchedule:
         self.max_inflight, self.prefetch = profile.engine.max_inflight_reduces, profile.engine.prefetch
         comms = shape.inside if shape else [profile.comm]
         reduce_op = "all_reduce" if stage == 0 and not shape else "reduce_scatter"
-        self.reduce_s = [[c.seconds(reduce_op, n) for n in self.numels] for c in comms]
+        # each group's collectives at each unit's size, read once for groups of alike links (64 nodes, one link);
         # uneven shares: each rank's slice padded to the largest (gather_scale x the even gather's bytes)
-        self.gather_s = [[c.seconds("all_gather", n * gather_scale) for n in self.numels] for c in comms]
+        read: dict[str, tuple[list[float], list[float]]] = {}
+        keys = [c.model_dump_json() for c in comms]
+        for key, c in zip(keys, comms):
+            if key not in read:
+                read[key] = ([c.seconds(reduce_op, n) for n in self.numels],
+                             [c.seconds("all_gather", n * gather_scale) for n in self.numels])
+        self.reduce_s = [read[key][0] for key in keys]
+        self.gather_s = [read[key][1] for key in keys]
         self.across_s = [shape.across.across_seconds(n) for n in self.numels] if shape else []
         self.sum_s = [shape.across.sum_seconds(n) for n in self.numels] if shape else []
         # the step's own all-reduces of a few numbers over the world (batch check, loss, norm): latency only
