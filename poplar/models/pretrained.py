@@ -139,7 +139,7 @@ class ModelDirectory(BaseModel):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             return None
         per_layer = [v for v in self.config.to_dict().values() if isinstance(v, list) and len(v) == n]
-        if any(len({json.dumps(x, sort_keys=True) for x in values}) > 1 for values in per_layer):
+        if any(len({json.dumps(x, sort_keys=True, default=str) for x in values}) > 1 for values in per_layer):
             return None
         return n
 
