@@ -114,14 +114,14 @@ def test_the_simulated_profile_drawn_from_shallow_steps_is_the_one_run_on_the_wh
 
 
 def _config_only(directory, family: str):
-    """A config.json of 6 layers 768 wide (as small real models are: a step's operators of unlike kinds then differ
+    """A config.json of 5 layers 768 wide (as small real models are: a step's operators of unlike kinds then differ
     in size, which the drawing's diff aligns by), no weights: the simulator builds on fake tensors."""
     import transformers as tf
 
-    small = dict(vocab_size=320, num_hidden_layers=6, num_attention_heads=4, max_position_embeddings=128)
+    small = dict(vocab_size=320, num_hidden_layers=5, num_attention_heads=4, max_position_embeddings=128)
     config = {"qwen2": lambda: tf.Qwen2Config(hidden_size=768, intermediate_size=1536, num_key_value_heads=2,
                                               architectures=["Qwen2ForCausalLM"], **small),
-              "gpt2": lambda: tf.GPT2Config(n_embd=768, n_layer=6, n_head=4, n_positions=128, vocab_size=320,
+              "gpt2": lambda: tf.GPT2Config(n_embd=768, n_layer=5, n_head=4, n_positions=128, vocab_size=320,
                                             architectures=["GPT2LMHeadModel"]),
               "bert": lambda: tf.BertConfig(hidden_size=768, intermediate_size=1536, architectures=["BertForMaskedLM"],
                                             **small)}[family]()
@@ -131,12 +131,12 @@ def _config_only(directory, family: str):
 
 @pytest.mark.parametrize("family, stage", [("qwen2", 3), ("gpt2", 2), ("bert", 1)])
 def test_a_model_directory_is_drawn_from_shallow_steps_as_a_preset_is(tmp_path, monkeypatch, family, stage):
-    """A user's own Hugging Face directory of 6 alike layers (a causal LM of the Llama line, GPT-2's Conv1D
-    layers and tied head, a masked LM): its simulated profile drawn from 2 and 3 layers, as run on all 6."""
+    """A user's own Hugging Face directory of 5 alike layers (a causal LM of the Llama line, GPT-2's Conv1D
+    layers and tied head, a masked LM): its simulated profile drawn from 2 and 3 layers, as run on all 5."""
     from poplar.models.pretrained import ModelDirectory
 
     wl = ModelDirectory(directory=str(_config_only(tmp_path / "m", family)), seq_len=16)
-    assert layers_of(wl) == 6 and sum(p.numel() for p in wl.build_layers(6).parameters()) == wl.n_params()
+    assert layers_of(wl) == 5 and sum(p.numel() for p in wl.build_layers(5).parameters()) == wl.n_params()
     options = ProfileOptions(stages=(stage,), n_points=2, max_micro_batch=4, precision="fp16")
     drawn = _drawn_and_whole(wl, options, {**CLUSTER, "memory_scale": 0.01}, monkeypatch)
     assert {sp.max_micro_batch for sp in drawn.values()} != {0}
