@@ -75,7 +75,18 @@ def _grouped_query(count, first: int, heads_dim: int):
     return wrapped
 
 
+def _grouped_mm_flops(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:
+    """A grouped matrix product (a mixture of experts' layers: each expert's rows against its weights) costs its
+    groups' products together, whatever the split: 2 x rows x inner x columns, times the groups where both are
+    batched (flop_counter has no formula for it)."""
+    a, b = _shape(mat_a), _shape(mat_b)
+    batched = a[0] if len(a) == 3 and len(b) == 3 else 1
+    return 2 * batched * a[-2] * a[-1] * b[-1]
+
+
 _FLOPS = dict(flop_counter.flop_registry)
+if hasattr(_aten, "_grouped_mm"):
+    _FLOPS[_aten._grouped_mm] = _grouped_mm_flops
 for _name, _fwd in (("_scaled_dot_product_flash_attention_for_cpu", True),
                     ("_scaled_dot_product_flash_attention_for_cpu_backward", False)):
     if hasattr(_aten, _name):

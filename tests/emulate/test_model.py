@@ -92,3 +92,38 @@ def test_grouped_query_attention_costs_what_repeated_key_value_heads_cost(name):
             "_efficient_attention_backward": [None, q, None, None, 16, 16]}.get(name, [])
     counted = _FLOPS[packet](*args, *rest, out_val=None)
     assert counted == _FLOPS[packet](*same, *rest, out_val=None) > 0
+
+
+def test_a_grouped_matrix_product_costs_its_groups_products():
+    """A mixture of experts' grouped product (every layout torch runs: rows, inner or columns split in groups, or
+    batched) costs what its groups' matrix products cost, each counted by flop_counter; seeded splits."""
+    import random
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from poplar.emulate.model import _FLOPS
+
+    if not hasattr(torch.ops.aten, "_grouped_mm"):
+        pytest.skip("no grouped matrix product in this torch")
+    rng = random.Random(3)
+    for _ in range(12):
+        groups, m, k, n = rng.randint(1, 4), 8 * rng.randint(1, 4), 8 * rng.randint(1, 4), 8 * rng.randint(1, 4)
+        sizes = [8 * rng.randint(0, 3) for _ in range(groups)]
+        sizes[rng.randrange(groups)] += 8     # (a group may be empty, not all: the kernels want rows)
+        ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+        total, cuts = int(ends[-1]), [0, *ends.tolist()]
+        layouts = {  # (a, b, offs), the groups' products
+            "rows": (torch.randn(total, k), torch.randn(groups, k, n), ends,
+                     lambda a, b: [a[s:e] @ b[g] for g, (s, e) in enumerate(zip(cuts, cuts[1:]))]),
+            "inner": (torch.randn(m, total), torch.randn(total, n), ends,
+                      lambda a, b: [a[:, s:e] @ b[s:e] for s, e in zip(cuts, cuts[1:])]),
+            "columns": (torch.randn(groups, m, k), torch.randn(k, total), ends,
+                        lambda a, b: [a[g] @ b[:, s:e] for g, (s, e) in enumerate(zip(cuts, cuts[1:]))]),
+            "batched": (torch.randn(groups, m, k), torch.randn(groups, k, n), None,
+                        lambda a, b: [a[g] @ b[g] for g in range(groups)]),
+        }
+        for name, (a, b, offs, products) in layouts.items():
+            with FlopCounterMode(display=False) as counter:
+                products(a, b)
+            counted = _FLOPS[torch.ops.aten._grouped_mm](a, b, offs, out_val=torch._grouped_mm(a, b, offs))
+            assert counted == counter.get_total_flops(), (name, groups, m, k, n, sizes)

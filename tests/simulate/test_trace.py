@@ -11,7 +11,7 @@ from poplar.profile.timing import RankRun
 from poplar.simulate.fake import fake_tensors
 from poplar.simulate.profile import _largest, _saved_bytes
 from poplar.simulate.recording import Recording
-from poplar.simulate.trace import Activations, CountingDevice, Recorder, Steps, Trace
+from poplar.simulate.trace import Activations, CountingDevice, Recorder, Steps, Trace, operator_name
 from poplar.workload import Workload
 
 CLUSTER = parse_cluster({"devices": [{"kind": "big", "gpu": "A100-80GB"}, {"kind": "small", "gpu": "T4-16GB"}]})
@@ -124,6 +124,44 @@ def test_fake_tensors_run_the_operators_a_real_step_runs(tmp_path, family):
         with fake:
             wl.loss(model, tuple(mode.from_tensor(t) for t in batch)).backward()
     assert fake.names == real.names and len(real.names) > 50
+
+
+def _mixture_of_experts(directory):
+    """A Mixtral config (4 experts, 2 a token; widths the grouped kernels' alignment takes), no weights."""
+    from transformers import MixtralConfig
+
+    MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=256,
+                  max_position_embeddings=64, architectures=["MixtralForCausalLM"]).save_pretrained(directory)
+    return directory
+
+
+def test_a_mixture_of_experts_is_counted_on_fake_tensors_as_on_real_ones(tmp_path):
+    """A mixture of experts' step (transformers' grouped products of the experts' rows, which torch's shape
+    function takes only in bf16): on the simulator's fake tensors in fp32, the operators, FLOPs and bytes a real
+    step counts, the experts' products with their FLOPs; and a step in each mixed precision is recorded."""
+    from poplar.workload import model_source
+
+    wl = model_source(str(_mixture_of_experts(tmp_path / "m")), seq_len=16)
+    model, batch = wl.build(), wl.random_batch(3)
+    real = _Named()
+    with real:
+        wl.loss(model, batch).backward()
+    with fake_tensors():
+        model, batch = wl.build(), wl.random_batch(3)
+        fake = _Named()
+        with fake:
+            wl.loss(model, batch).backward()
+    assert fake.names == real.names and fake.flops == real.flops and fake.nbytes == real.nbytes
+    grouped = [f for f, name in zip(real.flops, real.names) if "grouped_mm" in name]
+    assert len(grouped) >= 6 and min(grouped) > 0      # each layer's two products forward, their gradients
+    for precision in ("bf16", "fp16"):
+        run = RankRun(CountingDevice(CLUSTER, 0), 0, 2, wl, EngineConfig(mixed_precision=precision,
+                                                                          check_batches=False), 1, 1)
+        with fake_tensors(), run.device:
+            trace = Recording(run, 2).trace(1, 1)
+        experts = [f for f, op in zip(trace.flops, trace.ops) if "grouped_mm" in operator_name(int(op))]
+        assert len(experts) == len(grouped) and min(experts) > 0     # one sample's: its tokens through them
 
 
 @pytest.mark.parametrize("kink", [5, 20, 63, 64, 65, None])
