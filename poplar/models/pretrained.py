@@ -135,21 +135,25 @@ class ModelDirectory(BaseModel):
         """The model's alike layers, where it can be built with fewer (:meth:`build_layers`; the simulator draws a
         deep model's step from shallow ones, :mod:`poplar.simulate.layers`): its config's ``num_hidden_layers``,
         unless a setting of one value a layer tells its layers apart (alternating attention, say)."""
-        n = getattr(self.config, "num_hidden_layers", None)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            return None
-        per_layer = [v for v in self.config.to_dict().values() if isinstance(v, list) and len(v) == n]
-        if any(len({json.dumps(x, sort_keys=True, default=str) for x in values}) > 1 for values in per_layer):
+        n, per_layer = self._per_layer()
+        if n is None or any(len({json.dumps(x, sort_keys=True, default=str) for x in values}) > 1
+                            for values in per_layer.values()):
             return None
         return n
+
+    def _per_layer(self) -> tuple[int | None, dict[str, list]]:
+        """The config's layers (None: no count of them), and its settings of one value a layer."""
+        n = getattr(self.config, "num_hidden_layers", None)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            return None, {}
+        return n, {k: v for k, v in self.config.to_dict().items() if isinstance(v, list) and len(v) == n}
 
     def build_layers(self, layers: int, seed: int = 0) -> torch.nn.Module:
         """The model with ``layers`` of its alike layers (:attr:`layers`), initialised from ``seed``: never its
         weights (a shallow model is only counted)."""
-        config, n = copy.deepcopy(self.config), self.layers
-        for key, value in self.config.to_dict().items():   # (settings of one value a layer: as many as built)
-            if isinstance(value, list) and len(value) == n:
-                setattr(config, key, value[:layers])
+        config = copy.deepcopy(self.config)
+        for key, values in self._per_layer()[1].items():     # as many settings of one value a layer as built
+            setattr(config, key, values[:layers])
         config.num_hidden_layers = layers
         torch.manual_seed(seed)
         model = _auto_class(self.task).from_config(config, dtype=torch.float32)

@@ -24,8 +24,7 @@ as much as planning 6.
   fastest among the fewest that lets the cluster's memory hold the batch and others (a
   larger shared count also lets a memory-bound fast device take more). A count whose
   busiest rank computes longer than the fastest step found cannot beat it and is not
-  followed through the step's schedule (at 512 ranks of Llama-7B's 259 units, most of
-  the counts up to 32 micro-steps).
+  followed through the step's schedule (docs/simulate.md: what that saves at 512 ranks).
 """
 
 from __future__ import annotations

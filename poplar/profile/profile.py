@@ -203,7 +203,7 @@ class CommProfile(BaseModel):
         0.006
         """
         return _on_pieces(getattr(self, f"{which}_s"), self.latency_s.get(which, 0.0), numel, self.numel,
-                                   (self.between_s or {}).get(which))
+                          (self.between_s or {}).get(which))
 
 
 class ShapedComm(BaseModel):
@@ -226,8 +226,7 @@ class ShapedComm(BaseModel):
 
     def across_seconds(self, numel: float) -> float:
         """The sum across nodes of ``numel`` fp32 elements on the links: its latency plus its share of the bandwidth."""
-        return _on_pieces(self.reduce_across_s, self.across_latency_s, numel, self.numel,
-                                   self.across_between_s)
+        return _on_pieces(self.reduce_across_s, self.across_latency_s, numel, self.numel, self.across_between_s)
 
     def sum_seconds(self, numel: float) -> float:
         """The compute that adds the parts of ``numel`` fp32 elements once they are across."""

@@ -31,6 +31,7 @@ def _grouped_mm_of(dispatch, types, args, kwargs):
     """A grouped matrix product (a mixture of experts' layers) in fp32 or fp16, which the devices' kernels run and
     torch's shape function refuses (it knows bf16 only): its output's shape taken at bf16, in the inputs' dtype."""
     a, b, *rest = args
+    kwargs = dict(kwargs)
     dtype = kwargs.pop("out_dtype", None) or a.dtype
     out = dispatch(_GROUPED_MM, types, (a.to(torch.bfloat16), b.to(torch.bfloat16), *rest), kwargs)
     return out.to(dtype)
