@@ -1,7 +1,7 @@
 """A simulated GPU: the emulated device's model of time and memory, on fake tensors, alone.
 
 The simulator (:mod:`poplar.simulate`) profiles a model of any size without running it:
-every tensor is a fake one (a shape and a dtype, no data; ``FakeTensorMode``), and one
+every tensor is a meta one (a shape and a dtype, no data; :mod:`poplar.simulate.fake`), and one
 rank stands for each device kind. Its device is the emulated one's model, unchanged:
 every operator costs what :mod:`poplar.emulate.model` says, saved activations and the
 engine's states count against the same capacity. What it lacks is the rest of the
@@ -14,6 +14,8 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from poplar.cluster.spec import ClusterSpec
 from poplar.devices.emulated import EmulatedDevice, _Launched
@@ -81,7 +83,10 @@ class SimulatedComm(ObservedComm):
 
 
 class SimulatedDevice(EmulatedDevice):
-    """Rank ``rank`` of ``cluster``, simulated: use it with fake tensors (``FakeTensorMode``) only."""
+    """Rank ``rank`` of ``cluster``, simulated: its tensors are on the meta device
+    (:func:`poplar.simulate.fake.fake_tensors`)."""
+
+    torch_device = torch.device("meta")
 
     def __init__(self, cluster: ClusterSpec, rank: int):
         super().__init__(cluster, rank, dilation=1.0)

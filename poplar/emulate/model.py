@@ -39,7 +39,8 @@ _aten = torch.ops.aten
 # Operators that launch no kernel: allocation without a fill, storage bookkeeping.
 _FREE = {getattr(_aten, name) for name in (
     "empty", "empty_strided", "empty_like", "set_", "resize_", "lift_fresh", "_local_scalar_dense", "sym_size",
-    "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "record_stream") if hasattr(_aten, name)}
+    "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "record_stream",
+    "_fused_sdp_choice") if hasattr(_aten, name)}     # (attention's choice of kernel: the host's, asked of proxies)
 _NOT_COMPUTE = ("c10d", "_c10d_functional", "profiler", "prims", "prim")   # prim: a fake tensor's device query
 
 

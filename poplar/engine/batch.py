@@ -72,7 +72,7 @@ class BatchCheck:
         except ValueError as e:
             n, err = -1, str(e)
         sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
-        sizes[self.rank] = n
+        sizes[self.rank].fill_(n)   # (assigning a number makes a tensor of it first, off the CPU: two kernels)
         if self.enabled and self.world_size > 1:
             self._pending = (self.comm.all_reduce(sizes, async_op=True), sizes, err, n)
         else:

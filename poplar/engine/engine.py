@@ -75,7 +75,7 @@ class Engine:
         self.stage = stage(plan.zero_stage)
         self.compute_dtype = config.compute_dtype
 
-        empty = has_meta_parameters(model)
+        empty = has_meta_parameters(model, self.device)
         if empty:   # its values are read into the shards (poplar.engine.weights)
             check_empty_model(model, self.device, weights)
         elif any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):

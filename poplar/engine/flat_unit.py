@@ -97,7 +97,7 @@ class FlatUnit:
         Parameters on the meta device have no values yet (:mod:`poplar.engine.weights` reads them into the
         master): they are replaced by new parameters, views into the flat buffer (``replaced``, by the old
         one's ``id``), and in ZeRO-3 nothing but the shard is ever allocated."""
-        empty = any(s.param.is_meta for s in self.slots)
+        empty = device.type != "meta" and any(s.param.is_meta for s in self.slots)   # on meta: its own
         dtype = self.compute_dtype
         mixed = dtype != torch.float32
         if empty and self.shard_params:
@@ -110,7 +110,7 @@ class FlatUnit:
         self.replaced: dict[int, nn.Parameter] = {}
         for i, s in enumerate(self.slots):   # the module's parameters become views into the flat buffer
             view = self.full_param[s.offset:s.offset + s.numel].view(s.shape)
-            if s.param.is_meta:   # (its own version counter, as a view's data: not the flat buffer's)
+            if empty and s.param.is_meta:   # (its own version counter, as a view's data: not the flat buffer's)
                 new = nn.Parameter(torch.empty(0, dtype=dtype, device=device))
                 self.replaced[id(s.param)] = new
                 self.slots[i] = s = dataclasses.replace(s, param=new)

@@ -47,7 +47,7 @@ def runs_as_on_real_tensors() -> None:
         from torch._subclasses.fake_tensor import FakeTensor
 
         packed = find(position_ids)
-        if isinstance(packed, FakeTensor):
+        if isinstance(packed, FakeTensor) or (isinstance(packed, torch.Tensor) and packed.is_meta):
             (packed[:, -1] == 0).all()
             return None
         return packed

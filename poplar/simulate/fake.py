@@ -1,25 +1,35 @@
-"""Fake tensors for the simulator: shapes and dtypes, no data, and the values a step reads back."""
+"""The simulator's tensors: meta tensors (a shape and a dtype, no data), that take the CPU's paths, and the values
+a step reads back.
+
+A meta tensor's operator costs a tenth of a fake tensor's (``FakeTensorMode`` hashes every call for its cache
+and wraps every output): the same shape functions, without the Python around them. What a meta tensor does not
+do as a CPU one does, the simulator does for it: the values a step reads back (:class:`HostValues`), and the
+choice of kernel that torch makes by device (attention's fused kernel: :func:`_take_cpu_choices`), so that a step runs
+the very operators the emulated device runs.
+"""
 
 from __future__ import annotations
 
 import contextlib
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+META = torch.device("meta")
 
 
-class HostValues(FakeTensorMode):
-    """Fake tensors whose values read back to the host are a finite step's: floats 1.0 (a finite loss and norm),
-    flags true, counts 0. (One mode, not a second one above the fake mode: every operator of a step passes through
-    each mode on the stack.)"""
+class HostValues(TorchDispatchMode):
+    """Values read back to the host are a finite step's: floats 1.0 (a finite loss and norm), flags true,
+    counts 0."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default:
             t = args[0]
             return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 0)
         if func is _GROUPED_MM and args[0].dtype != torch.bfloat16:
-            return _grouped_mm_of(super().__torch_dispatch__, types, args, kwargs or {})
-        return super().__torch_dispatch__(func, types, args, kwargs)
+            return _grouped_mm_of(args, kwargs)
+        return func(*args, **kwargs)
 
 
 _GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
@@ -27,23 +37,91 @@ if _GROUPED_MM is not None:
     _GROUPED_MM = _GROUPED_MM.default
 
 
-def _grouped_mm_of(dispatch, types, args, kwargs):
+def _grouped_mm_of(args, kwargs):
     """A grouped matrix product (a mixture of experts' layers) in fp32 or fp16, which the devices' kernels run and
     torch's shape function refuses (it knows bf16 only): its output's shape taken at bf16, in the inputs' dtype."""
     a, b, *rest = args
     kwargs = dict(kwargs)
     dtype = kwargs.pop("out_dtype", None) or a.dtype
-    out = dispatch(_GROUPED_MM, types, (a.to(torch.bfloat16), b.to(torch.bfloat16), *rest), kwargs)
-    return out.to(dtype)
+    return _GROUPED_MM(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kwargs).to(dtype)
 
 
-_MODE: list[HostValues] = []   # one for the process: fake tensors kept from one simulation meet the next's
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_ACTIVE = [0]      # inside fake_tensors(): meta tensors take the CPU's choices
+_LIBRARY: list = []
+
+
+def _take_cpu_choices() -> None:
+    """Meta tensors take the CPU's choice of attention kernel (on meta, torch always takes the unfused path, a
+    dozen operators more a layer), inside :func:`fake_tensors` only. A kernel of the autograd key, as torch's own
+    decomposition is: it runs for a step's forward and for its recomputation in the backward alike."""
+    if not _LIBRARY:
+        _LIBRARY.append(torch.library.Library("aten", "IMPL"))
+        _LIBRARY[0].impl("scaled_dot_product_attention", _attention, "AutogradMeta")
+
+
+def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    """``scaled_dot_product_attention`` as a CPU runs it: its fused kernel where the CPU's choice (asked of
+    tensors of the inputs' dtypes and layouts, a few elements each) takes it, after a boolean mask is made
+    additive as torch makes it; else torch's own decomposition (the unfused path, the same on both devices)."""
+    args = (query, key, value, attn_mask, dropout_p, is_causal)
+    if not _ACTIVE[0] or _choice(*args, scale, enable_gqa) != _FLASH:
+        return _SDPA.decompose(*args, scale=scale, enable_gqa=enable_gqa)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.where(attn_mask, torch.scalar_tensor(0.0, dtype=query.dtype, device=query.device),
+                                torch.scalar_tensor(-float("inf"), dtype=query.dtype, device=query.device))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+_FLASH = 1    # torch's SDPBackend.flash_attention
+_CHOICES: dict[tuple, int] = {}
+
+
+def _choice(query, key, value, mask, dropout, causal, scale, gqa) -> int:
+    tensors = [t for t in (query, key, value, mask) if t is not None]
+    dims = [_varying(t, i == 3) for i, t in enumerate(tensors)]
+    sizes = sorted({t.shape[d] for t, ds in zip(tensors, dims) for d in ds if t.shape[d] > 1})
+    small = {s: i + 2 for i, s in enumerate(sizes)}   # batch and sequence sizes, their order and equalities kept
+    shapes = [tuple(small.get(n, n) if d in ds else n for d, n in enumerate(t.shape)) for t, ds in zip(tensors, dims)]
+    signature = tuple((t.dtype, shape, t.stride(-1) == 1, t.requires_grad) for t, shape in zip(tensors, shapes))
+    key_ = (signature, mask is not None, dropout, causal, scale, gqa)
+    if key_ not in _CHOICES:
+        q, k, v, *m = [_proxy(*s) for s in signature]
+        _CHOICES[key_] = torch.ops.aten._fused_sdp_choice(q, k, v, m[0] if m else None, dropout, causal,
+                                                           scale=scale, enable_gqa=gqa)
+    return _CHOICES[key_]
+
+
+def _varying(t, mask: bool) -> set[int]:
+    """The dimensions of ``t`` that are batch or sequence sizes (a mask's last two and its batch; an input's batch
+    and its length), which a proxy may make small; heads and head sizes are kept as they are."""
+    n = t.dim()
+    if mask:
+        return {n - 2, n - 1} | ({0} if n == 4 else set())
+    return {0, n - 2}
+
+
+def _proxy(dtype, shape, unit_stride, grad):
+    """A CPU tensor of ``shape`` and ``dtype``, its last dimension's stride 1 or not as the input's."""
+    full = torch.empty((*shape[:-1], shape[-1] * (1 if unit_stride else 2)), dtype=dtype, device="cpu")
+    t = full if unit_stride else full[..., ::2]
+    return t.requires_grad_(grad) if t.is_floating_point() else t
+
+
+_MODE: list[HostValues] = []   # one for the process
 
 
 @contextlib.contextmanager
 def fake_tensors():
-    """Every tensor made inside is fake, and what is read back from one is :class:`HostValues`'."""
+    """Every tensor made inside is a meta tensor taking the CPU's paths, and what is read back from one is
+    :class:`HostValues`'."""
     if not _MODE:
         _MODE.append(HostValues())
-    with _MODE[0]:
-        yield
+        _take_cpu_choices()
+    _ACTIVE[0] += 1
+    try:
+        with META, _MODE[0]:
+            yield
+    finally:
+        _ACTIVE[0] -= 1

@@ -30,8 +30,6 @@ from poplar.profile.anatomy import Marks
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the compute dtypes a price depends on
 LINE_SIZES = (2, 3, 4)   # the micro-batches a line is drawn through (the first two) and checked at (the third)
-# asked of fake tensors hundreds of times a step (autograd's checks): answered here, not passed down the modes
-_DEVICE = torch.ops.prim.device.default
 _OP_IDS: dict = {}     # each operator a number, for a step's operators to be compared (poplar.simulate.layers)
 
 
@@ -54,8 +52,6 @@ class Recorder(TorchDispatchMode):
         return len(self.flops)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE and hasattr(args[0], "fake_device"):
-            return args[0].fake_device
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         cost = op_cost(func, args, kwargs, out)
