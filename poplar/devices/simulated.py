@@ -95,6 +95,9 @@ class SimulatedDevice(EmulatedDevice):
     def start(self) -> None:
         self.T = 0.0
 
+    def free_memory(self) -> None:
+        pass     # meta tensors hold no memory (a full collection here was a second a simulation)
+
     def _follow_wall(self) -> None:
         pass
 

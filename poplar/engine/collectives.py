@@ -32,6 +32,7 @@ hands out its own as ``device.comm``. The engine never sees the difference.
 
 from __future__ import annotations
 
+from itertools import groupby
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -78,13 +79,7 @@ def _even(sizes: Sequence[int] | None) -> bool:
 
 def _runs(sizes: Sequence[int]) -> list[tuple[int, int]]:
     """``(size, count)`` of each run of equal sizes, in order."""
-    out: list[list[int]] = []
-    for n in sizes:
-        if out and out[-1][0] == n:
-            out[-1][1] += 1
-        else:
-            out.append([n, 1])
-    return [(n, k) for n, k in out]
+    return [(n, sum(1 for _ in run)) for n, run in groupby(sizes)]
 
 
 class _UnevenGather:

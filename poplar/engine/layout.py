@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 from bisect import bisect_right
+from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
 from itertools import accumulate
@@ -147,17 +148,24 @@ class ShardLayout:
             total = self.padded(numel, len(self.groups[j]))
             # each its share rounded down, what rounding leaves to the last with a share: ranks of one share hold
             # slices of one size (a gather of them copies each run of alike ranks at once)
-            weights, whole, last = self._weights(j)
-            sizes = [int(total * w // whole) for w in weights]
+            distinct, which, whole, last = self._weights(j)
+            size = [int(total * w // whole) for w in distinct]    # one a share (a cluster's kinds: a few)
+            sizes = [size[k] for k in which]
             sizes[last] += total - sum(sizes)
             self._sizes[(numel, j)] = tuple(sizes)
         return self._sizes[(numel, j)]
 
-    def _weights(self, j: int) -> tuple[list[Fraction], Fraction, int]:
-        """Group ``j``'s shares as exact fractions, their sum and the last rank with a share (once a cut)."""
+    def _weights(self, j: int) -> tuple[list[Fraction], list[int], Fraction, int]:
+        """Group ``j``'s distinct shares as exact fractions, the one each rank has (its index among them), their
+        sum over the ranks and the last rank with a share (once a cut)."""
         if j not in self._group_weights:
-            weights = [Fraction(self.shares[r]) for r in self.groups[j]]
-            self._group_weights[j] = (weights, sum(weights), max(i for i, w in enumerate(weights) if w))
+            shares = [self.shares[r] for r in self.groups[j]]
+            index = {w: k for k, w in enumerate(dict.fromkeys(shares))}
+            distinct = [Fraction(w) for w in index]
+            which = [index[w] for w in shares]
+            counts = Counter(which)
+            whole = sum(w * counts[k] for k, w in enumerate(distinct))
+            self._group_weights[j] = (distinct, which, whole, max(i for i, w in enumerate(shares) if w))
         return self._group_weights[j]
 
     def shard_range(self, numel: int, group: int | None = None, index: int | None = None,

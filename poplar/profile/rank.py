@@ -187,7 +187,8 @@ def held_at_shares(most: int, sharded: int, units, stage: int, shares: list[floa
                    precision: str) -> int:
     """The model states ``rank`` holds at their most with ``shares`` of them, from ``most`` at an even share (of
     which ``sharded`` bytes are its share; ``units``: the units' parameters)."""
-    fractions = [fraction_held(shares, r) for r in range(len(shares))]
+    total = sum(shares)
+    fractions = [s / total for s in shares]     # fraction_held of each rank, the sum taken once
     return int(most + sharded * (fractions[rank] * len(shares) - 1)
                + zero_stage(stage).uneven_gather_bytes(fractions, list(units), precision))
 

@@ -1,0 +1,87 @@
+"""The simulator's meta tensors take the CPU's paths: attention's choice of kernel, forward, backward and a
+checkpointed recompute, over a seeded sample of the inputs torch's choice depends on."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from poplar.simulate.fake import fake_tensors
+from poplar.simulate.trace import Recorder, operator_name
+
+
+def _case(rng: random.Random) -> dict:
+    heads = rng.choice([1, 2, 4, 8])
+    return {
+        "dtype": rng.choice([torch.float32, torch.bfloat16, torch.float16]),
+        "batch": rng.choice([1, 2, 3]), "heads": heads,
+        "kv_heads": rng.choice([h for h in (1, 2, heads) if heads % h == 0]),
+        "length": rng.choice([1, 5, 16]), "kv_length": rng.choice([None, 1, 7]),
+        "head_dim": rng.choice([8, 16, 24]),
+        "mask": rng.choice([None, "bool2", "bool4", "float4", "float-broadcast"]),
+        "causal": rng.random() < 0.4, "dropout": rng.choice([0.0, 0.0, 0.1]), "scale": rng.choice([None, 0.3]),
+        "transposed": rng.random() < 0.3,     # a query whose last dimension is not contiguous
+        "checkpointed": rng.random() < 0.4,
+    }
+
+
+def _inputs(c: dict):
+    b, h, kh, n, e = c["batch"], c["heads"], c["kv_heads"], c["length"], c["head_dim"]
+    s = c["kv_length"] or n
+    q = torch.ones(b, h, e, n, dtype=c["dtype"]).transpose(-1, -2) if c["transposed"] else \
+        torch.ones(b, h, n, e, dtype=c["dtype"])
+    k, v = torch.ones(b, kh, s, e, dtype=c["dtype"]), torch.ones(b, kh, s, e, dtype=c["dtype"])
+    mask = {None: None, "bool2": torch.ones(n, s, dtype=torch.bool), "bool4": torch.ones(b, 1, n, s, dtype=torch.bool),
+            "float4": torch.zeros(b, h, n, s, dtype=c["dtype"]),
+            "float-broadcast": torch.zeros(1, 1, n, s, dtype=c["dtype"])}[c["mask"]]
+    return [t.requires_grad_() for t in (q, k, v)], mask
+
+
+def _ops(c: dict, on_meta: bool):
+    """The operators (name, FLOPs, bytes) of the case's forward and backward, or the error it raises."""
+    torch.manual_seed(0)
+    (q, k, v), mask = _inputs(c)
+    if on_meta:
+        q, k, v = (t.detach().to("meta").requires_grad_() for t in (q, k, v))
+        mask = None if mask is None else mask.to("meta")
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=c["dropout"], is_causal=c["causal"],
+                                              scale=c["scale"], enable_gqa=c["kv_heads"] != c["heads"])
+    recorder = Recorder()
+    try:
+        with recorder:
+            out = checkpoint(attend, q, k, v, use_reentrant=False) if c["checkpointed"] else attend(q, k, v)
+            out.sum().backward()
+    except RuntimeError as e:
+        return type(e).__name__
+    return [(operator_name(o), f, b) for o, f, b in zip(recorder.ops, recorder.flops, recorder.nbytes)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_attention_on_the_simulators_tensors_runs_the_cpus_operators(seed):
+    rng = random.Random(seed)
+    fused = 0
+    for _ in range(12):
+        c = _case(rng)
+        if c["causal"] and c["mask"] is not None:
+            continue    # torch refuses a mask with is_causal on either device
+        real = _ops(c, on_meta=False)
+        with fake_tensors():
+            meta = _ops(c, on_meta=True)
+        assert meta == real, c
+        fused += any("flash" in name for name, _, _ in real)
+    assert fused > 0      # the sample takes the fused kernel somewhere (else nothing above is about it)
+
+
+def test_outside_the_simulator_meta_attention_is_torchs_own():
+    """The CPU's choice is the simulator's alone: elsewhere in the process meta tensors take torch's own path."""
+    q = torch.ones(1, 2, 4, 8, device="meta", requires_grad=True)
+    with fake_tensors():
+        pass     # the choice is registered once a process
+    recorder = Recorder()
+    with recorder:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    assert not any("flash" in operator_name(o) for o in recorder.ops) and len(recorder) > 5
