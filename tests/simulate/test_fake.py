@@ -85,3 +85,44 @@ def test_outside_the_simulator_meta_attention_is_torchs_own():
     with recorder:
         F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
     assert not any("flash" in operator_name(o) for o in recorder.ops) and len(recorder) > 5
+
+
+_POINTWISE = [lambda a, b: a + b, lambda a, b: a * b, lambda a, b: a / b, lambda a, b: torch.where(a > 0, a, b),
+              lambda a, b: a.pow(2) - b, lambda a, b: torch.lerp(a.float(), b.float(), 0.3), lambda a, b: -a * 2.5,
+              lambda a, b: a.add_(b), lambda a, b: a.mul_(3), lambda a, b: a.float().addcdiv_(b.float(), b.float())]
+
+
+def _operand(rng: random.Random, shape: tuple[int, ...]) -> torch.Tensor:
+    dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16, torch.int64])
+    t = torch.ones(shape[::-1], dtype=dtype).t() if len(shape) == 2 and rng.random() < 0.3 else \
+        torch.ones(shape, dtype=dtype)
+    return t.to("meta")
+
+
+def _result(op, a, b):
+    try:
+        out = op(a, b)
+        return out.shape, out.stride(), out.dtype
+    except RuntimeError as e:
+        return type(e).__name__
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_pointwise_operators_output_read_again_is_its_shape_functions(seed):
+    """Each pointwise operator's output (shape, strides, dtype), or its error, as torch's shape function gives it
+    on the first call: on every call after it too, whatever the operands (broadcast, transposed, of mixed dtypes,
+    0-dimensional)."""
+    from poplar.simulate import fake
+
+    rng = random.Random(seed)
+    for _ in range(40):
+        op = rng.choice(_POINTWISE)
+        shape = rng.choice([(4, 6), (6,), (1, 6), ()])
+        other = rng.choice([shape, (6,), (4, 1), (), (5,)])
+        a, b = _operand(rng, shape), _operand(rng, other)
+        fake._OUTPUTS.clear()
+        with fake_tensors():
+            first = _result(op, a.clone(), b)
+            again = [_result(op, a.clone(), b) for _ in range(2)]
+        assert again == [first, first], (first, again)
+    assert fake._OUTPUTS      # something was read again
