@@ -95,12 +95,13 @@ Answer = tuple[Alone, PlanResult | None]
 
 
 def jobs_of(spec: ClusterSpec, kinds: list[str]) -> list[list[str]]:
-    """``kinds`` in jobs: those whose clusters alone have as many ranks together (one world's steps counted
-    once), the jobs of more kinds first."""
+    """``kinds`` in jobs of one kind each (planning a kind alone at 512 ranks takes as long as counting its steps),
+    those whose clusters alone have as many ranks together, the larger such groups first: a worker takes its jobs
+    from the first, this process from the last, so a world's steps are mostly counted in one process."""
     by_size: dict[int, list[str]] = {}
     for kind in kinds:
         by_size.setdefault(alone_cluster(spec, kind).world_size, []).append(kind)
-    return sorted(by_size.values(), key=len, reverse=True)
+    return [[k] for group in sorted(by_size.values(), key=len, reverse=True) for k in group]
 
 
 class AloneRuns:
@@ -141,20 +142,24 @@ class AloneRuns:
     def _take(self, timeout: float | None) -> None:
         """The answers the workers sent, waiting up to ``timeout`` seconds (None: until one sends). A worker that
         ended without its answers is warned of and dropped: its jobs are left for this process."""
-        waiting = [w for w in self.workers if set(w.jobs) - set(self.done)]
-        if not waiting:
-            return
-        ready, _, _ = select.select([w.fd for w in waiting], [], [], timeout)
-        for w in waiting:
-            if w.fd not in ready:
-                continue
-            try:
-                for job, answers in w.receive():
-                    self.done.setdefault(job, answers)
-            except WorkerDied as e:
-                warnings.warn(f"{e}; simulating them here instead", RuntimeWarning, stacklevel=3)
-                self.workers.remove(w)
-                w.close()
+        while True:     # every message sent so far, not one: what a worker has begun must be known here at once
+            waiting = [w for w in self.workers if set(w.jobs) - set(self.done)]
+            ready = select.select([w.fd for w in waiting], [], [], timeout)[0] if waiting else []
+            if not ready:
+                return
+            timeout = 0
+            for w in waiting:
+                if w.fd in ready:
+                    self._receive(w)
+
+    def _receive(self, w: _Worker) -> None:
+        try:
+            for job, answers in w.receive():
+                self.done.setdefault(job, answers)
+        except WorkerDied as e:
+            warnings.warn(f"{e}; simulating them here instead", RuntimeWarning, stacklevel=4)
+            self.workers.remove(w)
+            w.close()
 
     def __enter__(self) -> AloneRuns:
         return self
@@ -219,7 +224,10 @@ class _Worker:
         if what == "error":
             error, where = value
             raise error from RuntimeError(f"in the worker, simulating {', '.join(self.jobs[job])} alone:\n{where}")
-        return [(job, value)]
+        with open(value, "rb") as f:
+            answers = pickle.load(f)
+        os.unlink(value)
+        return [(job, answers)]
 
     def close(self) -> None:
         if self.process.stdout.closed:
@@ -279,7 +287,11 @@ def serve() -> None:
         except BaseException as e:   # handed back whole: the caller raises it as if it had run there
             _write(out, ("error", job, _picklable(e)))
             return
-        _write(out, ("done", job, answers))
+        # the answers (a plan of every rank) through a file: the pipe's buffer would hold this worker until the
+        # caller, busy with the whole cluster, reads them
+        with tempfile.NamedTemporaryFile("wb", suffix=".pkl", delete=False) as f:
+            pickle.dump(answers, f)
+        _write(out, ("done", job, f.name))
 
 
 def _picklable(e: BaseException) -> tuple[BaseException, str]:

@@ -20,13 +20,15 @@ def _figures(answers):
     return [(a.model_dump(), r.plan.to_dict() if r else None) for a, r in answers]
 
 
-def test_kinds_of_one_world_size_are_one_job():
+def test_each_kind_is_a_job_and_kinds_of_one_world_size_are_next_to_each_other():
     spec = load_cluster(str(EXAMPLES / "six-kinds-4096.yaml"))
     sizes = {k: sum(d.count for d in spec.devices if d.kind == k) for k in dict.fromkeys(d.kind for d in spec.devices)}
     jobs = jobs_of(spec, list(sizes))
-    assert sorted(k for job in jobs for k in job) == sorted(sizes)
-    assert all(len({sizes[k] for k in job}) == 1 for job in jobs) and len(jobs) == len(set(sizes.values()))
-    assert [len(j) for j in jobs] == sorted((len(j) for j in jobs), reverse=True)
+    assert sorted(k for job in jobs for k in job) == sorted(sizes) and all(len(job) == 1 for job in jobs)
+    order = [sizes[job[0]] for job in jobs]
+    runs = [n for i, n in enumerate(order) if i == 0 or order[i - 1] != n]
+    assert len(runs) == len(set(runs))      # each world size in one run of jobs
+    assert [order.count(n) for n in runs] == sorted((order.count(n) for n in runs), reverse=True)
 
 
 def test_a_worker_answers_what_this_process_would():

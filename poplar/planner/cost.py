@@ -219,6 +219,14 @@ class CostModel:
         return Prediction(step_s=step, busy_s=busy, comm_s=step - max(busy), global_batch=plan.global_batch_size,
                           seq_len=self.profile.model.seq_len)
 
+    def floor_s(self, plan: Plan) -> float:
+        """No step of ``plan`` is shorter: its busiest rank's compute (:meth:`busy_s`) and, where the schedule is
+        followed, its busiest link's collectives (:meth:`~poplar.planner.schedule.StepSchedule.link_s`)."""
+        busy = max(self.busy_s(plan))
+        if self.profile.comm is None or len(self.ranks) < 2:
+            return busy
+        return max(busy, self.schedule.link_s(plan, self.rank_kinds, self.kinds))
+
     def busy_s(self, plan: Plan) -> list[float]:
         """Each rank's compute seconds in ``plan`` (in its order): no step of it is shorter than the most of them
         (a rank's scheduled compute adds up to at least its busy time, and its collectives only add waits)."""

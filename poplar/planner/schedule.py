@@ -186,6 +186,29 @@ class StepSchedule:
     def step_s(self, plan, rank_kinds: list[str], kinds: dict) -> float:
         """The plan's step time: every distinct rank (group, kind and micro-batches) followed together; a group
         alike another (links, and its ranks' kinds and micro-batches) runs as it does, and stands for it."""
+        distinct = self._distinct(plan, rank_kinds)
+        if distinct not in self._steps:     # the search asks for some plans' ranks again
+            self._steps[distinct] = self.run(self._ranks(distinct, kinds))
+        return self._steps[distinct]
+
+    def link_s(self, plan, rank_kinds: list[str], kinds: dict) -> float:
+        """The most seconds one link's collectives take in a step of ``plan``, one after another: no step is
+        shorter. Every rank on a link issues its collectives and waits for each before its step ends, so from a
+        common start the step lasts them all; in a run of steps, so does the step of the link's last rank to end
+        the one before (it issues every one of the next step's after that end)."""
+        least: dict[str, dict[str, float]] = {}     # link -> collective -> its least seconds among its issuers
+        for g, micro, kc in self._ranks(self._distinct(plan, rank_kinds), kinds):
+            for e in self.rank_events(micro, kc, g):
+                if type(e) is Issue:
+                    on = least.setdefault(e.link, {})
+                    on[e.key] = min(on.get(e.key, e.seconds), e.seconds)
+        return max((sum(on.values()) for on in least.values()), default=0.0)
+
+    def _ranks(self, distinct: tuple, kinds: dict) -> list[tuple]:
+        return [(g, [(m, float(kinds[k].g[m])) for m in near_equal(b, a)], kinds[k]) for g, k, b, a in distinct]
+
+    def _distinct(self, plan, rank_kinds: list[str]) -> tuple:
+        """The plan's distinct ranks (group, kind, samples, micro-steps), a group alike another standing for it."""
         sizes = list(zip(rank_kinds, plan.local_batch_sizes, plan.accum_steps))
         group = [0] * len(sizes)
         if self.shape:
@@ -196,11 +219,7 @@ class StepSchedule:
             stand_in = [firsts.setdefault((link, frozenset(m)), j) for j, (link, m) in
                         enumerate(zip(self.shape.links, members))]
             group = [stand_in[j] for j in self.shape.rank_groups]
-        distinct = tuple(dict.fromkeys((g, *size) for g, size in zip(group, sizes)))
-        if distinct not in self._steps:     # the search asks for some plans' ranks again
-            self._steps[distinct] = self.run([(g, [(m, float(kinds[k].g[m])) for m in near_equal(b, a)], kinds[k])
-                                              for g, k, b, a in distinct])
-        return self._steps[distinct]
+        return tuple(dict.fromkeys((g, *size) for g, size in zip(group, sizes)))
 
     @property
     def ranks_start_together(self) -> bool:
@@ -234,23 +253,25 @@ class StepSchedule:
         placed = 0.0     # of the step's work before the loss's all-reduce, what the last micro-step's end holds
         for j, (m, c) in enumerate(micro):
             last = j == len(micro) - 1
-            units = [UnitTimes(f, b, g, r, mid) for (f, b, mid), g, r in zip(self._split(kind_cost, m, c), gather_s,
-                                                                             reduce_s)]
             tag = f"{link}.{j if every else ''}."
-            micro_events = self._micro_step_events(units, gathers=self.stage == 3, reduces=every or last,
-                                                   max_inflight=self.max_inflight if every else None, tag=tag,
-                                                   link=link, prefetch=self.prefetch)
+            micro_events = self._micro_step_events((kind_cost, m, c, group), gathers=self.stage == 3,
+                                                   reduces=every or last, max_inflight=self.max_inflight if every
+                                                   else None, tag=tag, link=link, prefetch=self.prefetch)
             if last:
                 micro_events, placed = self._finishing(micro_events, tag, self._anatomy(kind_cost, m))
             events += self._sum_across(micro_events, tag, link, gather_s) if self.shape and last else micro_events
         anatomy = self._anatomy(kind_cost, micro[-1][0])
         return self._step_ends(self._checked(events), kind_cost.per_step_s, anatomy, link, gather_s, placed)
 
-    def _micro_step_events(self, units: list[UnitTimes], **how) -> list:
-        """:func:`micro_step_events`, written once a schedule for micro-steps alike (a rank's accumulation, and the
-        plans a search tries, repeat them); the list is shared: read, never changed."""
-        key = (tuple(units), *sorted(how.items()))
+    def _micro_step_events(self, micro: tuple, **how) -> list:
+        """:func:`micro_step_events` of a micro-step ``micro`` (kind's cost, samples, seconds, group), written once
+        a schedule for micro-steps alike (a rank's accumulation, and the plans a search tries, repeat them); the
+        list is shared: read, never changed."""
+        key = (micro, *sorted(how.items()))
         if key not in self._micro:
+            kind_cost, m, c, group = micro
+            units = [UnitTimes(f, b, g, r, mid) for (f, b, mid), g, r in
+                     zip(self._split(kind_cost, m, c), self.gather_s[group], self.reduce_s[group])]
             self._micro[key] = micro_step_events(units, **how)
         return self._micro[key]
 

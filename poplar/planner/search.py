@@ -187,8 +187,8 @@ def allocate(cost: CostModel, global_batch: int) -> Plan:
 
 
 def _floor(cost: CostModel, plan: Plan) -> float:
-    """No step of ``plan`` is shorter: its busiest rank's compute (:meth:`CostModel.busy_s`)."""
-    return max(cost.busy_s(plan))
+    """No step of ``plan`` is shorter (:meth:`CostModel.floor_s`)."""
+    return cost.floor_s(plan)
 
 
 # ---------------------------------------------------------------------------- baselines
