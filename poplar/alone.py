@@ -113,6 +113,7 @@ class AloneRuns:
                  options: ProfileOptions, workers: int | None = None):
         self.kinds, self.args = kinds, (workload, spec, global_batch, options)
         self.jobs = jobs_of(spec, kinds)
+        self.worlds = [alone_cluster(spec, job[0]).world_size for job in self.jobs]
         n = min(len(self.jobs), spare_cores() if workers is None else max(0, workers))
         self.workers: list[_Worker] = []
         self.done: dict[int, list[Answer]] = {}
@@ -131,8 +132,12 @@ class AloneRuns:
             free = [j for j in range(len(self.jobs)) if j not in self.done and j not in begun]
             if free:
                 job = free[-1]
-                for w in self.workers:
-                    w.skip(job)
+                # a world no worker is on: its other kinds too, whose steps this process will then have counted
+                working = {self.worlds[j] for j in begun if j not in self.done}
+                for j in (j for j in free if j == job or self.worlds[job] not in working
+                          and self.worlds[j] == self.worlds[job]):
+                    for w in self.workers:
+                        w.skip(j)
                 self.done[job] = [plan_alone(self.args[0], self.args[1], k, *self.args[2:]) for k in self.jobs[job]]
             else:
                 self._take(timeout=None)
