@@ -1,4 +1,4 @@
-"""A simulated GPU: the emulated device's model of time and memory, on fake tensors, alone.
+"""A simulated GPU: the emulated device's model of time and memory, on meta tensors, alone.
 
 The simulator (:mod:`poplar.simulate`) profiles a model of any size without running it:
 every tensor is a meta one (a shape and a dtype, no data; :mod:`poplar.simulate.fake`), and one

@@ -248,7 +248,7 @@ class StepSchedule:
         """One rank's step: its micro-steps, the update, and in ZeRO-1/2 the parameters gathered after it."""
         every = self.stage >= 2          # ZeRO-2/3 reduce (and all ranks run as many micro-steps) every time
         link = f"n{group}" if self.shape else ""
-        gather_s, reduce_s = self.gather_s[group], self.reduce_s[group]
+        gather_s = self.gather_s[group]
         events: list = []
         placed = 0.0     # of the step's work before the loss's all-reduce, what the last micro-step's end holds
         for j, (m, c) in enumerate(micro):

@@ -1,11 +1,12 @@
 """The simulator's tensors: meta tensors (a shape and a dtype, no data), that take the CPU's paths, and the values
 a step reads back.
 
-A meta tensor's operator costs a tenth of a fake tensor's (``FakeTensorMode`` hashes every call for its cache
-and wraps every output): the same shape functions, without the Python around them. What a meta tensor does not
-do as a CPU one does, the simulator does for it: the values a step reads back (:class:`HostValues`), and the
-choice of kernel that torch makes by device (attention's fused kernel: :func:`_take_cpu_choices`), so that a step runs
-the very operators the emulated device runs.
+Meta tensors, not ``FakeTensorMode``'s fake ones: the same shape functions, without the fake mode's Python around
+each call (it hashes every call's arguments for its cache; docs/simulate.md has the figures). What a meta tensor
+does not do as a CPU one does, the simulator does for it: the values a step reads back (:class:`HostValues`),
+and the choice of kernel torch makes by device (attention's fused kernel: :func:`_take_cpu_choices`), so that a
+step runs the very operators the emulated device runs. A pointwise operator's output is read again for the same
+operands (:data:`_OUTPUTS`).
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ _CHOICES: dict[tuple, int] = {}
 
 
 def _choice(query, key, value, mask, dropout, causal, scale, gqa) -> int:
+    """The CPU's choice of attention kernel for these inputs (torch's ``SDPBackend`` as a number), once a
+    signature."""
     tensors = [t for t in (query, key, value, mask) if t is not None]
     dims = [_varying(t, i == 3) for i, t in enumerate(tensors)]
     sizes = sorted({t.shape[d] for t, ds in zip(tensors, dims) for d in ds if t.shape[d] > 1})
