@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -163,6 +164,7 @@ def _proxy(dtype, shape, unit_stride, grad):
 
 
 _MODE: list[HostValues] = []   # one for the process
+YOUNG = 10_000     # the young generation's collection threshold while simulating (Python's default: 700)
 
 
 @contextlib.contextmanager
@@ -172,9 +174,14 @@ def fake_tensors():
     if not _MODE:
         _MODE.append(HostValues())
         _take_cpu_choices()
+    threshold = gc.get_threshold()
+    if not _ACTIVE[0]:   # a step makes tens of thousands of objects, few in cycles: collected less often
+        gc.set_threshold(max(threshold[0], YOUNG), *threshold[1:])
     _ACTIVE[0] += 1
     try:
         with META, _MODE[0]:
             yield
     finally:
         _ACTIVE[0] -= 1
+        if not _ACTIVE[0]:
+            gc.set_threshold(*threshold)
