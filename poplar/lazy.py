@@ -3,6 +3,7 @@ torch is imported (seconds)."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 
@@ -29,3 +30,15 @@ def imported_for_good() -> None:
     memory probe collects after every trial). Only in a process of Poplar's own (a rank, a worker, a command) and
     before it builds anything: an object alive now that later falls into a reference cycle is never freed."""
     gc.freeze()
+
+
+_AT_EXIT: list[bool] = []
+
+
+def no_last_collection() -> None:
+    """At this process's exit, its objects are left to the exit, not walked by one more collection of the whole heap
+    first (most of a simulation's exit). Only in a command that writes and closes its files itself: a file left to
+    the collector to close would not be flushed."""
+    if not _AT_EXIT:
+        atexit.register(gc.freeze)
+        _AT_EXIT.append(True)

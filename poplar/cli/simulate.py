@@ -61,11 +61,12 @@ def simulate(
                                         global_batch_tokens, [(out, "--out"), (profile_out, "--profile-out"),
                                                               (json_out, "--json"), (plot, "--plot")])
     from poplar.evaluate import evaluate
-    from poplar.lazy import imported_for_good
+    from poplar.lazy import imported_for_good, no_last_collection
     from poplar.profile.options import ProfileOptions
     from poplar.workload import model_source
 
     imported_for_good()     # this command's process: the simulator's collections scan only what it makes
+    no_last_collection()    # (its files are written whole, each closed)
     try:   # what needs the model, before anything is simulated
         options = ProfileOptions(stages=stage_list, n_points=points, max_micro_batch=max_micro_batch,
                                  precision=mixed_precision)
