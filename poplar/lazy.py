@@ -4,6 +4,7 @@ torch is imported (seconds)."""
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import importlib
 
@@ -32,13 +33,9 @@ def imported_for_good() -> None:
     gc.freeze()
 
 
-_AT_EXIT: list[bool] = []
-
-
+@functools.cache   # registered once a process
 def no_last_collection() -> None:
     """At this process's exit, its objects are left to the exit, not walked by one more collection of the whole heap
     first (most of a simulation's exit). Only in a command that writes and closes its files itself: a file left to
     the collector to close would not be flushed."""
-    if not _AT_EXIT:
-        atexit.register(gc.freeze)
-        _AT_EXIT.append(True)
+    atexit.register(gc.freeze)

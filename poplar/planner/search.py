@@ -23,8 +23,9 @@ as much as planning 6.
 - ZeRO-2/3 synchronise on every micro-step: one count for all ranks, the one predicted
   fastest among the fewest that lets the cluster's memory hold the batch and others (a
   larger shared count also lets a memory-bound fast device take more). A count whose
-  busiest rank computes longer than the fastest step found cannot beat it and is not
-  followed through the step's schedule (docs/simulate.md: what that saves at 512 ranks).
+  busiest rank computes, or whose busiest link communicates, longer than the fastest
+  step found cannot beat it and is not followed through the step's schedule
+  (docs/simulate.md, docs/plan.md: what that saves at 512 ranks).
 """
 
 from __future__ import annotations

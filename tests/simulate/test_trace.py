@@ -98,6 +98,20 @@ class _Named(Recorder):
         return out
 
 
+def _real_and_simulated(wl) -> tuple[_Named, _Named]:
+    """The operators of a forward and backward of three samples of ``wl``: on real tensors, and on the simulator's."""
+    real = _Named()
+    model, batch = wl.build(), wl.random_batch(3)
+    with real:
+        wl.loss(model, batch).backward()
+    with fake_tensors():
+        model, batch = wl.build(), wl.random_batch(3)
+        fake = _Named()
+        with fake:
+            wl.loss(model, batch).backward()
+    return real, fake
+
+
 @pytest.mark.parametrize("family", ["llama-tiny", "qwen2", "gpt2", "mistral", "gpt-neox", "bert"])
 def test_the_simulators_tensors_run_the_operators_a_real_step_runs(tmp_path, family):
     """A step of a Hugging Face model on the simulator's meta tensors runs the very operators, in order, with the
@@ -111,15 +125,7 @@ def test_the_simulators_tensors_run_the_operators_a_real_step_runs(tmp_path, fam
     else:
         directory = save_qwen2(tmp_path / "m") if family == "qwen2" else save_family(tmp_path / "m", family)
         wl = model_source(str(directory), seq_len=24)
-    real = _Named()
-    model, batch = wl.build(), wl.random_batch(3)
-    with real:
-        wl.loss(model, batch).backward()
-    with fake_tensors():
-        model, batch = wl.build(), wl.random_batch(3)
-        fake = _Named()
-        with fake:
-            wl.loss(model, batch).backward()
+    real, fake = _real_and_simulated(wl)
     assert fake.names == real.names and len(real.names) > 50
     assert fake.flops == real.flops and fake.nbytes == real.nbytes and fake.dtypes == real.dtypes
 
@@ -141,15 +147,7 @@ def test_a_mixture_of_experts_is_counted_on_fake_tensors_as_on_real_ones(tmp_pat
     from poplar.workload import model_source
 
     wl = model_source(str(_mixture_of_experts(tmp_path / "m")), seq_len=16)
-    model, batch = wl.build(), wl.random_batch(3)
-    real = _Named()
-    with real:
-        wl.loss(model, batch).backward()
-    with fake_tensors():
-        model, batch = wl.build(), wl.random_batch(3)
-        fake = _Named()
-        with fake:
-            wl.loss(model, batch).backward()
+    real, fake = _real_and_simulated(wl)
     assert fake.names == real.names and fake.flops == real.flops and fake.nbytes == real.nbytes
     grouped = [f for f, name in zip(real.flops, real.names) if "grouped_mm" in name]
     assert len(grouped) >= 6 and min(grouped) > 0      # each layer's two products forward, their gradients
