@@ -182,6 +182,7 @@ class StepSchedule:
         # every call passes (CostModel.schedule)
         self._steps: dict[tuple, float] = {}
         self._micro: dict[tuple, list] = {}
+        self._links: dict[int, list[dict[str, float]]] = {}
 
     def step_s(self, plan, rank_kinds: list[str], kinds: dict) -> float:
         """The plan's step time: every distinct rank (group, kind and micro-batches) followed together; a group
@@ -195,14 +196,32 @@ class StepSchedule:
         """The most seconds one link's collectives take in a step of ``plan``, one after another: no step is
         shorter. Every rank on a link issues its collectives and waits for each before its step ends, so from a
         common start the step lasts them all; in a run of steps, so does the step of the link's last rank to end
-        the one before (it issues every one of the next step's after that end)."""
-        least: dict[str, dict[str, float]] = {}     # link -> collective -> its least seconds among its issuers
+        the one before (it issues every one of the next step's after that end). The ranks of a link issue the
+        same collectives there (:meth:`_on_links`): the most any of them does is the link's."""
+        most: dict[str, float] = {}
         for g, micro, kc in self._ranks(self._distinct(plan, rank_kinds), kinds):
-            for e in self.rank_events(micro, kc, g):
-                if type(e) is Issue:
-                    on = least.setdefault(e.link, {})
-                    on[e.key] = min(on.get(e.key, e.seconds), e.seconds)
-        return max((sum(on.values()) for on in least.values()), default=0.0)
+            for link, seconds in self._on_links(g, micro, kc).items():
+                most[link] = max(most.get(link, 0.0), seconds)
+        return max(most.values(), default=0.0)
+
+    def _on_links(self, group: int, micro: list[tuple[float, float]], kind_cost) -> dict[str, float]:
+        """The seconds of the collectives a rank of ``group`` issues on each link in a step of ``len(micro)``
+        micro-steps. They are the group's (its links' times at each unit's size) whatever the rank's kind and
+        micro-batches (those set its compute and waits only), and each micro-step before the last issues those
+        of the one before it (ZeRO-2/3) or none (ZeRO-0/1): drawn on from a step of one micro-step and of two,
+        written once a group."""
+        if group not in self._links:
+            self._links[group] = [self._issued(self.rank_events(micro[:1] * n, kind_cost, group)) for n in (1, 2)]
+        one, two = self._links[group]
+        return {link: one.get(link, 0.0) + (len(micro) - 1) * (two[link] - one.get(link, 0.0)) for link in two}
+
+    @staticmethod
+    def _issued(events: list) -> dict[str, float]:
+        on: dict[str, float] = {}
+        for e in events:
+            if type(e) is Issue:
+                on[e.link] = on.get(e.link, 0.0) + e.seconds
+        return on
 
     def _ranks(self, distinct: tuple, kinds: dict) -> list[tuple]:
         return [(g, [(m, float(kinds[k].g[m])) for m in near_equal(b, a)], kinds[k]) for g, k, b, a in distinct]

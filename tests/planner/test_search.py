@@ -291,6 +291,40 @@ def test_no_plan_is_faster_than_its_busiest_rank_or_link():
 
 
 
+def test_the_busiest_link_is_every_rank_s_collectives_on_it():
+    """The links' part of the floor, drawn once a group, against every rank's step written out in full: each
+    link's collectives (every issuer's, each counted once at its least seconds) summed, the most of the links;
+    every stage, flat and shaped, ranks of unlike micro-batches and (ZeRO-0/1) accumulations up to 6."""
+    from poplar.plan import near_equal
+    from poplar.planner.events import Issue
+
+    rng, checked = random.Random(12), 0
+    for cost, _ in (*_random_costs(7, 30), *_random_costs(8, 30, comm_scale=30.0)):
+        for stage in (0, 1, 2, 3):
+            c = CostModel(cost.profile, stage, shaped=cost.shape is not None)
+            limits = [c.kinds[k].max_micro_batch for k in c.rank_kinds]
+            if min(limits) < 1:
+                continue
+            one = rng.randint(1, 6)
+            accum = [one if stage >= 2 else rng.randint(1, 6) for _ in limits]
+            plan = Plan.from_local_batches(stage, [a * rng.randint(1, m) for a, m in zip(accum, limits)], accum)
+            groups = c.shape.rank_groups if c.shape else [0] * len(limits)
+            least: dict = {}
+            for r, kind in enumerate(c.rank_kinds):
+                kc = c.kinds[kind]
+                micro = [(m, float(kc.g[m])) for m in near_equal(plan.local_batch_sizes[r], accum[r])]
+                for e in c.schedule.rank_events(micro, kc, groups[r]):
+                    if isinstance(e, Issue):
+                        on = least.setdefault(e.link, {})
+                        on[e.key] = min(on.get(e.key, e.seconds), e.seconds)
+            whole = max(sum(on.values()) for on in least.values())
+            if c.shard_groups:
+                plan = plan.with_shard_groups(c.shard_groups)
+            assert c.schedule.link_s(plan, c.rank_kinds, c.kinds) == pytest.approx(whole, rel=1e-12)
+            checked += 1
+    assert checked >= 150
+
+
 def test_counts_left_unfollowed_change_no_plan(monkeypatch):
     """The counts whose floor is above the fastest step found are not followed through the schedule: the plans
     are those found following every count, and some counts are left so."""
