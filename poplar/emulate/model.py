@@ -31,7 +31,6 @@ from typing import Callable
 import torch
 import torch.utils.flop_counter as flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from poplar.cluster.spec import DeviceGroup
 
@@ -133,14 +132,25 @@ def op_cost(func, args, kwargs, out) -> tuple[float, float, torch.dtype] | None:
     if func.is_view or func._overloadpacket in _FREE or func.namespace in _NOT_COMPUTE:
         return None
     nbytes, dtype = 0, None
-    for t in tree_leaves((args, kwargs, out)):
-        if isinstance(t, torch.Tensor):
-            nbytes += t.numel() * t.element_size()
-            if dtype is None and t.is_floating_point():
-                dtype = t.dtype
+    for t in _tensors((args, kwargs, out)):
+        nbytes += t.numel() * t.element_size()
+        if dtype is None and t.is_floating_point():
+            dtype = t.dtype
     counter = _FLOPS.get(func._overloadpacket)
     flops = counter(*args, **kwargs, out_val=out) if counter is not None else 0
     return float(flops), float(nbytes), dtype or torch.float32
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in an operator's arguments or results, in order: an operator's are in lists, tuples and
+    dicts only (``tree_leaves``, general, took a sixth of a simulated step)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
 
 
 class WorkCounter(TorchDispatchMode):

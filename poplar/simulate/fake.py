@@ -23,10 +23,20 @@ META = torch.device("meta")
 
 class HostValues(TorchDispatchMode):
     """Values read back to the host are a finite step's: floats 1.0 (a finite loss and norm), flags true,
-    counts 0."""
+    counts 0. Each operator it runs is handed to its ``counters`` (:func:`counting`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counters: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        out = self._run(func, args, kwargs)
+        for counter in self.counters:
+            counter.count(func, args, kwargs, out)
+        return out
+
+    def _run(self, func, args, kwargs):
         if func is torch.ops.aten._local_scalar_dense.default:
             t = args[0]
             return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 0)
@@ -165,6 +175,22 @@ def _proxy(dtype, shape, unit_stride, grad):
 
 _MODE: list[HostValues] = []   # one for the process
 YOUNG = 10_000     # the young generation's collection threshold while simulating (Python's default: 700)
+
+
+@contextlib.contextmanager
+def counting(counter):
+    """``counter`` (a mode with a ``count(func, args, kwargs, out)``) counts each operator run inside: inside
+    :func:`fake_tensors` told by its mode (one Python dispatch an operator, not two: a tenth of a step), else
+    as a mode of its own."""
+    if not _ACTIVE[0]:
+        with counter:
+            yield counter
+        return
+    _MODE[0].counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _MODE[0].counters.remove(counter)
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from poplar.devices.simulated import SimulatedDevice
 from poplar.emulate.model import GpuModel, op_cost
 from poplar.profile.anatomy import Marks
+from poplar.simulate.fake import counting
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the compute dtypes a price depends on
 LINE_SIZES = (2, 3, 4)   # the micro-batches a line is drawn through (the first two) and checked at (the third)
@@ -54,13 +55,17 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.count(func, args, kwargs, out)
+        return out
+
+    def count(self, func, args, kwargs, out) -> None:
+        """One operator that ran: written down if it launches a kernel."""
         cost = op_cost(func, args, kwargs, out)
         if cost is not None:
             self.flops.append(cost[0])
             self.nbytes.append(cost[1])
             self.dtypes.append(_DTYPES.index(cost[2]) if cost[2] in _DTYPES else 0)
             self.ops.append(_OP_IDS.setdefault(func, len(_OP_IDS)))
-        return out
 
 
 class CountingDevice(SimulatedDevice):
@@ -74,7 +79,7 @@ class CountingDevice(SimulatedDevice):
 
     def _step_context(self, held):
         self.recorder = Recorder()
-        return self.recorder
+        return counting(self.recorder)
 
 
 @dataclass
