@@ -24,8 +24,16 @@ import numpy as np
 
 from poplar.simulate.trace import Trace
 
-SHALLOW = 2     # the layers of the shallower step a deep one is drawn from (the next one has one more)
+SHALLOW = 2     # the layers of the shallower step a deep one is drawn from, at most (the next one has one more)
 DEEP = SHALLOW + 3     # a model of fewer layers is run as it is
+
+
+def shallowest(stage: int) -> int:
+    """The fewest layers a deep step of ``stage`` is drawn from: one, but two for ZeRO-3, whose gathers are
+    prefetched a unit ahead: with one layer, what its last unit prefetches is the root's, with two the next
+    layer's, so that a step of one layer is not one of two with a layer's runs taken out (the check finds it:
+    Llama-7B's)."""
+    return SHALLOW if stage == 3 else 1
 
 
 @dataclass(frozen=True)
@@ -217,13 +225,14 @@ def deeper_units(a: tuple[int, ...], b: tuple[int, ...], extra: int) -> tuple[in
 
 class DeepRecording:
     """A stage's recording (its steps and model states) of a model of ``layers`` layers, drawn from recordings of
-    :data:`SHALLOW` layers and one more (``a``, ``b``: each with ``before``, ``most``, ``sharded``, ``units`` and
+    ``shallow`` layers and one more (``a``, ``b``: each with ``before``, ``most``, ``sharded``, ``units`` and
     ``trace(m, accumulation)``); ``full()`` makes the deep model's own, for a step not drawn so. ``check``: run
     once before the first step or the states at their most are drawn (False: the deep model's own instead)."""
 
-    def __init__(self, a, b, layers: int, full, check=None):
+    def __init__(self, a, b, layers: int, full, check=None, shallow: int = SHALLOW):
         self.a, self.b, self.layers, self._full, self._made = a, b, layers, full, None
-        self.extra = layers - SHALLOW
+        self.shallow = shallow
+        self.extra = layers - shallow
         self.check, self._failed = check, False
 
     def _drawn(self, va: int, vb: int) -> int:
@@ -259,7 +268,7 @@ class DeepRecording:
 
     def trace(self, m: int, accumulation: int) -> Trace:
         if self._is_drawn():
-            drawn = deeper(self.a.trace(m, accumulation), self.b.trace(m, accumulation), self.layers, SHALLOW)
+            drawn = deeper(self.a.trace(m, accumulation), self.b.trace(m, accumulation), self.layers, self.shallow)
             if drawn is not None:
                 return drawn
         return self._own().trace(m, accumulation)
@@ -268,19 +277,19 @@ class DeepRecording:
         """This recording with other ``shares`` of the states (:meth:`~poplar.simulate.recording.Recording.recut`),
         drawn where this one is."""
         return DeepRecording(self.a.recut(shares), self.b.recut(shares), self.layers,
-                             lambda: self._own().recut(shares), self._is_drawn)
+                             lambda: self._own().recut(shares), self._is_drawn, self.shallow)
 
     def states_match(self, c) -> bool:
-        """Whether the drawing at ``c``'s layers (``c``: a recording of :data:`SHALLOW` + 2) gives ``c``'s model
+        """Whether the drawing at ``c``'s layers (``c``: a recording of ``shallow`` + 2) gives ``c``'s model
         states before a step and its units (no step run)."""
-        at_c = DeepRecording(self.a, self.b, SHALLOW + 2, None)
+        at_c = DeepRecording(self.a, self.b, self.shallow + 2, None, shallow=self.shallow)
         return (at_c.before, at_c.sharded, at_c.units) == (c.before, c.sharded, c.units)
 
     def steps_match(self, c) -> bool:
         """Whether the drawing at ``c``'s layers gives ``c``'s steps (one micro-batch and two) to the last
         operator, and its states at their most."""
         for k in (1, 2):
-            drawn = deeper(self.a.trace(1, k), self.b.trace(1, k), SHALLOW + 2, SHALLOW)
+            drawn = deeper(self.a.trace(1, k), self.b.trace(1, k), self.shallow + 2, self.shallow)
             if drawn is None or not drawn.same_as(c.trace(1, k)):
                 return False
-        return DeepRecording(self.a, self.b, SHALLOW + 2, None).most == c.most
+        return DeepRecording(self.a, self.b, self.shallow + 2, None, shallow=self.shallow).most == c.most

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import poplar
 from poplar.profile.rank import optimizer_states_to_come, shard_bytes
 from poplar.profile.timing import RankRun, timed_step
-from poplar.simulate.layers import DEEP, SHALLOW, DeepRecording, Shallow, layers_of
+from poplar.simulate.layers import DEEP, SHALLOW, DeepRecording, Shallow, layers_of, shallowest
 from poplar.simulate.trace import CountedMarks, Steps, Trace
 from poplar.workload import ModelSource
 
@@ -43,7 +43,7 @@ class Kept(OrderedDict):
 # Kept for the last few: the paper's evaluation simulates 24 models and worlds in one process.
 COUNTED = Kept(most=16)
 SHARED = Kept(most=64)    # the steps at unlike shares
-DRAWN: dict[tuple, bool] = {}    # (model, stage, engine options) -> whether its deep steps are drawn from shallow ones
+DRAWN: dict[tuple, bool] = {}    # (model, stage, engine options, depth) -> whether deep steps are drawn from there
 
 
 def counted(run: RankRun, stage: int, shares: tuple[float, ...] | None = None) -> tuple[Steps, Any]:
@@ -66,27 +66,33 @@ def shared(run: RankRun, stage: int, shares: tuple[float, ...]) -> Trace:
 
 
 def recorded(run: RankRun, stage: int, shares: tuple[float, ...] | None = None):
-    """The stage's recording: drawn from the model with :data:`~poplar.simulate.layers.SHALLOW` layers and one
-    more where its layers allow (:mod:`poplar.simulate.layers`; the drawing checked against a recording of one
-    more still, once a model, stage and engine options), else the model's own."""
+    """The stage's recording: drawn from the model with a few of its layers where they allow
+    (:func:`_drawn`), else the model's own."""
     if shares is not None:   # the even share's engine, re-cut: nothing built again
         return counted(run, stage)[1].recut(shares)
     layers = layers_of(run.workload)
-
-    def full() -> Recording:
-        return Recording(run, stage)
     if layers is None or layers < DEEP:
-        return full()
+        return Recording(run, stage)
+    return _drawn(run, stage, layers, shallowest(stage))
+
+
+def _drawn(run: RankRun, stage: int, layers: int, shallow: int):
+    """The recording drawn from the model with ``shallow`` layers and one more (:mod:`poplar.simulate.layers`),
+    the drawing checked against a recording of one more still, once a model, stage, engine options and depth;
+    where it fails, drawn from one layer more (up to :data:`~poplar.simulate.layers.SHALLOW`), then the model's
+    own."""
+    def other():
+        return _drawn(run, stage, layers, shallow + 1) if shallow < SHALLOW else Recording(run, stage)
     a, b = (Recording(dataclasses.replace(run, workload=Shallow(run.workload, d)), stage)
-            for d in (SHALLOW, SHALLOW + 1))
-    deep = DeepRecording(a, b, layers, full)
-    key = (model_key(run.workload), stage, run.config.model_dump_json())
+            for d in (shallow, shallow + 1))
+    deep = DeepRecording(a, b, layers, other, shallow=shallow)
+    key = (model_key(run.workload), stage, run.config.model_dump_json(), shallow)
     if key in DRAWN:
-        return deep if DRAWN[key] else full()
-    c = Recording(dataclasses.replace(run, workload=Shallow(run.workload, SHALLOW + 2)), stage)
+        return deep if DRAWN[key] else other()
+    c = Recording(dataclasses.replace(run, workload=Shallow(run.workload, shallow + 2)), stage)
     if not deep.states_match(c):     # what the engines hold before a step: no step run
         DRAWN[key] = False
-        return full()
+        return other()
     # the steps checked before the first is drawn: a recording whose steps are never asked for runs none
     deep.check = lambda: DRAWN[key] if key in DRAWN else DRAWN.setdefault(key, deep.steps_match(c))
     return deep

@@ -11,7 +11,7 @@ from poplar.profile.timing import RankRun
 from poplar.simulate import profile as simulated
 from poplar.simulate import recording
 from poplar.simulate.fake import fake_tensors
-from poplar.simulate.layers import SHALLOW, Shallow, deeper, deeper_units, layers_of
+from poplar.simulate.layers import SHALLOW, Shallow, deeper, deeper_units, layers_of, shallowest
 from poplar.simulate.trace import CountingDevice
 from poplar.workload import Workload
 
@@ -23,6 +23,9 @@ CLUSTER = {"network": {"inter_node": {"bandwidth_gbs": 25, "latency_us": 5}},
 CASES = [("llama-125m", 6, False, "bf16"), ("llama-125m", 7, True, "fp32"), ("bert-base", 6, False, "bf16"),
          ("llama-350m", 5, True, "fp16")]
 PAIRS = [(case, i) for i, case in enumerate(CASES)] + [(CASES[2], 3)]
+# each drawn from the fewest layers its stage allows, and (where that is fewer) from SHALLOW, where a failed check
+# at the fewest goes
+DEPTHS = [(case, stage, d) for case, stage in PAIRS for d in sorted({shallowest(stage), SHALLOW})]
 
 
 def _traces(source, depths, stage, precision, sizes):
@@ -39,21 +42,21 @@ def _traces(source, depths, stage, precision, sizes):
             return out
 
 
-@pytest.mark.parametrize("case, stage", PAIRS)
-def test_a_deep_step_drawn_from_two_shallow_ones_is_the_deep_models_to_the_last_operator(case, stage):
+@pytest.mark.parametrize("case, stage, depth", DEPTHS)
+def test_a_deep_step_drawn_from_two_shallow_ones_is_the_deep_models_to_the_last_operator(case, stage, depth):
     """Every operator's FLOPs, bytes and dtype, every mark, launch and wait, and the model states, at one and two
     samples and two micro-batches, for every stage: as recorded on the model of ``layers`` layers."""
     model, layers, checkpointed, precision = case
     wl = Workload(model=model, seq_len=16, activation_checkpointing=checkpointed)
     sizes = [(1, 1), (2, 1), (1, 2)]
-    got = _traces(wl, (SHALLOW, SHALLOW + 1, layers), stage, precision, sizes)
-    (a, ra), (b, rb), (deep, rd) = got[SHALLOW], got[SHALLOW + 1], got[layers]
+    got = _traces(wl, (depth, depth + 1, layers), stage, precision, sizes)
+    (a, ra), (b, rb), (deep, rd) = got[depth], got[depth + 1], got[layers]
     for k in sizes:
-        drawn = deeper(a[k], b[k], layers, SHALLOW)
+        drawn = deeper(a[k], b[k], layers, depth)
         assert drawn is not None and drawn.same_as(deep[k]), k
         assert drawn.marks == deep[k].marks and drawn.launches == deep[k].launches and drawn.waits == deep[k].waits
-    assert deeper_units(ra.units, rb.units, layers - SHALLOW) == rd.units
-    extra = layers - SHALLOW
+    assert deeper_units(ra.units, rb.units, layers - depth) == rd.units
+    extra = layers - depth
     for field in ("before", "most", "sharded"):
         assert getattr(ra, field) + extra * (getattr(rb, field) - getattr(ra, field)) == getattr(rd, field)
 
@@ -82,15 +85,18 @@ def test_a_source_without_fewer_layers_is_run_as_it_is():
     assert not hasattr(FactorySource, "build_layers")
 
 
-def _drawn_and_whole(wl, options, cluster, monkeypatch):
-    """The stages simulated with ``wl``'s deep steps drawn from shallow ones (every drawing checked and kept),
-    and again on the whole model."""
+def _drawn_and_whole(wl, options, cluster, monkeypatch, expect=None):
+    """The stages simulated with ``wl``'s deep steps drawn from shallow ones (every drawing checked and kept; or
+    as ``expect`` says, by depth), and again on the whole model."""
     def fresh():
         for memo in (recording.COUNTED, recording.SHARED, simulated._SAVED, recording.DRAWN):
             memo.clear()
     fresh()
     drawn = simulated.simulate_stages(wl, cluster, options)
-    assert all(recording.DRAWN.values()) and recording.DRAWN
+    if expect is None:
+        assert all(recording.DRAWN.values()) and recording.DRAWN
+    else:
+        assert {key[-1]: kept for key, kept in recording.DRAWN.items()} == expect
     fresh()
     with monkeypatch.context() as m:
         m.setattr(simulated, "layers_of", lambda source: None)
@@ -111,6 +117,19 @@ def test_the_simulated_profile_drawn_from_shallow_steps_is_the_one_run_on_the_wh
     drawn = _drawn_and_whole(wl, options, {**CLUSTER, "memory_scale": 0.02}, monkeypatch)
     assert any(sp.share_steps for sp in drawn.values())      # the unlike shares' steps were drawn too
     assert {sp.max_micro_batch for sp in drawn.values()} != {0}
+
+
+def test_a_drawing_that_fails_its_check_is_drawn_from_one_layer_more(monkeypatch):
+    """A drawing from one layer whose check fails (made to): the steps are drawn from two layers instead (checked
+    at four), and the profile is the one run on the whole model."""
+    from poplar.simulate.layers import DeepRecording
+
+    wl = Shallow(Workload(model="llama-125m", seq_len=32), 5)
+    options = ProfileOptions(stages=(1,), n_points=2, max_micro_batch=4, precision="fp16")
+    real = DeepRecording.steps_match
+    monkeypatch.setattr(DeepRecording, "steps_match", lambda self, c: self.shallow > 1 and real(self, c))
+    assert shallowest(1) == 1
+    _drawn_and_whole(wl, options, CLUSTER, monkeypatch, expect={1: False, 2: True})
 
 
 def _config_only(directory, family: str):
