@@ -4,45 +4,30 @@ The paper's baselines 1 and 2 (:mod:`poplar.evaluate`): the same devices, nodes 
 with the other kinds left out. Each is a simulation and a plan of its own, independent of
 the whole cluster's, so they run in worker processes while this process simulates and plans
 the whole cluster (:class:`AloneRuns`): as many workers as the machine has cores to spare.
-The kinds of one world size are one job (their steps are counted once, for that world).
-Each worker takes its jobs from the first; this process, done with the whole cluster, takes
-from the last the jobs no worker has begun (its counted steps are warm; a worker starts
-cold) and tells the worker to skip them, so neither waits on the other while work remains.
+Each kind is a job; the kinds of one world size are next to each other (a process counts
+that world's steps once, for all of them). Each worker takes its jobs from the first; this
+process, done with the whole cluster, takes from the last the jobs no worker has begun and
+tells the worker to skip them, but for a worker's next kind of the world it is on (a plan
+there, a count of that world's steps here).
 
-A worker is a fresh interpreter running :func:`serve` (no state of this process is copied,
-nothing of the caller's main module is run): its jobs pickled in a file, the jobs to skip on
-its standard input, its answers on its standard output. It is killed when the runs end. One
-that dies without its answers is warned of, with the last line it wrote to stderr, and its
-jobs are run here: nothing waits on a process that is gone.
-
-Not ``concurrent.futures.ProcessPoolExecutor``: its spawn and forkserver workers import the
-caller's main module again (a user's script without a ``__main__`` guard that evaluates a
-cluster would run once more in each), its fork workers copy this process's
-counted steps and caches (gigabytes for a 4,096-GPU cluster), and a worker that dies breaks
-the whole pool, every other worker's answers with it.
+The workers are :mod:`poplar.workers`' (forked from this process where that is safe: no second import of
+torch and the model's library); one that dies without its answers is warned of and its jobs are run here.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import select
-import subprocess
-import sys
-import sysconfig
-import tempfile
-import traceback
 import warnings
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
 from poplar.cluster.spec import ClusterSpec
-from poplar.lazy import imported_for_good
 from poplar.planner import make_plan
 from poplar.planner.planner import PlanningError, PlanResult
 from poplar.profile.options import ProfileOptions
 from poplar.simulate.profile import simulate_profile
+from poplar.workers import Worker, WorkerDied
 from poplar.workload import Workload
 
 
@@ -64,7 +49,7 @@ def alone_cluster(spec: ClusterSpec, kind: str) -> ClusterSpec:
     return spec.model_copy(update={"devices": [d for d in spec.devices if d.kind == kind]})
 
 
-def plan_alone(workload: Workload, spec: ClusterSpec, kind: str, global_batch: int,
+def plan_alone(kind: str, workload: Workload, spec: ClusterSpec, global_batch: int,
                options: ProfileOptions) -> tuple[Alone, PlanResult | None]:
     """``kind`` alone on ``spec``: simulated and planned, or why it cannot run ``global_batch``."""
     sub = alone_cluster(spec, kind)
@@ -94,6 +79,7 @@ def spare_cores() -> int:
 Answer = tuple[Alone, PlanResult | None]
 
 
+
 def jobs_of(spec: ClusterSpec, kinds: list[str]) -> list[list[str]]:
     """``kinds`` in jobs of one kind each (planning a kind alone at 512 ranks takes as long as counting its steps),
     those whose clusters alone have as many ranks together, the larger such groups first: a worker takes its jobs
@@ -105,21 +91,22 @@ def jobs_of(spec: ClusterSpec, kinds: list[str]) -> list[list[str]]:
 
 
 class AloneRuns:
-    """Each of ``kinds`` alone, begun at once in up to ``workers`` processes (None: :func:`spare_cores`);
-    :meth:`results` runs here what no worker has begun and waits for the rest. A context manager: leaving it
-    ends the workers."""
+    """Each of ``kinds`` alone, begun at once in up to ``workers`` processes (None: :func:`spare_cores`), forked
+    or fresh as ``fork`` says (None: :func:`forking`); :meth:`results` runs here what no worker has begun or
+    takes next with its steps counted, and waits for the rest. A context manager: leaving it ends the workers."""
 
     def __init__(self, workload: Workload, spec: ClusterSpec, kinds: list[str], global_batch: int,
-                 options: ProfileOptions, workers: int | None = None):
+                 options: ProfileOptions, workers: int | None = None, fork: bool | None = None):
         self.kinds, self.args = kinds, (workload, spec, global_batch, options)
         self.jobs = jobs_of(spec, kinds)
         self.worlds = [alone_cluster(spec, job[0]).world_size for job in self.jobs]
         n = min(len(self.jobs), spare_cores() if workers is None else max(0, workers))
-        self.workers: list[_Worker] = []
+        self.workers: list[Worker] = []
         self.done: dict[int, list[Answer]] = {}
         try:
             for i in range(n):
-                self.workers.append(_Worker({j: self.jobs[j] for j in range(i, len(self.jobs), n)}, self.args))
+                self.workers.append(Worker({j: self.jobs[j] for j in range(i, len(self.jobs), n)}, plan_alone,
+                                           self.args, fork))
         except BaseException:
             self.__exit__()
             raise
@@ -129,7 +116,8 @@ class AloneRuns:
         while len(self.done) < len(self.jobs):
             self._take(timeout=0)
             begun = {j for w in self.workers for j in w.begun}
-            free = [j for j in range(len(self.jobs)) if j not in self.done and j not in begun]
+            left = self._left_to_workers()
+            free = [j for j in range(len(self.jobs)) if j not in self.done and j not in begun and j not in left]
             if free:
                 job = free[-1]
                 # a world no worker is on: its other kinds too, whose steps this process will then have counted
@@ -138,17 +126,29 @@ class AloneRuns:
                           and self.worlds[j] == self.worlds[job]):
                     for w in self.workers:
                         w.skip(j)
-                self.done[job] = [plan_alone(self.args[0], self.args[1], k, *self.args[2:]) for k in self.jobs[job]]
+                self.done[job] = [plan_alone(k, *self.args) for k in self.jobs[job]]
             else:
                 self._take(timeout=None)
         out = {k: a for j, answers in self.done.items() for k, a in zip(self.jobs[j], answers)}
         return [out[k] for k in self.kinds]
 
+    def _left_to_workers(self) -> set[int]:
+        """The jobs a worker takes next with its steps counted: its next one, where of the world of the one it is
+        on (a plan there, a count of the world's steps here)."""
+        left = set()
+        for w in self.workers:
+            now = [j for j in w.begun if j not in self.done]
+            later = [j for j in w.jobs if j not in w.begun and j not in w.skipped and j not in self.done]
+            if now and later and self.worlds[later[0]] == self.worlds[max(now)]:
+                left.add(later[0])
+        return left
+
     def _take(self, timeout: float | None) -> None:
         """The answers the workers sent, waiting up to ``timeout`` seconds (None: until one sends). A worker that
         ended without its answers is warned of and dropped: its jobs are left for this process."""
         while True:     # every message sent so far, not one: what a worker has begun must be known here at once
-            waiting = [w for w in self.workers if set(w.jobs) - set(self.done)]
+            # (one told to skip all its jobs left may end: it is not waited for)
+            waiting = [w for w in self.workers if set(w.jobs) - set(self.done) - w.skipped]
             ready = select.select([w.fd for w in waiting], [], [], timeout)[0] if waiting else []
             if not ready:
                 return
@@ -157,12 +157,12 @@ class AloneRuns:
                 if w.fd in ready:
                     self._receive(w)
 
-    def _receive(self, w: _Worker) -> None:
+    def _receive(self, w: Worker) -> None:
         try:
             for job, answers in w.receive():
                 self.done.setdefault(job, answers)
         except WorkerDied as e:
-            warnings.warn(f"{e}; simulating them here instead", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"{e} (simulating them alone); simulating them here instead", RuntimeWarning, stacklevel=4)
             self.workers.remove(w)
             w.close()
 
@@ -172,137 +172,3 @@ class AloneRuns:
     def __exit__(self, *exc) -> None:
         for w in self.workers:
             w.close()
-
-
-class WorkerDied(RuntimeError):
-    """A worker process ended without handing back its answers."""
-
-
-_ROOT = str(Path(__file__).resolve().parent.parent)   # where a worker imports poplar from: where this one did
-
-
-def _worker_env() -> dict[str, str]:
-    """This environment, with poplar's directory first on the path unless it is where packages are installed (a
-    worker's interpreter finds it there anyway, and that directory must not come before the standard library)."""
-    installed = {str(Path(p).resolve()) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])}
-    if _ROOT in installed:
-        return dict(os.environ)
-    path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path}
-
-
-class _Worker:
-    """A worker process with its ``jobs`` (``{job: kinds}``), begun at once."""
-
-    def __init__(self, jobs: dict[int, list[str]], args: tuple):
-        self.jobs, self.begun = jobs, set()
-        with tempfile.NamedTemporaryFile("wb", suffix=".pkl", delete=False) as f:
-            pickle.dump((jobs, args), f)     # a file, not the pipe: a large cluster must not block this process
-            self._job_file = f.name
-        self._stderr = tempfile.TemporaryFile()
-        self.process = subprocess.Popen([sys.executable, "-c", "from poplar.alone import serve; serve()",
-                                         self._job_file], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self._stderr, env=_worker_env())
-        self.fd = self.process.stdout.fileno()
-
-    def skip(self, job: int) -> None:
-        if job in self.jobs:
-            try:
-                _write(self.process.stdin.fileno(), job)
-            except OSError:   # it has ended: what it sent says why
-                pass
-
-    def receive(self) -> list[tuple[int, list[Answer]]]:
-        """One message: the job it has begun (nothing to hand back yet) or done; raises what went wrong."""
-        message = _read(self.fd)
-        if message is None:
-            self.process.wait()
-            self._stderr.seek(0)
-            said = self._stderr.read().decode(errors="replace").strip().splitlines()[-1:]
-            raise WorkerDied(f"the worker simulating {', '.join(k for ks in self.jobs.values() for k in ks)} alone "
-                             f"ended without its answers (exit code {self.process.returncode}"
-                             f"{': ' + said[0] if said else ''})")
-        what, job, value = message
-        if what == "begun":
-            self.begun.add(job)
-            return []
-        if what == "error":
-            error, where = value
-            raise error from RuntimeError(f"in the worker, simulating {', '.join(self.jobs[job])} alone:\n{where}")
-        with open(value, "rb") as f:
-            answers = pickle.load(f)
-        os.unlink(value)
-        return [(job, answers)]
-
-    def close(self) -> None:
-        if self.process.stdout.closed:
-            return
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        for f in (self.process.stdin, self.process.stdout, self._stderr):
-            f.close()
-        os.unlink(self._job_file)
-
-
-def _write(fd: int, value) -> None:
-    data = pickle.dumps(value)
-    data = len(data).to_bytes(8, "little") + data
-    while data:
-        data = data[os.write(fd, data):]
-
-
-def _read(fd: int):
-    """One value :func:`_write` wrote to ``fd``; None at the end of the stream."""
-    size = _read_exactly(fd, 8)
-    body = _read_exactly(fd, int.from_bytes(size, "little")) if size else None
-    return pickle.loads(body) if body is not None else None
-
-
-def _read_exactly(fd: int, n: int) -> bytes | None:
-    parts = []
-    while n:
-        part = os.read(fd, n)
-        if not part:
-            return None
-        parts.append(part)
-        n -= len(part)
-    return b"".join(parts)
-
-
-def serve() -> None:
-    """A worker's main (``sys.argv[1]``: its jobs): each job not skipped, in order, its answers written out."""
-    out = os.dup(1)
-    os.dup2(2, 1)    # what the simulation prints goes to stderr, not into the answers
-    with open(sys.argv[1], "rb") as f:
-        jobs, args = pickle.load(f)
-    imported_for_good()     # a fresh interpreter: the simulator's collections scan only what its jobs make
-    skipped: set[int] = set()
-    for job, kinds in jobs.items():
-        while select.select([0], [], [], 0)[0]:
-            told = _read(0)
-            if told is None:
-                return    # the caller has gone
-            skipped.add(told)
-        if job in skipped:
-            continue
-        _write(out, ("begun", job, None))
-        try:
-            answers = [plan_alone(args[0], args[1], k, *args[2:]) for k in kinds]
-        except BaseException as e:   # handed back whole: the caller raises it as if it had run there
-            _write(out, ("error", job, _picklable(e)))
-            return
-        # the answers (a plan of every rank) through a file: the pipe's buffer would hold this worker until the
-        # caller, busy with the whole cluster, reads them
-        with tempfile.NamedTemporaryFile("wb", suffix=".pkl", delete=False) as f:
-            pickle.dump(answers, f)
-        _write(out, ("done", job, f.name))
-
-
-def _picklable(e: BaseException) -> tuple[BaseException, str]:
-    where = traceback.format_exc()
-    try:
-        pickle.dumps(e)
-        return e, where
-    except Exception:
-        return RuntimeError(f"{type(e).__name__}: {e}"), where

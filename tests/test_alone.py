@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from poplar.alone import AloneRuns, _Worker, jobs_of, plan_alone
+from poplar.alone import AloneRuns, jobs_of, plan_alone
 from poplar.cluster.spec import load_cluster
 from poplar.profile.options import ProfileOptions
 from poplar.workload import Workload
@@ -31,9 +31,30 @@ def test_each_kind_is_a_job_and_kinds_of_one_world_size_are_next_to_each_other()
     assert [order.count(n) for n in runs] == sorted((order.count(n) for n in runs), reverse=True)
 
 
-def test_a_worker_answers_what_this_process_would():
-    here = [plan_alone(ARGS[0], SPEC, k, *ARGS[3:]) for k in KINDS]
-    with AloneRuns(*ARGS, workers=1) as runs:
+def test_a_worker_s_next_kind_of_the_world_it_is_on_is_left_to_it():
+    """Its steps for that world are counted: the kind costs it a plan, this process a count of them."""
+    from types import SimpleNamespace
+
+    from poplar.cluster.spec import parse_cluster
+
+    spec = parse_cluster({"devices": [{"kind": "a", "gpu": "A100-80GB", "count": 2},
+                                      {"kind": "b", "gpu": "A100-40GB", "count": 2},
+                                      {"kind": "c", "gpu": "RTX-4090", "count": 3}]})
+    with AloneRuns(ARGS[0], spec, ["a", "b", "c"], 64, ARGS[4], workers=0) as runs:
+        assert runs.worlds == [2, 2, 3]
+        worker = SimpleNamespace(jobs={0: ["a"], 1: ["b"], 2: ["c"]}, begun={0}, skipped=set())
+        runs.workers.append(worker)
+        assert runs._left_to_workers() == {1}          # b after a, both of 2 ranks
+        worker.begun, runs.done = {0, 1}, {0: []}
+        assert runs._left_to_workers() == set()        # c, of 3 ranks: the first to count its steps may take it
+        runs.workers.clear()
+
+
+@pytest.mark.parametrize("fork", [True, False])
+def test_a_worker_answers_what_this_process_would(fork):
+    """Forked from this process or a fresh interpreter."""
+    here = [plan_alone(k, ARGS[0], SPEC, *ARGS[3:]) for k in KINDS]
+    with AloneRuns(*ARGS, workers=1, fork=fork) as runs:
         worker = runs.workers[0]
         while not worker.begun:          # let the worker begin its first job, so that it answers that one
             runs._take(timeout=None)
@@ -43,9 +64,10 @@ def test_a_worker_answers_what_this_process_would():
     assert worker.process.poll() is not None      # ended with the runs
 
 
-def test_a_worker_that_dies_is_warned_of_and_its_jobs_run_here():
-    here = [plan_alone(ARGS[0], SPEC, k, *ARGS[3:]) for k in KINDS]
-    with AloneRuns(*ARGS, workers=2) as runs:
+@pytest.mark.parametrize("fork", [True, False])
+def test_a_worker_that_dies_is_warned_of_and_its_jobs_run_here(fork):
+    here = [plan_alone(k, ARGS[0], SPEC, *ARGS[3:]) for k in KINDS]
+    with AloneRuns(*ARGS, workers=2, fork=fork) as runs:
         assert len(runs.workers) == 2
         for w in runs.workers:
             w.process.kill()
@@ -56,14 +78,21 @@ def test_a_worker_that_dies_is_warned_of_and_its_jobs_run_here():
     assert _figures(answers) == _figures(here)
 
 
-def test_an_error_in_a_worker_is_raised_here_as_itself():
-    worker = _Worker({0: ["a100-80gb"]}, (ARGS[0], SPEC, "sixty-four", ARGS[4]))   # a batch that is no number
-    try:
-        with pytest.raises(TypeError, match="not supported between"):
-            while True:
-                worker.receive()
-    finally:
-        worker.close()
+def test_a_worker_told_to_skip_all_its_jobs_may_end_unwarned():
+    """This process took every job (told the worker so before it began one): the worker ends, and that is no
+    death to warn of."""
+    import warnings
+
+    here = [plan_alone(k, ARGS[0], SPEC, *ARGS[3:]) for k in KINDS]
+    with AloneRuns(*ARGS, workers=1, fork=True) as runs:
+        worker = runs.workers[0]
+        for job in worker.jobs:
+            worker.skip(job)
+        assert worker.process.wait() == 0 and not worker.begun     # it ended, having begun nothing
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            answers = runs.results()
+    assert _figures(answers) == _figures(here)
 
 
 def test_a_kind_that_cannot_hold_the_model_alone_has_no_plan_and_says_why_at_once():
@@ -75,7 +104,7 @@ def test_a_kind_that_cannot_hold_the_model_alone_has_no_plan_and_says_why_at_onc
 
     spec = parse_cluster({"devices": [{"kind": "a", "gpu": "A100-80GB"}, {"kind": "t", "gpu": "T4-16GB"}]})
     start = time.perf_counter()
-    alone, result = plan_alone(Workload(model="llama-1b", seq_len=2048), spec, "t", 64,
+    alone, result = plan_alone("t", Workload(model="llama-1b", seq_len=2048), spec, 64,
                                ProfileOptions(stages=(3,), precision="fp16"))
     assert result is None and alone.samples_per_s is None and "more than the 1 device" in alone.why_not
     assert time.perf_counter() - start < 5
