@@ -147,8 +147,7 @@ class AloneRuns:
         """The answers the workers sent, waiting up to ``timeout`` seconds (None: until one sends). A worker that
         ended without its answers is warned of and dropped: its jobs are left for this process."""
         while True:     # every message sent so far, not one: what a worker has begun must be known here at once
-            # (one told to skip all its jobs left may end: it is not waited for)
-            waiting = [w for w in self.workers if set(w.jobs) - set(self.done) - w.skipped]
+            waiting = self._waiting()
             ready = select.select([w.fd for w in waiting], [], [], timeout)[0] if waiting else []
             if not ready:
                 return
@@ -156,6 +155,12 @@ class AloneRuns:
             for w in waiting:
                 if w.fd in ready:
                     self._receive(w)
+
+    def _waiting(self) -> list[Worker]:
+        """The workers with a job to hand back: one not done here, begun there or not told to skip (one told to
+        skip all its jobs left may end: it is not waited for)."""
+        return [w for w in self.workers
+                if any(j not in self.done and (j in w.begun or j not in w.skipped) for j in w.jobs)]
 
     def _receive(self, w: Worker) -> None:
         try:

@@ -50,6 +50,23 @@ def test_a_worker_s_next_kind_of_the_world_it_is_on_is_left_to_it():
         runs.workers.clear()
 
 
+def test_a_worker_is_waited_for_while_it_has_a_job_to_hand_back():
+    """A job not done here: begun there (told to skip it too late, it still answers it), or not told to skip."""
+    from types import SimpleNamespace
+
+    with AloneRuns(*ARGS, workers=0) as runs:
+        worker = SimpleNamespace(jobs={0: ["a100-80gb"], 1: ["rtx-4090"]}, begun=set(), skipped={0, 1})
+        runs.workers.append(worker)
+        assert runs._waiting() == []                   # told to skip both, begun neither: it may end
+        worker.begun = {1}
+        assert runs._waiting() == [worker]             # it began one before it was told
+        runs.done = {1: []}
+        assert runs._waiting() == []
+        worker.skipped = {1}
+        assert runs._waiting() == [worker]             # job 0 is its to hand back
+        runs.workers.clear()
+
+
 @pytest.mark.parametrize("fork", [True, False])
 def test_a_worker_answers_what_this_process_would(fork):
     """Forked from this process or a fresh interpreter."""

@@ -9,7 +9,8 @@ same amount with each. :func:`deeper` finds those copies between the steps of ``
 ``d + 1`` layers (a diff of their operators, inserted runs only) and writes the step of
 ``L`` layers, marks, launches and waits included; where the steps do not differ so,
 there is no such step (None) and the deep model is run as it is. The simulator checks the
-result once against a step recorded at ``d + 2`` layers (:mod:`poplar.simulate.profile`).
+result once against a step recorded at ``d + 2`` layers, ``d`` the fewest its stage allows
+(:func:`shallowest`), then one more where that fails (:mod:`poplar.simulate.recording`).
 
 :class:`Shallow` is the model source with fewer layers: the source's own
 ``build_layers`` (Hugging Face configs: ``num_hidden_layers``).

@@ -111,7 +111,7 @@ def _drawn_and_whole(wl, options, cluster, monkeypatch, expect=None):
 
 def test_the_simulated_profile_drawn_from_shallow_steps_is_the_one_run_on_the_whole_model(monkeypatch):
     """The whole procedure (states, largest micro-batch, timed points, anatomy, steps at unlike shares) on a
-    model of 5 layers: drawn from 2 and 3 (checked at 4), against the same run on all 5."""
+    model of 5 layers: drawn from 1 and 2 (checked at 3), against the same run on all 5."""
     wl = Shallow(Workload(model="llama-125m", seq_len=32), 5)
     options = ProfileOptions(stages=(2,), n_points=2, max_micro_batch=4, precision="fp16")
     drawn = _drawn_and_whole(wl, options, {**CLUSTER, "memory_scale": 0.02}, monkeypatch)
@@ -151,7 +151,8 @@ def _config_only(directory, family: str):
 @pytest.mark.parametrize("family, stage", [("qwen2", 3), ("gpt2", 2), ("bert", 1)])
 def test_a_model_directory_is_drawn_from_shallow_steps_as_a_preset_is(tmp_path, monkeypatch, family, stage):
     """A user's own Hugging Face directory of 5 alike layers (a causal LM of the Llama line, GPT-2's Conv1D
-    layers and tied head, a masked LM): its simulated profile drawn from 2 and 3 layers, as run on all 5."""
+    layers and tied head, a masked LM): its simulated profile drawn from 1 and 2 layers (ZeRO-3: 2 and 3), as
+    run on all 5."""
     from poplar.models.pretrained import ModelDirectory
 
     wl = ModelDirectory(directory=str(_config_only(tmp_path / "m", family)), seq_len=16)
