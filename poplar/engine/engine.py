@@ -47,7 +47,7 @@ from poplar.engine.state_dict import EngineState
 from poplar.engine.units import build_units
 from poplar.engine.unshard import Unsharder
 from poplar.engine.update import NonFiniteError, Update, UpdateOutOfMemoryError
-from poplar.engine.weights import WeightReader, check_empty_model, has_meta_parameters, read_weights
+from poplar.engine.weights import WeightReader, check_empty_model, read_weights, values_to_read
 from poplar.plan import Plan
 from poplar.stages import stage
 
@@ -75,7 +75,7 @@ class Engine:
         self.stage = stage(plan.zero_stage)
         self.compute_dtype = config.compute_dtype
 
-        empty = has_meta_parameters(model, self.device)
+        empty = values_to_read(model.parameters(), self.device)
         if empty:   # its values are read into the shards (poplar.engine.weights)
             check_empty_model(model, self.device, weights)
         elif any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):

@@ -29,6 +29,7 @@ from torch import nn
 
 from poplar.engine.layout import ShardLayout
 from poplar.engine.unit_state import GradState, ParamState, Slot
+from poplar.engine.weights import values_to_read
 from poplar.stages import ZeroStage
 
 
@@ -97,7 +98,7 @@ class FlatUnit:
         Parameters on the meta device have no values yet (:mod:`poplar.engine.weights` reads them into the
         master): they are replaced by new parameters, views into the flat buffer (``replaced``, by the old
         one's ``id``), and in ZeRO-3 nothing but the shard is ever allocated."""
-        empty = device.type != "meta" and any(s.param.is_meta for s in self.slots)   # on meta: its own
+        empty = values_to_read((s.param for s in self.slots), device)
         dtype = self.compute_dtype
         mixed = dtype != torch.float32
         if empty and self.shard_params:

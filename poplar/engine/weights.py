@@ -31,10 +31,10 @@ class WeightReader(Protocol):
         tied one has several), as a 1-D tensor of any floating dtype (the engine casts to fp32)."""
 
 
-def has_meta_parameters(model: nn.Module, device: torch.device) -> bool:
-    """Whether ``model``'s values are to be read into the shards: parameters on the meta device, for a device
-    that holds values (on the meta device itself, a dry run's such as the simulator's, they are the model's own)."""
-    return device.type != "meta" and any(p.is_meta for p in model.parameters())
+def values_to_read(params, device: torch.device) -> bool:
+    """Whether the values of ``params`` are to be read into the shards: some on the meta device, for a device that
+    holds values (on the meta device itself, a dry run's such as the simulator's, they are the model's own)."""
+    return device.type != "meta" and any(p.is_meta for p in params)
 
 
 def check_empty_model(model: nn.Module, device: torch.device, reader) -> None:

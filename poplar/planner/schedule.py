@@ -217,6 +217,7 @@ class StepSchedule:
 
     @staticmethod
     def _issued(events: list) -> dict[str, float]:
+        """The seconds of the collectives ``events`` issue, by link."""
         on: dict[str, float] = {}
         for e in events:
             if type(e) is Issue:

@@ -29,7 +29,7 @@ from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import largest_micro_batch
 from poplar.profile.procedure import States, at_even_share, timed_stage, with_less
 from poplar.profile.profile import DOES_NOT_FIT, NOT_TIMED, CommProfile, StageProfile
-from poplar.profile.timing import (RankRun, _time_group, fraction_held, skewed_shares, time_collectives,
+from poplar.profile.timing import (RankRun, _time_group, fractions_held, skewed_shares, time_collectives,
                                    time_points, timed_step)
 from poplar.profile.units import bucket_numels
 from poplar.stages import OPTIMIZER_BYTES_PER_MASTER_BYTE
@@ -177,7 +177,7 @@ def _share_steps(run: RankRun, stage: int, states: States, options: ProfileOptio
         _time_group(run, stage, {0: plan}, times)
         marks, _ = marked_step(run, plan)
         run.device.free_memory()
-        fraction = fraction_held(shares, run.rank)
+        fraction = fractions_held(shares)[run.rank]
         steps.append((fraction, max(0.0, statistics.median(times[0]) - micro_step)))
         gathers.append((fraction, *marks.gather_phase()))
     return steps, gathers
@@ -187,8 +187,7 @@ def held_at_shares(most: int, sharded: int, units, stage: int, shares: list[floa
                    precision: str) -> int:
     """The model states ``rank`` holds at their most with ``shares`` of them, from ``most`` at an even share (of
     which ``sharded`` bytes are its share; ``units``: the units' parameters)."""
-    total = sum(shares)
-    fractions = [s / total for s in shares]     # fraction_held of each rank, the sum taken once
+    fractions = fractions_held(shares)
     return int(most + sharded * (fractions[rank] * len(shares) - 1)
                + zero_stage(stage).uneven_gather_bytes(fractions, list(units), precision))
 

@@ -118,7 +118,7 @@ def skewed_shares(capacities: list[int]) -> list[list[float]]:
     two skews (so that a card with no room for more is never given more). None where every rank has as much
     memory: no plan takes unlike shares there (memory binds every rank alike: the planner's even split stands).
 
-    >>> skewed_shares([80, 40]), fraction_held(skewed_shares([80, 40])[0], 1), skewed_shares([80, 80])
+    >>> skewed_shares([80, 40]), fractions_held(skewed_shares([80, 40])[0])[1], skewed_shares([80, 80])
     ([[1.5, 1.0], [2.0, 1.0]], 0.4, [])
     """
     if len(set(capacities)) < 2:
@@ -127,8 +127,10 @@ def skewed_shares(capacities: list[int]) -> list[list[float]]:
     return [[1.0 + k * SHARE_SKEW * (r == big) for r in range(len(capacities))] for k in (1, 2)]
 
 
-def fraction_held(shares: list[float], rank: int) -> float:
-    return shares[rank] / sum(shares)
+def fractions_held(shares: list[float]) -> list[float]:
+    """Each rank's fraction of the sharded states."""
+    total = sum(shares)
+    return [s / total for s in shares]
 
 
 def timed_step(device: Device, engine, batch, loss: Callable) -> float:

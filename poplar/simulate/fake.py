@@ -197,17 +197,18 @@ def counting(counter):
 def fake_tensors():
     """Every tensor made inside is a meta tensor taking the CPU's paths, and what is read back from one is
     :class:`HostValues`'."""
+    if _ACTIVE[0]:     # inside already: the device and the mode are the outer one's (a mode twice counts twice)
+        yield
+        return
     if not _MODE:
         _MODE.append(HostValues())
         _take_cpu_choices()
-    threshold = gc.get_threshold()
-    if not _ACTIVE[0]:   # a step makes tens of thousands of objects, few in cycles: collected less often
-        gc.set_threshold(max(threshold[0], YOUNG), *threshold[1:])
-    _ACTIVE[0] += 1
+    threshold = gc.get_threshold()   # a step makes tens of thousands of objects, few in cycles: collected less often
+    gc.set_threshold(max(threshold[0], YOUNG), *threshold[1:])
+    _ACTIVE[0] = 1
     try:
         with META, _MODE[0]:
             yield
     finally:
-        _ACTIVE[0] -= 1
-        if not _ACTIVE[0]:
-            gc.set_threshold(*threshold)
+        _ACTIVE[0] = 0
+        gc.set_threshold(*threshold)

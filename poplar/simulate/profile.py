@@ -35,7 +35,7 @@ from poplar.profile.procedure import States, at_even_share, timed_stage, with_le
 from poplar.profile.profile import DOES_NOT_FIT, NOT_TIMED, Profile, StageProfile
 from poplar.profile.profiler import merge_stage
 from poplar.profile.rank import held_at_shares
-from poplar.profile.timing import RankRun, fraction_held, skewed_shares
+from poplar.profile.timing import RankRun, fractions_held, skewed_shares
 from poplar.simulate.comm import simulated_comm
 from poplar.simulate.fake import fake_tensors
 from poplar.simulate.layers import DEEP, SHALLOW, Shallow, layers_of
@@ -265,7 +265,7 @@ class _Shares:
             if k != kind:
                 continue
             trace = shared(self.run, self.stage, _moved_first(v, r))    # once a process
-            points[fraction_held(v, r)] = (max(0.0, trace.busy(gpu) - micro_step), trace.marks_on(gpu).gather_phase())
+            points[fractions_held(v)[r]] = (max(0.0, trace.busy(gpu) - micro_step), trace.marks_on(gpu).gather_phase())
         return ([(f, step) for f, (step, _) in sorted(points.items())],
                 [(f, *phase) for f, (_, phase) in sorted(points.items())])
 

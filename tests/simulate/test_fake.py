@@ -126,3 +126,24 @@ def test_a_pointwise_operators_output_read_again_is_its_shape_functions(seed):
             again = [_result(op, a.clone(), b) for _ in range(2)]
         assert again == [first, first], (first, again)
     assert fake._OUTPUTS      # something was read again
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_each_operator_is_counted_once_inside_the_simulator_however_deep(nested):
+    """The simulator's mode hands each operator to the recorder once: inside it twice over too (its context
+    entered again), as a recorder of its own outside it counts them."""
+    import contextlib
+
+    from poplar.simulate.fake import counting
+
+    def step():
+        x, w = torch.randn(4, 8, device="meta"), torch.randn(8, 8, device="meta")
+        (x @ w).relu().sum()
+
+    with Recorder() as alone:
+        step()
+    with fake_tensors():
+        with fake_tensors() if nested else contextlib.nullcontext(), counting(Recorder()) as counted:
+            step()
+    assert [operator_name(o) for o in counted.ops] == [operator_name(o) for o in alone.ops]
+    assert counted.flops == alone.flops and len(counted.ops) >= 3
