@@ -4,40 +4,46 @@ For each precision, on one emulated cluster, in one run: profile the model (or r
 cache), plan the global batch, and train Poplar's plan and the uniform split side by
 side (``poplar bench``'s measurement, :func:`poplar.bench.bench_cluster`). Printed: each
 kind's time per sample at its largest micro-batch in stage 0 (compute-bound: the ratio
-there is the one to hold against the cards' tensor-core ratio, fp16 over fp32 peak), and
-the trained plans' samples/s with their fp16 / fp32 ratios.
+there is the one to hold against the cards' tensor-core ratio, fp16 over fp32 peak); where
+that time goes in one forward and backward at the fp32 run's largest micro-batch (the
+matrix products, which run on the tensor cores, and the rest); and the trained plans'
+samples/s with their fp16 / fp32 ratios.
 
-    python bench/bench_precision.py --cluster compute-differs --model llama-small --seq-len 128 --global-batch 64
+    python bench/bench_precision.py --cluster bench/clusters/compute-differs-x0.05.yaml \
+        --model bench/models/wide-llama --seq-len 32 --global-batch 128
     python bench/bench_precision.py --simulate --cluster bench/clusters/compute-differs-x0.25.yaml \
         --model llama-125m --seq-len 256 --global-batch 32
 
 ``--simulate``: the time per sample from the simulator's profile (the emulated profiler's
-figures, tests/simulate) and nothing trained: a model large enough to be compute-bound
-takes longer to profile for real on a CPU than a launch may run.
+figures, tests/simulate) and nothing trained.
 """
 
 from __future__ import annotations
 
 import argparse
 
+import torch
+
 from poplar.bench import bench_cluster
 from poplar.cluster.spec import load_cluster
+from poplar.emulate.model import GpuModel, WorkCounter
 from poplar.profile.profiler import profile_cluster
-from poplar.workload import Workload
+from poplar.workload import model_source
 
 PRECISIONS = ("fp32", "fp16")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", default="compute-differs")
-    parser.add_argument("--model", default="llama-small")
+    parser.add_argument("--model", default="llama-small", help="a preset or a Hugging Face model directory")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--simulate", action="store_true", help="per-sample times from the simulated profile only")
     args = parser.parse_args()
-    wl = Workload(model=args.model, seq_len=args.seq_len)
+    wl = model_source(args.model, seq_len=args.seq_len)
     spec = load_cluster(args.cluster)
     per_sample, runs = {}, {}
     for p in PRECISIONS:
@@ -49,6 +55,13 @@ def main() -> None:
         if not args.simulate:
             runs[p] = bench_cluster(args.cluster, wl, args.global_batch, args.steps, peers=False, precision=p)
     print(f"{args.cluster}, {wl.name} ({args.seq_len} tokens), global batch {args.global_batch}")
+    _print_per_sample(spec, per_sample)
+    _print_products(wl, spec, {k.kind: per_sample["fp32", k.kind][1] for k in spec.devices})
+    if not args.simulate:
+        _print_trained(runs)
+
+
+def _print_per_sample(spec, per_sample: dict) -> None:
     print(f"{'kind':<12} {'tensor-core ratio':>18} " + " ".join(f"{p + ' ms/sample (mb)':>24}" for p in PRECISIONS)
           + f" {'fp16 / fp32 speed':>18}")
     for kind in spec.devices:
@@ -56,8 +69,39 @@ def main() -> None:
         cells = " ".join(f"{1e3 * per_sample[p, kind.kind][0]:>17.4f} ({per_sample[p, kind.kind][1]:>4})"
                          for p in PRECISIONS)
         print(f"{kind.kind:<12} {peak:>18.2f} {cells} {per_sample['fp32', kind.kind][0] / per_sample['fp16', kind.kind][0]:>18.2f}")
-    if args.simulate:
-        return
+
+
+class _Split(WorkCounter):
+    """The modelled seconds of the operators that count FLOPs (matrix products, attention) and of the rest."""
+
+    def __init__(self, gpu: GpuModel):
+        super().__init__(gpu)
+        self.products = 0.0
+
+    def count(self, func, flops, nbytes, dtype) -> float:
+        seconds = super().count(func, flops, nbytes, dtype)
+        self.products += seconds if flops else 0.0
+        return seconds
+
+
+def _print_products(wl, spec, micro_batch: dict) -> None:
+    """Where one forward and backward's modelled time goes, fp32 against fp16 (the model in that dtype)."""
+    print(f"{'kind':<12} {'forward+backward at mb':>22} {'products fp32 / fp16':>21} {'the rest fp32 / fp16':>21}"
+          f" {'products ratio':>15} {'rest ratio':>11} {'whole ratio':>12}")
+    for kind in spec.devices:
+        mb, split = micro_batch[kind.kind], {}
+        for p in PRECISIONS:
+            model = wl.build().to(DTYPES[p])
+            with _Split(GpuModel.of(kind)) as split[p]:
+                wl.loss(model, wl.random_batch(mb)).backward()
+        f32, f16 = split["fp32"], split["fp16"]
+        rest = [s.seconds - s.products for s in (f32, f16)]
+        print(f"{kind.kind:<12} {mb:>22} {1e3 * f32.products:>10.3f} / {1e3 * f16.products:>.3f} ms"
+              f" {1e3 * rest[0]:>10.3f} / {1e3 * rest[1]:>.3f} ms {f32.products / f16.products:>15.2f}"
+              f" {rest[0] / rest[1]:>11.2f} {f32.seconds / f16.seconds:>12.2f}")
+
+
+def _print_trained(runs: dict) -> None:
     print(f"{'allocation':<12} " + " ".join(f"{p + ' samples/s (ZeRO)':>24}" for p in PRECISIONS)
           + f" {'fp16 / fp32':>12} {'overruns':>9}")
     for name in ("poplar", "uniform"):

@@ -41,6 +41,10 @@ _FREE = {getattr(_aten, name) for name in (
     "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "record_stream",
     "_fused_sdp_choice") if hasattr(_aten, name)}     # (attention's choice of kernel: the host's, asked of proxies)
 _NOT_COMPUTE = ("c10d", "_c10d_functional", "profiler", "prims", "prim")   # prim: a fake tensor's device query
+# Matrix products a CPU without half-precision units runs ~100x slower in fp16/bf16 than in fp32
+# (docs/devices.md): computed as a GPU computes them, exact products summed in fp32, rounded once.
+_WIDENED = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _shape(t):
@@ -153,6 +157,15 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
+def run_widened(func, args, kwargs):
+    """``func(*args, **kwargs)``; a half-precision matrix product on the CPU summed in fp32 and rounded
+    once to its dtype (what the GPU's tensor cores do, and the CPU's own kernel, in another order)."""
+    if func in _WIDENED and args[-1].dtype in _HALF and args[-1].device.type == "cpu":
+        wide = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+        return func(*wide, **kwargs).to(args[-1].dtype)
+    return func(*args, **kwargs)
+
+
 class WorkCounter(TorchDispatchMode):
     """Adds up the modelled GPU's seconds for every operator run inside it (``seconds``).
 
@@ -169,7 +182,7 @@ class WorkCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = run_widened(func, args, kwargs)
         cost = op_cost(func, args, kwargs, out)
         if cost is not None:
             self.count(func, *cost)

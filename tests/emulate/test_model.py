@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from poplar.cluster.spec import DeviceGroup, Link, Network
 from poplar.emulate import GpuModel, NetworkModel, WorkCounter
@@ -127,3 +128,50 @@ def test_a_grouped_matrix_product_costs_its_groups_products():
                 products(a, b)
             counted = _FLOPS[torch.ops.aten._grouped_mm](a, b, offs, out_val=torch._grouped_mm(a, b, offs))
             assert counted == counter.get_total_flops(), (name, groups, m, k, n, sizes)
+
+
+class _Seen(TorchDispatchMode):
+    """What reaches the host below the counter: each operator and its tensors' dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((func, {a.dtype for a in args if isinstance(a, torch.Tensor)}))
+        return func(*args, **(kwargs or {}))
+
+
+def _product_args(op: str, dtype: torch.dtype, gen: torch.Generator) -> tuple[list, dict]:
+    """A matrix product's arguments, seeded shapes, a transposed operand at times (a backward's)."""
+    b, m, k, n = (int(torch.randint(1, hi, (), generator=gen)) for hi in (4, 70, 300, 70))
+    batch = (b,) if op in ("bmm", "baddbmm") else ()
+    left = torch.randn(*batch, m, k, generator=gen).to(dtype)
+    right = torch.randn(*batch, n, k, generator=gen).to(dtype).transpose(-1, -2)
+    if op in ("mm", "bmm"):
+        return [left, right], {}
+    bias = torch.randn(*batch, m, n, generator=gen).to(dtype)
+    return [bias, left, right], {"beta": 0.5, "alpha": 2.0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("op", ["mm", "addmm", "bmm", "baddbmm"])
+def test_a_half_precision_product_is_summed_in_fp32_and_rounded_once_and_priced_at_its_dtype(op, dtype):
+    """The emulated rank computes a half product from fp32 sums (the host has no fast half kernel):
+    the exact result rounded once, as the host's own kernel gives it but for the order of the sums."""
+    gpu = GpuModel.of(DeviceGroup(kind="v", gpu="V100-16GB" if dtype == torch.float16 else "A100-80GB"))
+    func, gen = getattr(torch.ops.aten, op).default, torch.Generator().manual_seed(7)
+    for _ in range(6):
+        args, kwargs = _product_args(op, dtype, gen)
+        with _Seen() as host, WorkCounter(gpu) as counter:
+            out = func(*args, **kwargs)
+        assert [dtypes for f, dtypes in host.ops if f == func] == [{torch.float32}]   # the host ran it in fp32
+        exact = func(*[a.double() for a in args], **kwargs)
+        native = func(*args, **kwargs)
+        ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(1.0)
+        assert out.dtype == dtype and out.shape == native.shape
+        assert ((out.double() - exact).abs() <= ulp).all()           # one rounding of the fp32 sum
+        assert (out == native).float().mean() > 0.97                  # the host's kernel, but for order
+        flops = 2 * out.numel() * args[-1].shape[-2]
+        nbytes = sum(t.numel() * t.element_size() for t in (*args, out))
+        assert counter.seconds == pytest.approx(gpu.op_seconds(flops, nbytes, dtype))
