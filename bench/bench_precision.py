@@ -10,7 +10,7 @@ matrix products, which run on the tensor cores, and the rest); and the trained p
 samples/s with their fp16 / fp32 ratios.
 
     python bench/bench_precision.py --cluster bench/clusters/compute-differs-x0.05.yaml \
-        --model bench/models/wide-llama --seq-len 32 --global-batch 128
+        --model bench/models/wide-llama --seq-len 32 --global-batch 128 --steps 3 --launch-timeout 3600
     python bench/bench_precision.py --simulate --cluster bench/clusters/compute-differs-x0.25.yaml \
         --model llama-125m --seq-len 256 --global-batch 32
 
@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--launch-timeout", type=float, default=900,
+                        help="seconds each measuring launch may run (a compute-bound model's paced steps are long)")
     parser.add_argument("--simulate", action="store_true", help="per-sample times from the simulated profile only")
     args = parser.parse_args()
     wl = model_source(args.model, seq_len=args.seq_len)
@@ -53,7 +55,8 @@ def main() -> None:
             per_sample[p, kind.kind] = (stage.time(stage.max_micro_batch) / stage.max_micro_batch,
                                         stage.max_micro_batch)
         if not args.simulate:
-            runs[p] = bench_cluster(args.cluster, wl, args.global_batch, args.steps, peers=False, precision=p)
+            runs[p] = bench_cluster(args.cluster, wl, args.global_batch, args.steps, peers=False, precision=p,
+                                   timeout_s=args.launch_timeout)
     print(f"{args.cluster}, {wl.name} ({args.seq_len} tokens), global batch {args.global_batch}")
     _print_per_sample(spec, per_sample)
     _print_products(wl, spec, {k.kind: per_sample["fp32", k.kind][1] for k in spec.devices})

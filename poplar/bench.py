@@ -130,11 +130,12 @@ def measure_with_peer(workload: Workload, cluster: dict, plans: list, setup, ste
 
 
 def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: int = 12, rounds: int = 3,
-                  use_cache: bool = True, peers: bool = True, progress=None, precision: str = "fp32") -> dict:
+                  use_cache: bool = True, peers: bool = True, progress=None, precision: str = "fp32",
+                  timeout_s: float = 900) -> dict:
     """Measure Poplar's plan, the baselines and (``peers``) DeepSpeed on one cluster; see the module's docstring.
 
     ``progress`` receives the profiler's events (see :func:`plan_cluster`). ``precision``: what the engine
-    computes in (the peer runs fp32 alone: left out otherwise).
+    computes in (the peer runs fp32 alone: left out otherwise). ``timeout_s``: each launch's bound.
     """
     spec, result = plan_cluster(cluster, workload, global_batch, use_cache, progress, precision=precision)
     config = EngineConfig(mixed_precision=precision)
@@ -164,7 +165,8 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
         if setup is not None and i == with_peer:   # the peer runs the uniform split, on its devices
             measured, notes[setup.name] = measure_with_peer(workload, on.model_dump(), plans, setup, steps, rounds)
         else:
-            measured = measure_plans(workload, on.model_dump(), plans, steps=steps, rounds=rounds, config=config)
+            measured = measure_plans(workload, on.model_dump(), plans, steps=steps, rounds=rounds, config=config,
+                                     timeout_s=timeout_s)
         by_name.update({a.name: m for a, m in zip(group, measured)})
     rows = {}
     for alloc in allocs:
