@@ -57,6 +57,8 @@ def main() -> None:
         if not args.simulate:
             runs[p] = bench_cluster(args.cluster, wl, args.global_batch, args.steps, peers=False, precision=p,
                                    timeout_s=args.launch_timeout)
+            print(f"{p}: " + ", ".join(f"{name} {row.get('samples_per_s', 0):,.0f} samples/s ({row.get('overruns')} "
+                                       f"overruns)" for name, row in runs[p]["allocations"].items()), flush=True)
     print(f"{args.cluster}, {wl.name} ({args.seq_len} tokens), global batch {args.global_batch}")
     _print_per_sample(spec, per_sample)
     _print_products(wl, spec, {k.kind: per_sample["fp32", k.kind][1] for k in spec.devices})

@@ -16,7 +16,7 @@ def measured(monkeypatch):
     with overruns of its own (0, 1, ...)."""
     seen = []
 
-    def measure(workload, cluster, plans, steps=12, rounds=3, peers=(), config=None):
+    def measure(workload, cluster, plans, steps=12, rounds=3, peers=(), config=None, timeout_s=900):
         seen.append([p.to_dict() for p in plans])
         return [{"step_s": p.global_batch_size / (100.0 * (i + 1)), "busy_s": [0.1] * p.world_size,
                  "samples_per_s": 100.0 * (i + 1), "steps": steps, "overruns": i} for i, p in enumerate(plans)]
@@ -123,7 +123,7 @@ def test_a_plan_that_leaves_cards_out_is_measured_on_the_cards_it_names(monkeypa
             update={"points": [], "note": DOES_NOT_FIT})
     clusters = []
 
-    def measure(workload, cluster, plans, steps=12, rounds=3, peers=(), config=None):
+    def measure(workload, cluster, plans, steps=12, rounds=3, peers=(), config=None, timeout_s=900):
         clusters.append(cluster)
         return [{"failed": "rank 0: OutOfMemoryError: emulated"} if i else
                 {"step_s": 0.1, "busy_s": [0.1], "samples_per_s": 80.0, "steps": steps, "overruns": 0}

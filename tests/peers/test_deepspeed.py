@@ -105,7 +105,7 @@ def fake_measure(calls):
 
     A peer that is not DeepSpeed fails; DeepSpeed runs out of memory above micro-batch 4.
     """
-    def measure(workload, cluster, plans, steps=12, rounds=3, peers=(), config=None):
+    def measure(workload, cluster, plans, steps=12, rounds=3, peers=(), config=None, timeout_s=900):
         calls.append([f"{p.name}:{p.micro_batch_size}" for p in peers])
         if any(p.name != "deepspeed" for p in peers):
             raise PeerFailed("broken: it failed")
