@@ -91,7 +91,8 @@ def test_a_worker_that_dies_is_warned_of_and_its_jobs_run_here(fork):
             w.process.wait()
         with pytest.warns(RuntimeWarning, match="ended without its answers"):
             answers = runs.results()
-        assert not runs.workers
+        # a dead worker is dropped; one whose answers had all come before it was killed may stay, none owed
+        assert len(runs.workers) < 2 and all(j in runs.done for w in runs.workers for j in w.jobs)
     assert _figures(answers) == _figures(here)
 
 
