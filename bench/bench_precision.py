@@ -10,7 +10,7 @@ matrix products, which run on the tensor cores, and the rest); and the trained p
 samples/s with their fp16 / fp32 ratios.
 
     python bench/bench_precision.py --cluster bench/clusters/compute-differs-x0.05.yaml \
-        --model bench/models/wide-llama --seq-len 32 --global-batch 128 --steps 3 --launch-timeout 3600
+        --model bench/models/wide-llama --seq-len 32 --global-batch 128 --steps 3 --launch-timeout 5400
     python bench/bench_precision.py --simulate --cluster bench/clusters/compute-differs-x0.25.yaml \
         --model llama-125m --seq-len 256 --global-batch 32
 
@@ -42,14 +42,14 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--launch-timeout", type=float, default=900,
-                        help="seconds each measuring launch may run (a compute-bound model's paced steps are long)")
+                        help="seconds each profiling or measuring launch may run (a compute-bound model's paced steps are long)")
     parser.add_argument("--simulate", action="store_true", help="per-sample times from the simulated profile only")
     args = parser.parse_args()
     wl = model_source(args.model, seq_len=args.seq_len)
     spec = load_cluster(args.cluster)
     per_sample, runs = {}, {}
     for p in PRECISIONS:
-        profile = _profile(wl, spec, p, min(256, args.global_batch), args.simulate)
+        profile = _profile(wl, spec, p, min(256, args.global_batch), args.simulate, args.launch_timeout)
         for kind in spec.devices:
             stage = profile.stage(kind.kind, 0)
             per_sample[p, kind.kind] = (stage.time(stage.max_micro_batch) / stage.max_micro_batch,
@@ -119,14 +119,15 @@ def _print_trained(runs: dict) -> None:
               f"{sum(r['overruns'] for r in rows):>9}")
 
 
-def _profile(wl, spec, precision: str, largest: int, simulate: bool):
+def _profile(wl, spec, precision: str, largest: int, simulate: bool, timeout_s: float):
     """The cluster's profile in ``precision``: simulated (stage 0), or measured (every stage, as the bench plans)."""
     if simulate:
         from poplar.profile.options import ProfileOptions
         from poplar.simulate import simulate_profile
 
         return simulate_profile(wl, spec, ProfileOptions(stages=(0,), max_micro_batch=largest, precision=precision))
-    return profile_cluster(wl, spec, stages=(0, 1, 2, 3), precision=precision, max_micro_batch=largest)[0]
+    return profile_cluster(wl, spec, stages=(0, 1, 2, 3), precision=precision, max_micro_batch=largest,
+                           timeout_s=timeout_s)[0]
 
 
 if __name__ == "__main__":
