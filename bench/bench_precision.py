@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from poplar.bench import bench_cluster
 from poplar.cluster.spec import load_cluster
 from poplar.emulate.model import GpuModel, WorkCounter
+from poplar.precision import torch_dtype
 from poplar.profile.profiler import profile_cluster
 from poplar.workload import model_source
 
 PRECISIONS = ("fp32", "fp16")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 def main() -> None:
@@ -96,7 +94,7 @@ def _print_products(wl, spec, micro_batch: dict) -> None:
     for kind in spec.devices:
         mb, split = micro_batch[kind.kind], {}
         for p in PRECISIONS:
-            model = wl.build().to(DTYPES[p])
+            model = wl.build().to(torch_dtype(p))
             with _Split(GpuModel.of(kind)) as split[p]:
                 wl.loss(model, wl.random_batch(mb)).backward()
         f32, f16 = split["fp32"], split["fp16"]
