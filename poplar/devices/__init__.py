@@ -6,11 +6,11 @@ from __future__ import annotations
 from poplar.devices.base import Device
 
 
-def rank_device(cluster, rank: int, workload=None) -> Device:
+def rank_device(cluster, rank: int, workload=None, precision: str = "fp32") -> Device:
     """Rank ``rank``'s device in ``cluster`` (a :class:`~poplar.cluster.spec.ClusterSpec`): its GPU, or an emulated one.
 
-    ``workload`` (a :class:`~poplar.workload.Workload`): what the rank will train, so an
-    emulated cluster's time dilation fits it.
+    ``workload`` (a :class:`~poplar.workload.Workload`) and ``precision``: what the rank will
+    train and in which dtype it computes, so an emulated cluster's time dilation fits it.
 
     Enter it on every rank (``with rank_device(spec, rank) as device:``): an emulated
     device agrees its clock with the others there. It sees the collectives issued through
@@ -22,15 +22,15 @@ def rank_device(cluster, rank: int, workload=None) -> Device:
         return CudaDevice()
     from poplar.devices.emulated import EmulatedDevice
 
-    return EmulatedDevice(cluster, rank, probe=None if workload is None else _workload_probe(workload))
+    return EmulatedDevice(cluster, rank, probe=None if workload is None else _workload_probe(workload, precision))
 
 
-def rank_device_of(cluster, rank: int, workload=None, cuda: bool | None = None) -> Device:
+def rank_device_of(cluster, rank: int, workload=None, cuda: bool | None = None, precision: str = "fp32") -> Device:
     """The device rank ``rank`` computes on, for every loop that runs one (``poplar train``'s ranks, the
     integrations'): ``cluster``'s (:func:`rank_device`) where one is given; else its own GPU where ``cuda``
     (None: where the process group runs over NCCL), else this host's CPU."""
     if cluster is not None:
-        return rank_device(cluster, rank, workload)
+        return rank_device(cluster, rank, workload, precision)
     if cuda is None:
         import torch.distributed as dist
 
@@ -42,9 +42,12 @@ def rank_device_of(cluster, rank: int, workload=None, cuda: bool | None = None) 
     return Device()
 
 
-def _workload_probe(workload):
-    """A step of ``workload``'s own model at ``m`` samples, for the dilation's probes."""
-    model = workload.build()
+def _workload_probe(workload, precision: str):
+    """A step of ``workload``'s own model at ``m`` samples in ``precision``'s dtype, for the dilation's probes
+    (on a host without half-precision units a half step is slower against its declared time than fp32's)."""
+    from poplar.precision import torch_dtype
+
+    model = workload.build().to(torch_dtype(precision))
 
     def probe(m: int) -> None:
         workload.loss(model, workload.random_batch(m)).backward()

@@ -62,7 +62,7 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
     wl = as_workload(workload)
     kind = spec.device(rank).kind
     reports = [d.kind for d in spec.rank_devices()].index(kind) == rank   # the first rank of each kind
-    with rank_device(spec, rank, wl) as device:
+    with rank_device(spec, rank, wl, config.mixed_precision) as device:
         device.check_cluster(spec, rank)
         run = RankRun(device, rank, world_size, wl, config, options.warmup, options.repeats or device.timing_repeats,
                       kind, progress if reports else None)

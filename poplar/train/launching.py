@@ -36,13 +36,14 @@ class Launch:
     devices: Devices      # the emulated cluster's GPUs, real CUDA devices, or this host's CPU
     restarted: bool       # torchrun restarted the group after a failure: the run resumes by itself
 
-    def device(self, rank: int, workload, cluster=None):
+    def device(self, rank: int, workload, cluster=None, precision: str = "fp32"):
         """This rank's device, which times its steps (and, emulated, paces them and caps their memory);
-        ``cluster``: the emulated cluster's :class:`~poplar.cluster.spec.ClusterSpec`."""
+        ``cluster``: the emulated cluster's :class:`~poplar.cluster.spec.ClusterSpec`; ``precision``: the
+        dtype the rank computes in (an emulated device's pace fits it)."""
         from poplar.devices import rank_device_of
 
         return rank_device_of(cluster if self.devices == "emulated" else None, rank, workload,
-                              cuda=self.devices == "cuda")
+                              cuda=self.devices == "cuda", precision=precision)
 
 
 def cluster_of(cfg: TrainConfig):

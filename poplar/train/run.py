@@ -39,7 +39,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig, launch: Launch, pla
     from poplar.planner.replan import PlanBasis
     from poplar.train.trainer import Trainer
 
-    with launch.device(rank, wl, cluster) as device:
+    with launch.device(rank, wl, cluster, cfg.engine.mixed_precision) as device:
         trainer = Trainer(cfg, poplar.Plan.from_dict(plan_dict), wl, device, rank, world_size,
                           basis=None if basis is None else PlanBasis.from_dict(basis))
         out = trainer.train()

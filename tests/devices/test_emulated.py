@@ -161,3 +161,32 @@ def test_a_span_the_host_ran_late_counts_as_an_overrun_and_says_how_late(dilatio
         assert overruns == 1
         assert 0.05 / dilation <= late_s <= wall / dilation    # in the device's seconds
         assert device.step_s == pytest.approx(late_s, rel=0.05, abs=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_the_pace_is_probed_with_the_work_in_the_dtype_the_rank_computes_in(precision):
+    """The dilation's probe runs the workload's own step in the run's dtype: a half step on a host without half
+    units is slower against its declared time than fp32's, so an fp32 probe would pace an fp16 run too fast."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from poplar.cluster.spec import parse_cluster
+    from poplar.devices import rank_device
+    from poplar.precision import torch_dtype
+    from poplar.workload import Workload
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                self.dtypes.add(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
+    spec = parse_cluster({"devices": [{"kind": "v100", "gpu": "V100-16GB"}]})
+    device = rank_device(spec, 0, Workload(model="llama-small", seq_len=16, vocab_size=300), precision)
+    with Products() as seen:
+        device.probe(2)
+    assert seen.dtypes == {torch_dtype(precision)}
