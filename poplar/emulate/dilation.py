@@ -11,9 +11,9 @@ small probes of each kind of work on this host against their declared time:
   host's dispatch against the GPU's kernel launch);
 - a large element-wise operation: bound by memory bandwidth;
 - where the caller names the work it will run (``probe(m)``: a forward and backward
-  of ``m`` samples, in the dtype the run computes in), that work at 1 and at 8 samples: its fixed cost and its cost per
-  sample (host and device are both close to linear in ``m``, so the worst ratio over
-  any ``m`` is the worse of the two);
+  of ``m`` samples, in the dtype the run computes in), that work at 1 and at 8
+  samples: its fixed cost and its cost per sample (host and device are both close to
+  linear in ``m``, so the worst ratio over any ``m`` is the worse of the two);
 - all-reduces, reduce-scatters and all-gathers of a few bytes, 64 KiB and 1 MiB a rank:
   the real collectives against the declared links.
 
