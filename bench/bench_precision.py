@@ -4,7 +4,8 @@ For each precision, on one emulated cluster, in one run: profile the model (or r
 cache), plan the global batch, and train Poplar's plan and the uniform split side by
 side (``poplar bench``'s measurement, :func:`poplar.bench.bench_cluster`). Printed: each
 kind's time per sample at its largest micro-batch in stage 0 (compute-bound: the ratio
-there is the one to hold against the cards' tensor-core ratio, fp16 over fp32 peak); where
+there is the one to hold against the cards' tensor-core ratio, fp16 over fp32 peak); its fp32 /
+fp16 step time at fractions of that micro-batch (a step's fixed part gains nothing); where
 that time goes in one forward and backward at the fp32 run's largest micro-batch (the
 matrix products, which run on the tensor cores, and the rest); and the trained plans'
 samples/s with their fp16 / fp32 ratios.
@@ -45,26 +46,26 @@ def main() -> None:
     args = parser.parse_args()
     wl = model_source(args.model, seq_len=args.seq_len)
     spec = load_cluster(args.cluster)
-    per_sample, runs = {}, {}
+    stages, runs = {}, {}
     for p in PRECISIONS:
         profile = _profile(wl, spec, p, min(256, args.global_batch), args.simulate, args.launch_timeout)
-        for kind in spec.devices:
-            stage = profile.stage(kind.kind, 0)
-            per_sample[p, kind.kind] = (stage.time(stage.max_micro_batch) / stage.max_micro_batch,
-                                        stage.max_micro_batch)
+        stages.update({(p, kind.kind): profile.stage(kind.kind, 0) for kind in spec.devices})
         if not args.simulate:
             runs[p] = bench_cluster(args.cluster, wl, args.global_batch, args.steps, peers=False, precision=p,
                                    timeout_s=args.launch_timeout)
             print(f"{p}: " + ", ".join(f"{name} {row.get('samples_per_s', 0):,.0f} samples/s ({row.get('overruns')} "
                                        f"overruns)" for name, row in runs[p]["allocations"].items()), flush=True)
     print(f"{args.cluster}, {wl.name} ({args.seq_len} tokens), global batch {args.global_batch}")
-    _print_per_sample(spec, per_sample)
-    _print_products(wl, spec, {k.kind: per_sample["fp32", k.kind][1] for k in spec.devices})
+    _print_per_sample(spec, stages)
+    _print_by_micro_batch(spec, stages)
+    _print_products(wl, spec, {k.kind: stages["fp32", k.kind].max_micro_batch for k in spec.devices})
     if not args.simulate:
         _print_trained(runs)
 
 
-def _print_per_sample(spec, per_sample: dict) -> None:
+def _print_per_sample(spec, stages: dict) -> None:
+    per_sample = {key: (st.time(st.max_micro_batch) / st.max_micro_batch, st.max_micro_batch)
+                  for key, st in stages.items()}
     print(f"{'kind':<12} {'tensor-core ratio':>18} " + " ".join(f"{p + ' ms/sample (mb)':>24}" for p in PRECISIONS)
           + f" {'fp16 / fp32 speed':>18}")
     for kind in spec.devices:
@@ -72,6 +73,18 @@ def _print_per_sample(spec, per_sample: dict) -> None:
         cells = " ".join(f"{1e3 * per_sample[p, kind.kind][0]:>17.4f} ({per_sample[p, kind.kind][1]:>4})"
                          for p in PRECISIONS)
         print(f"{kind.kind:<12} {peak:>18.2f} {cells} {per_sample['fp32', kind.kind][0] / per_sample['fp16', kind.kind][0]:>18.2f}")
+
+
+def _print_by_micro_batch(spec, stages: dict) -> None:
+    """Each kind's fp32 / fp16 step time at fractions of the largest micro-batch both fit: a step's fixed part
+    (the fp32 update, the launches) is the same in both, so a smaller share gains less."""
+    fractions = (0, 0.25, 0.5, 0.75, 1)
+    print(f"{'kind':<12} fp32 / fp16 step time at micro-batch")
+    for kind in spec.devices:
+        f32, f16 = stages["fp32", kind.kind], stages["fp16", kind.kind]
+        top = min(f32.max_micro_batch, f16.max_micro_batch)
+        sizes = sorted({max(1, round(f * top)) for f in fractions})
+        print(f"{kind.kind:<12} " + "  ".join(f"{m}: {f32.time(m) / f16.time(m):.2f}" for m in sizes))
 
 
 class _Split(WorkCounter):
