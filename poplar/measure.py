@@ -61,8 +61,8 @@ class _Peer:
 def _measure_rank(rank: int, world_size: int, workload, cluster: dict, plans: list[dict], steps: int,
                   warmup: int, rounds: int, peers: list = (), config: EngineConfig | None = None) -> list[dict]:
     wl = as_workload(workload)
-    precision = config.mixed_precision if config is not None else "fp32"
-    with rank_device(parse_cluster(cluster), rank, wl, precision) as device:
+    config = config or EngineConfig()
+    with rank_device(parse_cluster(cluster), rank, wl, config.mixed_precision) as device:
         return _measure(device, rank, wl, plans, steps, warmup, rounds, peers, config)
 
 
