@@ -67,6 +67,7 @@ def test_a_worker_is_waited_for_while_it_has_a_job_to_hand_back():
         runs.workers.clear()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fork", [True, False])
 def test_a_worker_answers_what_this_process_would(fork):
     """Forked from this process or a fresh interpreter."""
@@ -81,6 +82,7 @@ def test_a_worker_answers_what_this_process_would(fork):
     assert worker.process.poll() is not None      # ended with the runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fork", [True, False])
 def test_a_worker_that_dies_is_warned_of_and_its_jobs_run_here(fork):
     here = [plan_alone(k, ARGS[0], SPEC, *ARGS[3:]) for k in KINDS]
@@ -96,6 +98,7 @@ def test_a_worker_that_dies_is_warned_of_and_its_jobs_run_here(fork):
     assert _figures(answers) == _figures(here)
 
 
+@pytest.mark.slow
 def test_a_worker_told_to_skip_all_its_jobs_may_end_unwarned():
     """This process took every job (told the worker so before it began one): the worker ends, and that is no
     death to warn of."""

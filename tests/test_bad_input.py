@@ -19,6 +19,8 @@ from typer.testing import CliRunner
 import poplar
 from poplar.cli.main import app
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER3 = str(ROOT / "examples" / "cluster-3.yaml")
 TINY = ["--set", "seq_len=32", "--set", "vocab_size=512"]

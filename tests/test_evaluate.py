@@ -12,7 +12,8 @@ def test_where_one_node_alone_is_faster_poplar_says_to_leave_the_other_out():
     cluster waits on the slow link; the A100s' node alone goes faster, and the evaluation says so."""
     spec = load_cluster("two-node-10gbe")
     assert [d.kind for d in alone_cluster(spec, "rtx-4090").devices] == ["rtx-4090"]
-    ev, result = evaluate(Workload(model="tiny"), spec, 256, ProfileOptions(stages=(0,), n_points=2))
+    # each kind alone in this process (workers=0): the workers beside it are tests/test_alone.py's
+    ev, result = evaluate(Workload(model="tiny"), spec, 256, ProfileOptions(stages=(0,), n_points=2), workers=0)
     alone = {a.kind: a for a in ev.alone}
     assert ev.label.startswith("a100-80gb only") and "leaving rtx-4090 out" in ev.reason
     assert ev.samples_per_s == alone["a100-80gb"].samples_per_s > alone["rtx-4090"].samples_per_s

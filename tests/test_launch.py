@@ -5,6 +5,8 @@ import pytest
 from poplar.launch import RankFailed, spawn
 from tests.launch_workers import abort_at_exit, fail_on_rank_1, hang_on_rank_0, rank_sum
 
+pytestmark = [pytest.mark.slow, pytest.mark.paced]
+
 
 def test_results_come_back_in_rank_order():
     assert spawn(rank_sum, 3) == [(0, 6.0), (1, 6.0), (2, 6.0)]

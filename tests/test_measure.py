@@ -1,9 +1,13 @@
 """Measuring several plans in one launch keeps every figure it can: a plan that cannot run is named with its reason."""
 
+import pytest
+
 import poplar
 from poplar.cluster.spec import load_cluster
 from poplar.measure import measure_plans
 from poplar.workload import Workload
+
+pytestmark = pytest.mark.slow     # the plans' ranks
 
 WORKLOAD = Workload(model="llama-tiny", seq_len=64, vocab_size=1024)   # the demo's
 

@@ -2,6 +2,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 # The main thread waits 2 s inside one C call (a store wait that never returns to Python) while a shell
 # sends two SIGTERMs 50 ms apart: Python's handler runs once for both, yet both must be counted.
 BLOCKED = textwrap.dedent("""

@@ -9,6 +9,8 @@ from poplar.alone import plan_alone
 from poplar.workers import Worker
 from tests.test_alone import ARGS, SPEC
 
+pytestmark = pytest.mark.slow
+
 
 def test_a_worker_is_forked_from_a_process_with_no_other_python_thread():
     """On Linux (the BLAS pools' native threads stop around a fork); not beside another Python thread."""

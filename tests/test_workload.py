@@ -6,6 +6,8 @@ import torch
 from poplar.models.presets import HF_PRESETS, MODEL_PRESETS
 from poplar.workload import Workload
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("model, billions, vocab", [("llama-1b", 1.50, 128256), ("llama-7b", 6.74, 32000),
                                                      ("llama-13b", 13.02, 32000), ("llama-70b", 68.98, 32000),

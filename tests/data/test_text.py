@@ -15,6 +15,8 @@ from poplar.launch import spawn
 from poplar.models.hf import HF_PRESETS, build_hf_model, masked_positions
 from tests.data.workers import reference, train_hf
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def data_cache(tmp_path, monkeypatch):

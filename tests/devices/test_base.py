@@ -9,6 +9,8 @@ from poplar.engine.collectives import ObservedComm
 from poplar.launch import spawn
 from tests.devices.workers import LATE_S, wait_for_a_late_rank
 
+pytestmark = pytest.mark.slow
+
 
 def test_a_step_lasts_as_long_as_its_work_and_without_collectives_it_is_all_compute():
     device = Device()

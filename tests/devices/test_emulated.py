@@ -14,6 +14,8 @@ from poplar.devices.fidelity import (collective_times, micro_steps, overlapped_c
                                     shaped_collectives)
 from tests.devices.emulated_workers import fits
 
+pytestmark = [pytest.mark.slow, pytest.mark.paced]
+
 TWO_KINDS = {"memory_scale": 0.001, "devices": [{"kind": "a100", "gpu": "A100-80GB"}, {"kind": "t4", "gpu": "T4-16GB"}]}
 FOUR = {"memory_scale": 0.001, "devices": [{"kind": "a100", "gpu": "A100-80GB", "count": 2},
                                            {"kind": "t4", "gpu": "T4-16GB", "count": 2}]}

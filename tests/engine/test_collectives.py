@@ -31,6 +31,8 @@ from poplar.launch import spawn
 from tests.engine.workers import collectives_and_states, count_collectives
 from tests.models import make_model
 
+pytestmark = pytest.mark.slow
+
 WORLD = 2
 MODEL = {"layers": 3}
 CASES = {  # name: (plan, config); uneven micro-batches everywhere, ranks' accumulation differing where allowed

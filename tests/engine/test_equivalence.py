@@ -17,6 +17,8 @@ from poplar.launch import spawn
 from tests.engine.workers import run_cases
 from tests.models import make_batches, reference_train
 
+pytestmark = pytest.mark.slow
+
 N_STEPS = 4
 # eps=1e-6 rather than 1e-8: an element whose true gradient is ~1e-8 would otherwise turn
 # summation-order rounding (~1e-10, unavoidable when ranks sum in another order) into an

@@ -7,6 +7,8 @@ import pytest
 from poplar.launch import spawn
 from tests.engine.workers import bad_input_scenarios, stalled_rank
 
+pytestmark = [pytest.mark.slow, pytest.mark.paced]
+
 
 @functools.cache
 def outcomes():

@@ -13,6 +13,8 @@ from poplar.launch import spawn
 from tests.engine.workers import feature_scenarios
 from tests.models import make_batches, make_model, reference_train
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

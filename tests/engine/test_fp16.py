@@ -23,6 +23,8 @@ from poplar.launch import spawn
 from tests.engine.workers import fp16_cases
 from tests.models import make_batches, reference_train_fp16
 
+pytestmark = pytest.mark.slow
+
 N_STEPS = 7
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01, eps=1e-6)
 SCALER = {"init_scale": 2.0 ** 16, "growth_interval": 2}

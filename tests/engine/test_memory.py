@@ -12,6 +12,8 @@ from poplar.engine.layout import ShardLayout
 from poplar.launch import spawn
 from tests.engine.workers import run_cases
 
+pytestmark = pytest.mark.slow
+
 WORLD = 3
 MODEL = {"layers": 8, "d": 32}
 SHARES = [4, 1, 0]   # uneven: one rank four times another's share, one holding none

@@ -7,6 +7,8 @@ import poplar
 from poplar.launch import spawn
 from tests.engine.workers import nonfinite_step, skip_and_leave_out
 
+pytestmark = pytest.mark.slow
+
 PLANS = [poplar.Plan.from_local_batches(1, [5, 3], [2, 1]), poplar.Plan.from_local_batches(3, [4, 4], 2)]
 
 

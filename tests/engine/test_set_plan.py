@@ -6,6 +6,7 @@ seeded sequences over stages 0-3, flat and shaped, train as one device too."""
 
 import random
 
+import pytest
 import torch
 
 from poplar.engine.layout import ShardLayout
@@ -13,6 +14,8 @@ from poplar.launch import spawn
 from poplar.plan import Plan
 from tests.engine.workers import plans_in_turn, stages_in_turn
 from tests.models import make_batches, reference_train
+
+pytestmark = pytest.mark.slow
 
 MODEL = {"vocab": 17, "d": 11, "hidden": 22, "layers": 3}   # units of 209 and 539 elements: no world size divides
 STEPS = 4

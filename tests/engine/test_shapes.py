@@ -37,6 +37,8 @@ from tests.engine.test_equivalence import OPTIMIZER
 from tests.engine.workers import shape_cases
 from tests.models import make_batches, reference_train
 
+pytestmark = pytest.mark.slow
+
 WORLDS = (2, 3, 4, 5)
 N_STEPS = 2
 # units of 209 elements (the embedding, 17 x 11, and the final norm) and 539 (each block): prime to 2, 3, 4, 5

@@ -19,6 +19,8 @@ import poplar
 from poplar.launch import RankFailed, spawn
 from tests.pretrained import save_qwen2
 
+pytestmark = pytest.mark.slow
+
 WORLD = 3
 LAYOUTS = {"flat": {}, "shares": {"shard_shares": [0.5, 0.2, 0.3]},
            "hybrid": {"shard_groups": [[0, 1], [2]], "shard_shares": [0.7, 0.3, 1.0]}}

@@ -17,6 +17,8 @@ from poplar.launch import spawn
 from tests.integrations import ds_workers
 from tests.models import make_model, reference_train, reference_train_fp16
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = str(ROOT / "examples" / "cluster-3.yaml")      # an A100-80GB beside two T4-16GB
 N_STEPS = 4

@@ -21,6 +21,8 @@ from poplar.integrations.data import PlanBatchSampler
 from poplar.launch import spawn
 from tests.integrations import hf_workers as W
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER3 = str(ROOT / "examples" / "cluster-3.yaml")      # an A100 beside two T4s, emulated
 SAVE_AT = 3                                                 # mid-way through the second epoch

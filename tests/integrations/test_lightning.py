@@ -21,6 +21,8 @@ import torch.distributed as dist
 import poplar
 from poplar.launch import spawn
 
+pytestmark = pytest.mark.slow
+
 pl = pytest.importorskip("lightning.pytorch")
 
 from poplar.integrations.lightning import PoplarStrategy  # noqa: E402

@@ -9,6 +9,8 @@ import torch
 
 import poplar
 
+pytestmark = pytest.mark.slow
+
 pl = pytest.importorskip("lightning.pytorch")
 
 from poplar.integrations.lightning import PoplarStrategy  # noqa: E402

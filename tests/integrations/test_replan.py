@@ -18,6 +18,8 @@ from poplar.launch import spawn
 from tests.integrations import replan_workers as W
 from tests.replan_profiles import seed_profiles
 
+pytestmark = pytest.mark.slow
+
 CLUSTER = "compute-differs"      # a V100 and a T4
 
 

@@ -18,6 +18,8 @@ from poplar.peers.deepspeed import INSTALL_HINT
 from tests.peers.workers import WORKLOAD, BrokenSetup, deepspeed_time_and_memory
 from tests.planner.profiles import make_profile
 
+pytestmark = [pytest.mark.slow, pytest.mark.paced]
+
 # the same memory (20 and 4 GB), different compute: by the data sheets the T4 has 8.1 fp32 TFLOP/s
 # and 320 GB/s beside the A100's 19.5 and 2,039
 A100_T4 = {"memory_scale": 0.25, "devices": [{"kind": "a100", "gpu": "A100-80GB"}, {"kind": "t4", "gpu": "T4-16GB"}]}

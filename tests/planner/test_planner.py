@@ -13,6 +13,8 @@ from poplar.planner import PlanningError, make_plan
 from poplar.profile.profile import CommProfile
 from tests.planner.profiles import make_profile
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = {"big": (1, 0.008, 0.0015, 64), "small": (2, 0.025, 0.005, 16)}
 

@@ -9,6 +9,8 @@ from poplar.profile.anatomy import Marks
 from poplar.profile.profile import StageProfile, StepAnatomy
 from tests.profile.workers import anatomy_at
 
+pytestmark = pytest.mark.slow
+
 CLUSTER = {"devices": [{"kind": "a100", "gpu": "A100-80GB"}, {"kind": "t4", "gpu": "T4-16GB"}]}
 SLOW = 40   # a pace (declared time x this) at which this host keeps up with these steps when quiet
 

@@ -18,6 +18,8 @@ from poplar.profile.discover import discover_cluster, group_devices
 from poplar.profile.profiler import cache_key
 from tests.profile.discover_workers import discover_on_every_rank
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 without_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without CUDA")

@@ -15,6 +15,8 @@ from poplar.launch import spawn
 from poplar.profile.profiler import profile_cluster
 from tests.profile.workers import declared_step_times
 
+pytestmark = [pytest.mark.slow, pytest.mark.paced]
+
 LIMIT = 24     # the largest micro-batch searched: keeps the real work of every size small
 
 

@@ -8,6 +8,8 @@ from poplar.profile.procedure import States, at_even_share, timed_stage, with_le
 from poplar.profile.profile import AT_LARGER_SHARE, FITS_WITH_LESS, NOT_TIMED, StageProfile, StepAnatomy
 from tests.profile.workers import profiled_anatomy_sizes
 
+pytestmark = pytest.mark.slow
+
 CLUSTER = {"devices": [{"kind": "a100", "gpu": "A100-80GB"}]}
 KB = 1000
 PER_SAMPLE = 100 * KB     # bytes a sample takes, in the recording measure below

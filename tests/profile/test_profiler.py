@@ -16,6 +16,8 @@ from poplar.profile import CommProfile, Profile
 from poplar.profile.profiler import cache_key, point_sizes, profile_cluster
 from tests.profile.workers import train_at
 
+pytestmark = [pytest.mark.slow, pytest.mark.paced]
+
 ROOT = Path(__file__).resolve().parents[2]
 # HALF: half FAST's TFLOP/s and bandwidth, twice its kernel launch cost: every operator takes twice as long
 FAST = {"kind": "fast", "memory_gb": 0.03, "tflops": 20.0, "memory_bandwidth_gbs": 1000.0}

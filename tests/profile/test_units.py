@@ -13,6 +13,8 @@ from poplar.profile.units import unit_flops
 from poplar.workload import as_workload
 from tests.profile.workers import engine_unit_numels
 
+pytestmark = pytest.mark.slow
+
 SMALL_UNITS = 20_000   # below the tiny model's block size: its blocks' linear layers become units of their own
 ONE = {"devices": [{"kind": "small", "gpu": "A100-40GB"}], "memory_scale": 0.0005}
 

@@ -6,6 +6,8 @@ from poplar.profile.profiler import profile_cluster
 from poplar.simulate import simulate_profile
 from poplar.simulate.fake import fake_tensors
 
+pytestmark = pytest.mark.slow
+
 BIG = {"kind": "big", "gpu": "A100-80GB"}
 SMALL = {"kind": "small", "gpu": "V100-16GB"}
 CLUSTER = {"devices": [BIG, SMALL], "memory_scale": 0.0005}

@@ -11,6 +11,8 @@ from poplar.launch import spawn
 from poplar.train.checkpoint import find_resumable, verify
 from tests.train.checkpoint_workers import fp16_span, save_nonfinite, train_span
 
+pytestmark = pytest.mark.slow
+
 THREE = poplar.Plan.from_local_batches(2, [6, 4, 2], [2, 2, 2])     # 12 samples, ZeRO-2
 
 

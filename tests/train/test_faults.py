@@ -21,6 +21,8 @@ from poplar.train.checkpoint import latest_checkpoint, verify
 from poplar.train.config import load_config
 from poplar.train.run import run_training
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = str(ROOT / "examples" / "cluster-3.yaml")
 PLAN = poplar.Plan.from_local_batches(2, [4, 8, 4], 1)      # ZeRO-2, 16 samples on 3 ranks (rank 1 a T4)

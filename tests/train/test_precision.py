@@ -14,6 +14,8 @@ from poplar.cli.main import app
 from poplar.train.config import load_config
 from poplar.train.run import run_training
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER3 = str(ROOT / "examples" / "cluster-3.yaml")     # an A100-80GB beside two T4-16GB: no bf16 on the T4s
 PLAN = poplar.Plan.from_local_batches(1, [6, 4, 2], 1)

@@ -15,6 +15,8 @@ from poplar.train.planning import get_plan
 from poplar.train.run import run_training
 from poplar.workload import Workload
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -19,6 +19,8 @@ from poplar.train.report import read_log
 from poplar.train.run import run_training
 from tests.replan_profiles import seed_profiles
 
+pytestmark = pytest.mark.slow
+
 CLUSTER = "compute-differs"          # a V100 and a T4: at 128 tokens a sample both take part
 FIELDS = dict(model="llama-tiny", seq_len=128, vocab_size=512, global_batch=16, lr=3e-3, cluster=CLUSTER)
 STEPS = 10

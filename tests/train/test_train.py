@@ -17,6 +17,8 @@ from poplar.train.report import summarize
 from poplar.train.run import run_training
 from poplar.workload import Workload
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = str(ROOT / "examples" / "cluster-3.yaml")      # an A100-80GB beside two T4-16GB
 PEAK_TFLOPS = 19.5 + 2 * 8.1                              # their data sheets' fp32 peaks

@@ -13,6 +13,8 @@ import pytest
 import poplar
 from poplar.engine.dist import free_port
 
+pytestmark = [pytest.mark.slow, pytest.mark.paced]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

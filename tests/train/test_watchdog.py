@@ -11,6 +11,8 @@ import torch.multiprocessing as mp
 from poplar.train.watchdog import EXIT_PEER_DIED, EXIT_PEER_FAILED
 from tests.train.watch_workers import watched
 
+pytestmark = [pytest.mark.slow, pytest.mark.paced]
+
 
 def _run(tmp_path, fate: str, world_size: int = 3):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))

@@ -19,6 +19,8 @@ from poplar.train.dataset import prepare_data, workload_of
 from poplar.train.run import run_training
 from tests.pretrained import save_classifier, save_family, save_qwen2
 
+pytestmark = pytest.mark.slow
+
 WORDS = "the cat sat on a mat while dogs ran in the park and birds sang over green hills".split()
 
 
