@@ -19,8 +19,6 @@ from typer.testing import CliRunner
 import poplar
 from poplar.cli.main import app
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER3 = str(ROOT / "examples" / "cluster-3.yaml")
 TINY = ["--set", "seq_len=32", "--set", "vocab_size=512"]
@@ -279,7 +277,7 @@ def _earlier_run(run: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def cases_dir(tmp_path_factory):
+def cases_dir(starts_processes, tmp_path_factory):
     """An earlier run to point the checkpoint cases at, and the case files."""
     tmp = tmp_path_factory.mktemp("bad-input")
     _earlier_run(tmp / "run")

@@ -9,8 +9,6 @@ import poplar.bench
 from tests.peers.test_deepspeed import BOTH_DIFFER_PROFILE
 from tests.peers.workers import WORKLOAD
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture
 def measured(monkeypatch):

@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "bench_engine.py"
 
 
@@ -70,6 +68,7 @@ def test_bad_flags_are_refused_in_one_line(bench, capsys, argv, message):
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_tiny_run_gives_every_system_a_step_time_and_the_same_losses(tmp_path):
     systems = ["fsdp2_full", "poplar3"]   # a peer and Poplar: two launches, ~20 s on a quiet machine

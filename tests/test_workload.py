@@ -6,8 +6,6 @@ import torch
 from poplar.models.presets import HF_PRESETS, MODEL_PRESETS
 from poplar.workload import Workload
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.mark.parametrize("model, billions, vocab", [("llama-1b", 1.50, 128256), ("llama-7b", 6.74, 32000),
                                                      ("llama-13b", 13.02, 32000), ("llama-70b", 68.98, 32000),
@@ -70,6 +68,7 @@ def test_a_checkpointed_model_computes_what_the_plain_one_does(model):
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow
 def test_a_checkpointed_model_trains_on_the_engine_as_the_plain_one():
     """ZeRO-3 with uneven shares: the blocks' re-runs inside the backward find their units gathered."""
     from poplar.launch import spawn
@@ -83,6 +82,7 @@ def test_a_checkpointed_model_trains_on_the_engine_as_the_plain_one():
             torch.testing.assert_close(ck_state[name], value, rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_a_model_source_that_is_no_preset_is_profiled_planned_and_trained(tmp_path, monkeypatch):
     """The interface alone (poplar.workload.ModelSource) is what the profiler, the planner and the ranks use: a
     source of the test's own, crossing into the spawned ranks as it is."""

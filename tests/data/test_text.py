@@ -15,8 +15,6 @@ from poplar.launch import spawn
 from poplar.models.hf import HF_PRESETS, build_hf_model, masked_positions
 from tests.data.workers import reference, train_hf
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(autouse=True)
 def data_cache(tmp_path, monkeypatch):
@@ -134,6 +132,7 @@ def hf_results(name):
     return spawn(train_hf, 2, name, plans, STEPS, timeout_s=240)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama-tiny", "bert-tiny"])
 @pytest.mark.parametrize("index", range(len(HF_PLANS)))
 def test_hf_models_on_text_match_single_device_training(name, index):

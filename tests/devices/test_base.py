@@ -9,8 +9,6 @@ from poplar.engine.collectives import ObservedComm
 from poplar.launch import spawn
 from tests.devices.workers import LATE_S, wait_for_a_late_rank
 
-pytestmark = pytest.mark.slow
-
 
 def test_a_step_lasts_as_long_as_its_work_and_without_collectives_it_is_all_compute():
     device = Device()
@@ -26,6 +24,7 @@ def test_a_step_lasts_as_long_as_its_work_and_without_collectives_it_is_all_comp
     assert device.capacity is None and device.dilation == 1.0 and device.overruns == 0
 
 
+@pytest.mark.slow
 def test_a_wait_for_a_late_rank_is_waiting_not_compute():
     early, late = spawn(wait_for_a_late_rank, 2, timeout_s=120)
     assert early["sync"]["sum"] == late["sync"]["sum"] == [3.0] * 4    # the collective did its work

@@ -14,7 +14,7 @@ from poplar.devices.fidelity import (collective_times, micro_steps, overlapped_c
                                     shaped_collectives)
 from tests.devices.emulated_workers import fits
 
-pytestmark = [pytest.mark.slow, pytest.mark.paced]
+pytestmark = pytest.mark.paced
 
 TWO_KINDS = {"memory_scale": 0.001, "devices": [{"kind": "a100", "gpu": "A100-80GB"}, {"kind": "t4", "gpu": "T4-16GB"}]}
 FOUR = {"memory_scale": 0.001, "devices": [{"kind": "a100", "gpu": "A100-80GB", "count": 2},
@@ -32,14 +32,17 @@ def _check_fidelity(ranks):
     assert ranks[-1]["sizes"][-1]["declared"] > 1.2 * ranks[0]["sizes"][-1]["declared"]
 
 
+@pytest.mark.slow
 def test_a_micro_step_takes_its_declared_time_with_two_ranks():
     _check_fidelity(spawn(micro_steps, 2, TWO_KINDS, SIZES, timeout_s=240))
 
 
+@pytest.mark.slow
 def test_a_micro_step_takes_its_declared_time_with_four_ranks_on_two_cores():
     _check_fidelity(spawn(micro_steps, 4, FOUR, SIZES, timeout_s=300))
 
 
+@pytest.mark.slow
 def test_a_micro_step_takes_its_declared_time_while_another_process_keeps_a_core_busy():
     hog = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 240\nwhile time.time() < end: pass"])
     try:
@@ -49,6 +52,7 @@ def test_a_micro_step_takes_its_declared_time_while_another_process_keeps_a_core
         hog.wait()
 
 
+@pytest.mark.slow
 def test_collectives_across_two_nodes_take_latency_plus_size_over_bandwidth():
     sizes = [2**10, 2**16, 2**20, 2**25]          # 1 KB to 32 MB
     for r in spawn(collective_times, 2, TWO_NODES, sizes, 3, timeout_s=300):   # the best of 3: timer noise
@@ -69,6 +73,7 @@ def _without_overruns(run, attempts: int = 3) -> list[dict]:
     return ranks
 
 
+@pytest.mark.slow
 def test_a_collective_launched_during_compute_adds_nothing_to_the_step():
     for r in _without_overruns(lambda: spawn(overlapped_collective, 2, TWO_NODES, 2**20, timeout_s=240)):
         assert r["network"] < 0.5 * r["compute"]                      # it has the time to finish behind compute
@@ -76,12 +81,14 @@ def test_a_collective_launched_during_compute_adds_nothing_to_the_step():
         assert r["step"] - r["wait"] == pytest.approx(r["compute"], rel=0.03), r     # (the wait: the barrier's)
 
 
+@pytest.mark.slow
 def test_collectives_in_flight_together_hold_the_link_one_after_the_other():
     for r in spawn(queued_collectives, 2, TWO_NODES, 2**20, timeout_s=240):
         assert r["first"] == pytest.approx(r["network"], rel=0.05), r
         assert r["both"] == pytest.approx(2 * r["network"], rel=0.05), r      # not both at once
 
 
+@pytest.mark.slow
 def test_shaped_collectives_take_the_time_of_the_links_they_cross():
     """Nodes of two ranks and one: a node's gather at its own link (none for a lone rank), the sum across at the slow one."""
     cluster = {"network": {"intra_node": {"bandwidth_gbs": 25, "latency_us": 10},
@@ -101,6 +108,7 @@ def test_shaped_collectives_take_the_time_of_the_links_they_cross():
     assert ranks[0]["across_declared"] > 10 * ranks[0]["gather_declared"]   # 4 MB over 1.25 GB/s vs 2 MB at 25
 
 
+@pytest.mark.slow
 def test_memory_is_the_scaled_capacity_and_running_out_raises_out_of_memory():
     small = {"memory_scale": 0.0005, "devices": [{"kind": "t4", "gpu": "T4-16GB"}]}       # 8 MB
     big = {"memory_scale": 0.002, "devices": [{"kind": "t4", "gpu": "T4-16GB"}]}          # 32 MB

@@ -31,8 +31,6 @@ from poplar.launch import spawn
 from tests.engine.workers import collectives_and_states, count_collectives
 from tests.models import make_model
 
-pytestmark = pytest.mark.slow
-
 WORLD = 2
 MODEL = {"layers": 3}
 CASES = {  # name: (plan, config); uneven micro-batches everywhere, ranks' accumulation differing where allowed
@@ -152,6 +150,7 @@ def hybrid_counted():
     return {name: [r[i] for r in runs] for i, name in enumerate(HYBRID)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", HYBRID)
 def test_a_hybrid_step_issues_the_stages_collectives_in_its_group_and_one_sum_across(name):
     plan = HYBRID[name]
@@ -162,11 +161,13 @@ def test_a_hybrid_step_issues_the_stages_collectives_in_its_group_and_one_sum_ac
             assert [tuple(c) for c in step] == expected, (name, rank)
 
 
+@pytest.mark.slow
 def test_the_units_are_the_models_blocks_and_root():
     for runs in counted().values():
         assert [r["padded_numels"] for r in runs] == [padded_numels()] * WORLD
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_each_step_issues_exactly_the_stages_collectives(name):
     plan, config = CASES[name]
@@ -177,12 +178,14 @@ def test_each_step_issues_exactly_the_stages_collectives(name):
             assert [tuple(c) for c in step] == expected, (name, rank)
 
 
+@pytest.mark.slow
 def test_ranks_issue_the_same_collectives_whatever_their_accumulation():
     for name, runs in counted().items():
         ops = [[tuple(c) for c in step if c[0] != "micro_step"] for run in runs for step in run["steps"]]
         assert all(o == ops[0] for o in ops), name
 
 
+@pytest.mark.slow
 def test_a_zero3_units_states_follow_its_backward():
     """(parameters, gradient) of units 0-3 as each unit's backward finishes: the one done is READY and still
     gathered; the one before it is being prefetched; at most two reduce-scatters stay in flight."""
@@ -200,6 +203,7 @@ def test_a_zero3_units_states_follow_its_backward():
         assert [tuple(u) for u in states["after_step"]] == [(S, reduced)] * 4
 
 
+@pytest.mark.slow
 def test_abandoning_a_gather_hands_its_work_over_and_stays_gathering_until_reset():
     for rank in launched():
         assert tuple(rank["states"]["abandoned"]) == ("gathering", 1)
@@ -218,6 +222,7 @@ def uneven_counted():
     return {name: [r[i] for r in runs] for i, name in enumerate(UNEVEN)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", UNEVEN)
 def test_uneven_shares_issue_the_same_collectives_the_gathers_padded_to_the_largest_slice(name):
     plan = UNEVEN[name]

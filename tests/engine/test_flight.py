@@ -7,9 +7,8 @@ from poplar.engine import flight
 from poplar.launch import RankFailed, spawn
 from tests.engine.flight_workers import mismatched_broadcast
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_a_rank_aborted_in_a_mismatched_collective_is_named_with_its_collective_and_plan():
     plan = {"zero_stage": 1, "micro_batch_sizes": [2, 1, 1], "accum_steps": [1, 1, 1], "shard_groups": [[0, 1], [2]]}
     with pytest.raises(RankFailed) as failed:

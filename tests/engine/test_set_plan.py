@@ -15,8 +15,6 @@ from poplar.plan import Plan
 from tests.engine.workers import plans_in_turn, stages_in_turn
 from tests.models import make_batches, reference_train
 
-pytestmark = pytest.mark.slow
-
 MODEL = {"vocab": 17, "d": 11, "hidden": 22, "layers": 3}   # units of 209 and 539 elements: no world size divides
 STEPS = 4
 GLOBAL = 12
@@ -44,6 +42,7 @@ CASES = [(stage, groups, clip, seed) for stage in (1, 2, 3) for groups in (None,
          for clip, seed in ((None, 0), (0.05, 1))]
 
 
+@pytest.mark.slow
 def test_plans_changed_between_steps_train_as_one_device():
     cases, expected = [], []
     for stage, groups, clip, seed in CASES:
@@ -65,6 +64,7 @@ def test_plans_changed_between_steps_train_as_one_device():
             assert all(torch.equal(other[k], copies[0][k]) for k in copies[0]), case
 
 
+@pytest.mark.slow
 def test_stages_and_shapes_changed_between_steps_train_as_one_device(tmp_path):
     cases, expected = [], []
     for seed, clip in ((0, None), (1, 0.05), (2, None)):

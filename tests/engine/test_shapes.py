@@ -37,8 +37,6 @@ from tests.engine.test_equivalence import OPTIMIZER
 from tests.engine.workers import shape_cases
 from tests.models import make_batches, reference_train
 
-pytestmark = pytest.mark.slow
-
 WORLDS = (2, 3, 4, 5)
 N_STEPS = 2
 # units of 209 elements (the embedding, 17 x 11, and the final norm) and 539 (each block): prime to 2, 3, 4, 5
@@ -164,6 +162,7 @@ TRAIN = [(w, i) for w in WORLDS for i in range(len(cases(w)[0]))]
 COUNTED = [(w, i) for w in WORLDS for i in range(len(cases(w)[1]))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, index", TRAIN, ids=[case_id(w, *cases(w)[0][i]) for w, i in TRAIN])
 def test_every_shape_trains_as_one_device_and_every_group_holds_the_same_copy(world, index):
     plan_dict, config = cases(world)[0][index]
@@ -185,6 +184,7 @@ def test_every_shape_trains_as_one_device_and_every_group_holds_the_same_copy(wo
         assert all(n > clip for n in ranks[0]["norms"]), "clipping must have acted in every step"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, index", COUNTED, ids=[case_id(w, *cases(w)[1][i]) for w, i in COUNTED])
 def test_every_shape_issues_exactly_its_stages_collectives(world, index):
     plan = Plan.from_dict(cases(world)[1][index][0])

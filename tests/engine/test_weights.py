@@ -19,8 +19,6 @@ import poplar
 from poplar.launch import RankFailed, spawn
 from tests.pretrained import save_qwen2
 
-pytestmark = pytest.mark.slow
-
 WORLD = 3
 LAYOUTS = {"flat": {}, "shares": {"shard_shares": [0.5, 0.2, 0.3]},
            "hybrid": {"shard_groups": [[0, 1], [2]], "shard_shares": [0.7, 0.3, 1.0]}}
@@ -88,6 +86,7 @@ CASES = [(s, layout, p) for s, layout, p in itertools.product(range(4), LAYOUTS,
          if not (s == 0 and layout == "shares")]
 
 
+@pytest.mark.slow
 def test_weights_read_into_every_stage_and_layout_equal_from_pretrained(tmp_path):
     """Two sharded checkpoints, fp32 (untied) and bf16 (tied head), each in every case, in one group of ranks."""
     saved = [save_qwen2(tmp_path / "fp32", max_shard_size="30KB"),
@@ -109,6 +108,7 @@ def load_directories(rank, world_size, directories: list[str], cases: list) -> l
     return [r for d in directories for r in load_cases(rank, world_size, d, cases)]
 
 
+@pytest.mark.slow
 def test_a_meta_model_without_weights_is_refused_in_one_line():
     with pytest.raises(RankFailed, match="meta device: give initialize weights="):
         spawn(_init_meta, 1, timeout_s=60)

@@ -17,8 +17,6 @@ from poplar.launch import spawn
 from tests.integrations import ds_workers
 from tests.models import make_model, reference_train, reference_train_fp16
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = str(ROOT / "examples" / "cluster-3.yaml")      # an A100-80GB beside two T4-16GB
 N_STEPS = 4
@@ -52,6 +50,7 @@ def assert_same(state, ref, atol):
         torch.testing.assert_close(state[key], value, atol=atol, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
 
 
+@pytest.mark.slow
 def test_deepspeed_loop_on_three_uneven_emulated_ranks_matches_single_device_in_every_stage():
     cases = [(p.to_dict(), config(s, p.global_batch_size, **({"gradient_clipping": 0.05} if s == 1 else {})))
              for s, p in PLANS.items()]
@@ -67,6 +66,7 @@ def test_deepspeed_loop_on_three_uneven_emulated_ranks_matches_single_device_in_
             torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_the_fp16_section_trains_as_one_device_with_grad_scaler_skipped_steps_too():
     """DeepSpeed's fp16 spelling on 3 uneven ranks: the update of one device with GradScaler on the same micro-batches
     (tests/engine/test_fp16.py says why the same), the scale read as DeepSpeed's ``cur_scale``; a micro-step run at
@@ -86,6 +86,7 @@ def test_the_fp16_section_trains_as_one_device_with_grad_scaler_skipped_steps_to
     assert_same(got["state"], state, 1e-5)
 
 
+@pytest.mark.slow
 def test_resume_on_two_ranks_from_three_continues_exactly(tmp_path):
     three, two = poplar.Plan(1, [3, 1, 3], [1, 3, 1]), poplar.Plan(2, [5, 4], [1, 1])   # 9 samples each
     whole = spawn(ds_workers.train, 3, [(three.to_dict(), config(1, 9))], CLUSTER, N_STEPS, save_at=2,
@@ -96,6 +97,7 @@ def test_resume_on_two_ranks_from_three_continues_exactly(tmp_path):
     assert_same(resumed["state"], whole["state"], 1e-6)
 
 
+@pytest.mark.slow
 def test_without_a_plan_the_ranks_profile_the_named_workload_on_the_cluster_and_plan_their_split(tmp_path):
     config = {"train_batch_size": 16, "zero_optimization": {"stage": 1},
               "poplar": {"cluster": "both-differ", "workload": "tiny"}}
@@ -106,6 +108,7 @@ def test_without_a_plan_the_ranks_profile_the_named_workload_on_the_cluster_and_
     #                                                                  which a busy host at this fixed pace can skew)
 
 
+@pytest.mark.slow
 def test_with_a_cluster_alone_the_model_given_is_profiled_on_its_data_planned_and_trained_as_one_device(
         tmp_path, monkeypatch):
     """No plan, no preset: the ranks profile the user's module with its loss on samples of its training data, plan,

@@ -21,8 +21,6 @@ from poplar.integrations.data import PlanBatchSampler
 from poplar.launch import spawn
 from tests.integrations import hf_workers as W
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER3 = str(ROOT / "examples" / "cluster-3.yaml")      # an A100 beside two T4s, emulated
 SAVE_AT = 3                                                 # mid-way through the second epoch
@@ -50,7 +48,7 @@ def env():
 
 
 @pytest.fixture(scope="module")
-def runs(env, tmp_path_factory):
+def runs(starts_processes, env, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf")
     return out, spawn(W.train_cases, 3, CASES, str(out), CLUSTER3, timeout_s=300)[0]
 
@@ -104,6 +102,7 @@ def test_equals_single_device_training(runs, index):
     assert len(got["steps_s"]) == W.STEPS and min(got["steps_s"]) > 0    # every step timed on its device
 
 
+@pytest.mark.slow
 def test_fp16_true_trains_the_engines_fp16_and_nothing_of_hfs_own_on_top(env, tmp_path):
     """``fp16=True`` is the engine's fp16 (its loss scale, fp32 masters): the very parameters of a run that asks the
     engine for fp16 directly. Hugging Face's own autocast or GradScaler taking part would make them differ."""

@@ -21,8 +21,6 @@ import torch.distributed as dist
 import poplar
 from poplar.launch import spawn
 
-pytestmark = pytest.mark.slow
-
 pl = pytest.importorskip("lightning.pytorch")
 
 from poplar.integrations.lightning import PoplarStrategy  # noqa: E402

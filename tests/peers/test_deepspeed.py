@@ -18,7 +18,7 @@ from poplar.peers.deepspeed import INSTALL_HINT
 from tests.peers.workers import WORKLOAD, BrokenSetup, deepspeed_time_and_memory
 from tests.planner.profiles import make_profile
 
-pytestmark = [pytest.mark.slow, pytest.mark.paced]
+pytestmark = pytest.mark.paced
 
 # the same memory (20 and 4 GB), different compute: by the data sheets the T4 has 8.1 fp32 TFLOP/s
 # and 320 GB/s beside the A100's 19.5 and 2,039
@@ -35,7 +35,7 @@ def caches(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def zero3_ranks(tmp_path_factory):
+def zero3_ranks(starts_processes, tmp_path_factory):
     pytest.importorskip("deepspeed")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("POPLAR_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
@@ -69,6 +69,7 @@ def test_deepspeed_runs_out_of_the_emulated_memory(zero3_ranks):
         assert 0 < rank["peak_state_bytes"] == rank["state_bytes"] < rank["capacity"]
 
 
+@pytest.mark.slow
 def test_bench_measures_deepspeed_beside_poplar(tmp_path, monkeypatch):
     pytest.importorskip("deepspeed")
     from typer.testing import CliRunner
@@ -96,6 +97,7 @@ def test_bench_measures_deepspeed_beside_poplar(tmp_path, monkeypatch):
     assert any(line.split("│")[3].strip() == "deepspeed" for line in run.output.splitlines() if line.count("│") > 4)
 
 
+@pytest.mark.slow
 def test_a_peer_that_cannot_start_fails_the_launch_with_its_reason():
     with pytest.raises(PeerFailed, match=r"broken \(ZeRO-1, micro-batch 4 x 1\) failed on rank \d: "
                                          r"RuntimeError: this peer does not start"):

@@ -13,8 +13,6 @@ from poplar.planner import PlanningError, make_plan
 from poplar.profile.profile import CommProfile
 from tests.planner.profiles import make_profile
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = {"big": (1, 0.008, 0.0015, 64), "small": (2, 0.025, 0.005, 16)}
 
@@ -94,6 +92,7 @@ def test_no_stage_and_no_device_can_run():
            "largest device here has 1.00 GiB)" in str(e.value)
 
 
+@pytest.mark.slow
 def test_cli_writes_a_plan_and_rejects_bad_input(tmp_path):
     profile = tmp_path / "profile.json"
     make_profile(KINDS, per_step=0.004).save(profile)

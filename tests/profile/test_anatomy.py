@@ -9,12 +9,11 @@ from poplar.profile.anatomy import Marks
 from poplar.profile.profile import StageProfile, StepAnatomy
 from tests.profile.workers import anatomy_at
 
-pytestmark = pytest.mark.slow
-
 CLUSTER = {"devices": [{"kind": "a100", "gpu": "A100-80GB"}, {"kind": "t4", "gpu": "T4-16GB"}]}
 SLOW = 40   # a pace (declared time x this) at which this host keeps up with these steps when quiet
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_a_step_s_compute_is_placed_unit_by_unit(stage):
     for dilation in (None, 2 * SLOW, 4 * SLOW):   # a run the host made late (overruns) measures the host: again,

@@ -18,8 +18,6 @@ from poplar.profile.discover import discover_cluster, group_devices
 from poplar.profile.profiler import cache_key
 from tests.profile.discover_workers import discover_on_every_rank
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[2]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 without_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without CUDA")
@@ -80,6 +78,7 @@ def test_cache_keys_of_real_devices_name_the_gpu():
                 key(H100.model_copy(update={"minor": 1}))}) == 4
 
 
+@pytest.mark.slow
 @without_cuda
 def test_without_cuda_discovery_says_to_give_a_cluster_on_every_rank():
     with pytest.raises(ValueError, match=r"give --cluster FILE\|PRESET"):
@@ -88,6 +87,7 @@ def test_without_cuda_discovery_says_to_give_a_cluster_on_every_rank():
     assert spawn(discover_on_every_rank, 2, timeout_s=120) == ["no CUDA device to discover"] * 2
 
 
+@pytest.mark.slow
 @without_cuda
 @pytest.mark.parametrize("args", [[], ["--cluster", "none"]])
 def test_without_cuda_or_a_cluster_file_the_profiler_says_what_to_give(tmp_path, args):
@@ -110,6 +110,7 @@ def test_discovers_this_gpu():
     assert spec.device(0).kind.startswith(props.name) and f"sm_{props.major}{props.minor}" in spec.device(0).kind
 
 
+@pytest.mark.slow
 @needs_cuda
 def test_profiles_the_real_gpu_without_a_cluster_file(tmp_path):
     env = {**os.environ, "POPLAR_CACHE_DIR": str(tmp_path / "cache"), "CUDA_VISIBLE_DEVICES": "0", "COLUMNS": "200"}

@@ -8,8 +8,6 @@ from poplar.profile.procedure import States, at_even_share, timed_stage, with_le
 from poplar.profile.profile import AT_LARGER_SHARE, FITS_WITH_LESS, NOT_TIMED, StageProfile, StepAnatomy
 from tests.profile.workers import profiled_anatomy_sizes
 
-pytestmark = pytest.mark.slow
-
 CLUSTER = {"devices": [{"kind": "a100", "gpu": "A100-80GB"}]}
 KB = 1000
 PER_SAMPLE = 100 * KB     # bytes a sample takes, in the recording measure below
@@ -83,6 +81,7 @@ def test_a_device_timed_beside_none_of_the_sharded_states_is_written_as_at_an_ev
         "state_bytes": 800 * KB, "max_micro_batch": 11, "note": AT_LARGER_SHARE}).model_dump()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("patched", [False, True])
 def test_the_profiler_and_the_simulator_follow_the_one_procedure(patched, monkeypatch):
     """Changing the procedure's sequence (where the anatomy is measured) changes the profiler's ranks and the

@@ -16,7 +16,7 @@ from poplar.profile import CommProfile, Profile
 from poplar.profile.profiler import cache_key, point_sizes, profile_cluster
 from tests.profile.workers import train_at
 
-pytestmark = [pytest.mark.slow, pytest.mark.paced]
+pytestmark = pytest.mark.paced
 
 ROOT = Path(__file__).resolve().parents[2]
 # HALF: half FAST's TFLOP/s and bandwidth, twice its kernel launch cost: every operator takes twice as long
@@ -37,7 +37,7 @@ def _stage0(cluster: dict, cache_dir, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def half_speed(tmp_path_factory):
+def half_speed(starts_processes, tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("profile-cache")
     with pytest.MonkeyPatch.context() as mp:   # the pace chosen from the host: the ratio below depends on it
         mp.delenv("POPLAR_DILATION", raising=False)
@@ -111,6 +111,7 @@ def test_a_profile_is_in_declared_seconds_whatever_the_pace(half_speed, tmp_path
             assert t2 == pytest.approx(t1, rel=0.25 if late else 0.05), (a.points, b.points)
 
 
+@pytest.mark.slow
 def test_max_micro_batch_grows_with_memory_and_one_more_runs_out(tmp_path):
     cluster = {"devices": [BIG, SMALL], "memory_scale": MEMORY_SCALE}
     prof, _ = _stage0(cluster, tmp_path, n_points=2, repeats=1)
@@ -127,6 +128,7 @@ def test_max_micro_batch_grows_with_memory_and_one_more_runs_out(tmp_path):
     assert error is not None and "out of memory" in error
 
 
+@pytest.mark.slow
 def test_a_device_that_cannot_hold_a_stage_s_states_is_profiled_as_not_fitting_there(tmp_path):
     """At this scale the small card holds ZeRO-0's parameters and gradients beside a sample, but not AdamW's two
     moments too (they come with the first step), and ZeRO-1's share of them it does. Stage 0 is recorded as not
@@ -167,6 +169,7 @@ def test_sizes_timed_span_one_to_the_limit():
     assert point_sizes(3, 4)[0] == 1 and point_sizes(3, 4)[-1] == 3
 
 
+@pytest.mark.slow
 def test_cli_profiles_a_preset_and_rejects_a_bad_cluster_file(tmp_path):
     # what is checked is memory and the plan's shape, not times: a fast pace
     env = {**os.environ, "POPLAR_CACHE_DIR": str(tmp_path / "cache"), "POPLAR_DILATION": "3"}
@@ -200,6 +203,7 @@ def test_cli_profiles_a_preset_and_rejects_a_bad_cluster_file(tmp_path):
     assert not (tmp_path / "bad.json").exists()
 
 
+@pytest.mark.slow
 def test_cli_under_torchrun(tmp_path):
     env = {**os.environ, "POPLAR_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -221,6 +225,7 @@ def test_cli_under_torchrun(tmp_path):
     assert (prof.devices["v100-16gb"].rated_tflops, prof.devices["t4-16gb"].rated_tflops) == (15.7, 8.1)
 
 
+@pytest.mark.slow
 def test_a_bf16_profile_is_its_own_and_holds_more_samples(tmp_path):
     # the engine's bf16 mixed precision keeps activations in bf16: half the bytes a sample
     # of fp32, so the same device holds a larger micro-batch, and the profile says which
@@ -238,6 +243,7 @@ def test_a_bf16_profile_is_its_own_and_holds_more_samples(tmp_path):
         _stage0(cluster, tmp_path, precision="fp8")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes", [(2, 1), (1, 1, 1)])
 def test_on_several_nodes_the_collectives_are_timed_inside_each_node_and_across(nodes):
     """Nodes of two ranks and one (or three of one: alike, the sum across them an all-reduce among each slice's
@@ -290,6 +296,7 @@ SHARES_SCALE = 0.00005     # 2 MiB on the small card: no sample in stage 0, one 
 NOWHERE_SCALE = 0.000035   # 1.4 MiB: no sample in either stage, even beside none of ZeRO-1's sharded states
 
 
+@pytest.mark.slow
 def test_a_card_that_holds_a_sample_only_beside_less_than_its_share_is_timed_there(tmp_path):
     """Where the small card holds no sample beside an even share, the big one is timed alone (stage 0) or holding
     the sharded states (ZeRO-1), the small one beside none of them; both written as at an even share, as the
@@ -319,6 +326,7 @@ def test_a_card_that_holds_a_sample_only_beside_less_than_its_share_is_timed_the
     assert not big1.share_steps and not small1.share_steps   # already timed at other shares than an even one
 
 
+@pytest.mark.slow
 def test_the_once_per_step_part_is_timed_at_unlike_shares_where_every_card_has_room(tmp_path):
     """Stages 1-3: the card with the most memory holds more than an even share and the other less, at two skews
     (the update grows with the share; unlike slices are gathered padded): at the shares the simulator finds."""
@@ -343,6 +351,7 @@ def test_the_once_per_step_part_is_timed_at_unlike_shares_where_every_card_has_r
             assert all(issue > 0 and copy > 0 for _, issue, copy in measured.share_gathers), kind
 
 
+@pytest.mark.slow
 def test_a_card_that_holds_no_sample_with_any_share_is_left_out_and_the_plan_is_for_the_others(tmp_path):
     from poplar.planner import make_plan
     from poplar.profile.profile import DOES_NOT_FIT

@@ -13,12 +13,11 @@ from poplar.profile.units import unit_flops
 from poplar.workload import as_workload
 from tests.profile.workers import engine_unit_numels
 
-pytestmark = pytest.mark.slow
-
 SMALL_UNITS = 20_000   # below the tiny model's block size: its blocks' linear layers become units of their own
 ONE = {"devices": [{"kind": "small", "gpu": "A100-40GB"}], "memory_scale": 0.0005}
 
 
+@pytest.mark.slow
 def test_a_non_default_unit_size_gives_the_units_the_engine_builds():
     default, small = unit_numels("tiny"), unit_numels("tiny", EngineConfig(unit_numel=SMALL_UNITS))
     assert len(small) > len(default) == 3 and sum(small) == sum(default)

@@ -6,8 +6,6 @@ from poplar.profile.profiler import profile_cluster
 from poplar.simulate import simulate_profile
 from poplar.simulate.fake import fake_tensors
 
-pytestmark = pytest.mark.slow
-
 BIG = {"kind": "big", "gpu": "A100-80GB"}
 SMALL = {"kind": "small", "gpu": "V100-16GB"}
 CLUSTER = {"devices": [BIG, SMALL], "memory_scale": 0.0005}
@@ -16,7 +14,7 @@ STATES_SCALE = 0.0000575   # the small card (an A100-40GB) holds ZeRO-1's states
 
 
 @pytest.fixture(scope="module")
-def both(tmp_path_factory):
+def both(starts_processes, tmp_path_factory):
     """The profiler's profile of stage 0 (ranks on emulated devices) and the simulator's of stages 0 and 2
     (every stage of four clusters against the profiler: bench/bench_simulate.py, docs/simulate.md)."""
     from poplar.profile.options import ProfileOptions
@@ -196,6 +194,7 @@ def test_every_stage_at_every_memory_regime_is_timed_as_the_profiler_would(scale
             assert not big.note and big.points and small.points, stage
 
 
+@pytest.mark.slow
 def test_simulating_joins_no_process_group():
     """A user's process that simulates (a notebook planning before it trains) is left as it was: no group of its own
     made, which a trainer started after would find in its way. In a process of its own: the suite's may hold one."""

@@ -11,8 +11,6 @@ from poplar.launch import spawn
 from poplar.train.checkpoint import find_resumable, verify
 from tests.train.checkpoint_workers import fp16_span, save_nonfinite, train_span
 
-pytestmark = pytest.mark.slow
-
 THREE = poplar.Plan.from_local_batches(2, [6, 4, 2], [2, 2, 2])     # 12 samples, ZeRO-2
 
 
@@ -23,7 +21,7 @@ def _close(a, b, tol=1e-6):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(starts_processes, tmp_path_factory):
     """Three ranks, six steps, checkpoints after steps 3 and 6: the final state, and the checkpoints."""
     root = tmp_path_factory.mktemp("whole")
     return spawn(train_span, 3, THREE.to_dict(), str(root), 0, 6, 3, timeout_s=180)[0], root
@@ -67,6 +65,7 @@ def test_uneven_shares_resume_on_any_layout_and_back(tmp_path, uninterrupted):
     _close(resumed, final)
 
 
+@pytest.mark.slow
 def test_the_newest_two_are_kept_and_damage_falls_back_to_the_previous(tmp_path):
     spawn(train_span, 2, poplar.Plan.from_local_batches(2, [8, 4], [2, 2]).to_dict(), str(tmp_path), 0, 6, 2,
           timeout_s=180)
@@ -91,6 +90,7 @@ def test_the_newest_two_are_kept_and_damage_falls_back_to_the_previous(tmp_path)
     assert find_resumable(tmp_path, report=said.append) is None
 
 
+@pytest.mark.slow
 def test_parameters_holding_nan_are_never_written(tmp_path):
     said = spawn(save_nonfinite, 2, str(tmp_path), timeout_s=120)
     assert all("NaN" in s and "no checkpoint was written" in s for s in said)
@@ -114,6 +114,7 @@ def test_a_failure_inside_torch_checkpoint_reads_as_one_line(tmp_path):
     assert line.endswith("it is damaged")
 
 
+@pytest.mark.slow
 def test_fp16_resumes_on_another_world_with_its_loss_scale(tmp_path):
     """Three ranks save after step 4 (an overflow there: the scale lowered to 2^15); two resume, with the same
     micro-batches (so fp16 rounds the same partial sums): the scale goes on where it was, the parameters too."""
@@ -127,6 +128,7 @@ def test_fp16_resumes_on_another_world_with_its_loss_scale(tmp_path):
     _close(resumed, final, tol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_written_in_fp32_resumes_in_fp16_with_a_fresh_loss_scale(tmp_path):
     plan = poplar.Plan(0, [6, 6], 1).to_dict()
     spawn(train_span, 2, plan, str(tmp_path), 0, 2, 2, timeout_s=120)

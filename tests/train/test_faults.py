@@ -21,8 +21,6 @@ from poplar.train.checkpoint import latest_checkpoint, verify
 from poplar.train.config import load_config
 from poplar.train.run import run_training
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = str(ROOT / "examples" / "cluster-3.yaml")
 PLAN = poplar.Plan.from_local_batches(2, [4, 8, 4], 1)      # ZeRO-2, 16 samples on 3 ranks (rank 1 a T4)
@@ -55,7 +53,7 @@ def _cli(tmp_path, name, *extra, env=None):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(starts_processes, tmp_path_factory):
     """The uninterrupted run's final parameters (its run directory beside them, under ``.out``)."""
     tmp = tmp_path_factory.mktemp("reference")
     env = {"POPLAR_DATA_CACHE": str(tmp_path_factory.getbasetemp() / "fault-caches" / "data"),

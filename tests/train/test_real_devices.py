@@ -15,8 +15,6 @@ from poplar.train.planning import get_plan
 from poplar.train.run import run_training
 from poplar.workload import Workload
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -31,6 +29,7 @@ def test_without_a_cluster_file_or_cuda_it_says_what_to_give(tmp_path):
         get_plan(cfg, Workload(model="llama-tiny", seq_len=32, vocab_size=512), 2, None, None)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_trains_on_the_gpu_here_with_its_own_profile(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0", "POPLAR_CACHE_DIR": str(tmp_path / "cache"),

@@ -17,8 +17,6 @@ from poplar.train.report import summarize
 from poplar.train.run import run_training
 from poplar.workload import Workload
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = str(ROOT / "examples" / "cluster-3.yaml")      # an A100-80GB beside two T4-16GB
 PEAK_TFLOPS = 19.5 + 2 * 8.1                              # their data sheets' fp32 peaks
@@ -38,6 +36,7 @@ def config(tmp_path, name, plan: poplar.Plan, **kw):
     return load_config(None, {**fields, **kw})
 
 
+@pytest.mark.slow
 def test_tiny_llama_on_three_uneven_ranks_learns(tmp_path, monkeypatch):
     plan = poplar.Plan.from_local_batches(1, [10, 4, 3], [2, 1, 1])      # 17 samples, near-equal micro-batches
     cfg = config(tmp_path, "run", plan)
@@ -84,6 +83,7 @@ def test_the_summary_leaves_out_only_the_first_step():
     assert summarize(records)["mfu"] == 0.4
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly_on_another_cluster(tmp_path):
     plan = poplar.Plan.from_local_batches(2, [7, 5, 4], 2)                # 16 samples, ZeRO-2 on 3 ranks
     whole = run_training(config(tmp_path, "whole", plan, steps=5), return_state=True)
@@ -103,6 +103,7 @@ def test_resume_continues_exactly_on_another_cluster(tmp_path):
                             resume=True, cluster="compute-differs"))
 
 
+@pytest.mark.slow
 def test_config_errors_name_the_field_and_nothing_is_overwritten(tmp_path):
     with pytest.raises(ValueError, match="lr: Input should be greater than 0"):
         load_config(None, {"lr": 0})
@@ -126,6 +127,7 @@ def test_config_errors_name_the_field_and_nothing_is_overwritten(tmp_path):
     assert run.returncode == 2 and "warmup_steps" in run.stdout, run.stdout + run.stderr
 
 
+@pytest.mark.slow
 def test_under_torchrun_and_with_plain_ranks_the_run_is_the_same(tmp_path):
     plan = poplar.Plan.from_local_batches(2, [5, 3], 1)
     plan.save(tmp_path / "plan.json")
@@ -171,6 +173,7 @@ def test_the_run_keeps_the_plan_it_trains_with(tmp_path, allocation):
     assert saved["meta"]["allocation"] == allocation and saved["meta"]["reason"] == result.reason
 
 
+@pytest.mark.slow
 def test_cards_that_fit_nowhere_sit_out_and_the_plan_trains_on_the_others(tmp_path):
     """Two T4s that hold no sample beside the model (2 MiB each at this scale), an A100 that does: the plan is for
     the A100, and `poplar train` runs it on that rank alone (the run's cluster.yaml), the T4s sitting out."""

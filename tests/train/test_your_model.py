@@ -19,8 +19,6 @@ from poplar.train.dataset import prepare_data, workload_of
 from poplar.train.run import run_training
 from tests.pretrained import save_classifier, save_family, save_qwen2
 
-pytestmark = pytest.mark.slow
-
 WORDS = "the cat sat on a mat while dogs ran in the park and birds sang over green hills".split()
 
 
@@ -88,6 +86,7 @@ def test_only_the_completion_is_counted_and_weighted_by_tokens_over_the_global_b
     assert torch.equal(again.tokens, prepared.tokens) and torch.equal(again.targets, prepared.targets)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage, local, accum, shares", [
     (0, [3, 5, 2], [1, 2, 1], None), (1, [4, 2, 6], [2, 1, 1], None), (2, [5, 3, 2], [1, 1, 1], None),
     (3, [2, 6, 4], [1, 1, 1], [1, 3, 0.5])])
@@ -121,6 +120,7 @@ def check_export(exported, state: dict, wl) -> None:
     assert len(AutoTokenizer.from_pretrained(exported, local_files_only=True)) == wl.vocab_size
 
 
+@pytest.mark.slow
 def test_a_model_directory_is_profiled_planned_trained_from_its_weights_and_exported(tmp_path):
     model = save_qwen2(tmp_path / "qwen", layers=3)
     cfg = load_config(None, {"model": str(model), "data": str(write_pairs(tmp_path / "pairs.jsonl", n=96)),
@@ -136,6 +136,7 @@ def test_a_model_directory_is_profiled_planned_trained_from_its_weights_and_expo
     check_export(result["exported"], result["state"], workload_of(cfg.model_data))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "mistral", "gpt-neox", "bert", "qwen2-tied"])
 def test_each_family_trains_on_its_own_tokenizer_s_text_as_one_device(tmp_path, family):
     """Another architecture each (tied heads, a masked LM): ZeRO-3 with uneven shares on 2 ranks, plain text."""
@@ -165,6 +166,7 @@ def write_labelled(path, n: int = 48, labels: int = 3, seed: int = 0):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, labels, stage, local, shares", [
     ("qwen2", 3, 3, [2, 6, 4], [1, 3, 0.5]), ("bert", 2, 1, [5, 3, 4], None), ("qwen2", 1, 2, [4, 4, 4], None)],
     ids=["qwen2-3-classes-zero3", "bert-2-classes-zero1", "qwen2-regression-zero2"])
@@ -187,6 +189,7 @@ def test_a_sequence_classifier_trains_on_labelled_text_as_one_device(tmp_path, f
         torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_a_factory_s_module_is_trained_on_the_text_as_one_device(tmp_path):
     """``--model package.module:factory``: the module the factory returns (ids to logits), on uneven ranks."""
     (tmp_path / "text.txt").write_text("\n\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))) * 6)
