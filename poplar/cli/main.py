@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 
@@ -12,19 +13,61 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import typer
 
 from poplar.cli.inputs import (BAD_INPUT_ERRORS, BAD_INPUT_IN_RANKS, _check_writable, _error,  # noqa: F401
-                               is_bad_input_in_rank, stages_option)
+                               is_bad_input_in_rank, refused_early, stages_option)
 from poplar.cli.output import CHECKPOINTING_HELP, Progress, say
 from poplar.cli.output import console as _console
 from poplar.cli.demo import demo
+from poplar.cli.train import train
 from poplar.lazy import imported_for_good
 
-app = typer.Typer(help="Poplar: ZeRO data parallelism for clusters of different GPUs.", no_args_is_help=True,
-                  add_completion=False)
+# After the commands in `poplar --help`: the usual flow, one command a line
+FLOW = """Start with the demo; then your model, step by step (here on an emulated preset; on real
+GPUs, one process per GPU under torchrun with --cluster none):
+
+  poplar demo
+  poplar profile --cluster both-differ --model llama-tiny --seq-len 64 --out profile.json
+  poplar plan --profile profile.json --global-batch 128 --out plan.json
+  poplar train --cluster both-differ --model llama-tiny --plan plan.json --out runs/mine
+
+Each command's --help has an example."""
+
+
+def unwrapped(text: str) -> str:
+    """``text`` as typer's help should show it: each paragraph of prose on one line, which the terminal wraps
+    (typer keeps a docstring's line breaks, so a sentence would break where the source wraps), and each
+    indented line (an example's command) on a line of its own.
+
+    >>> print(unwrapped('''Plan a model.
+    ...
+    ...     Prints the plan
+    ...     and writes it.
+    ...
+    ...     Example:
+    ...       poplar plan --profile profile.json
+    ...         --out plan.json'''))
+    Plan a model.
+    <BLANKLINE>
+    Prints the plan and writes it.
+    <BLANKLINE>
+    Example:
+      poplar plan --profile profile.json
+        --out plan.json
+    """
+    lines: list[str] = []
+    for line in inspect.cleandoc(text).splitlines():
+        if lines and lines[-1] and line and not line.startswith(" ") and not lines[-1].startswith(" "):
+            lines[-1] += " " + line
+        else:
+            lines.append(line)
+    return "\n".join(lines)
+
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, epilog=unwrapped(FLOW))
 
 
 @app.callback()
 def main() -> None:
-    """Poplar: ZeRO data parallelism for clusters of different GPUs."""
+    """Poplar: ZeRO data parallelism that gives each GPU of a mixed cluster its own share of the batch."""
 
 
 app.command()(demo)     # the main job, first in the help (its command, defined beside this file)
@@ -32,7 +75,14 @@ app.command()(demo)     # the main job, first in the help (its command, defined 
 
 @app.command()
 def verify(steps: int = typer.Option(10, min=1, help="optimizer steps per ZeRO stage")) -> None:
-    """Heterogeneous training on 3 local CPU ranks, every stage checked against one device."""
+    """Check every ZeRO stage on 3 uneven CPU ranks against training on one device.
+
+    Each rank takes its own micro-batch (and, in stages 0-1, its own accumulation steps); the parameters
+    after every stage must match single-process training on the same batches (exit 1 where they do not).
+
+    Example:
+      poplar verify --steps 5
+    """
     from poplar.verify import run_verify
 
     rows = run_verify(steps)
@@ -63,11 +113,15 @@ def profile(
     mixed_precision: str = typer.Option("none", help="the compute of the training to plan: none (fp32), bf16 or "
                                                      "fp16 (the engine's mixed precisions)"),
 ) -> None:
-    """Measure every device kind of a cluster (emulated, or the real CUDA devices) in every ZeRO stage."""
+    """Measure each device kind of a cluster in every ZeRO stage and write the profile.
+
+    The cluster: a preset, a YAML file, or (left out) the real GPUs under torchrun. The profile is cached.
+
+    Example:
+      poplar profile --cluster both-differ --model llama-tiny --seq-len 64 --out profile.json
+    """
     import contextlib
     import time
-
-    from poplar.cli.inputs import refused_early
 
     console = _console()
     refused_early(console, [cluster], model, mixed_precision)   # what arithmetic refuses, before torch is imported
@@ -126,7 +180,15 @@ def plan(
     all_stages: bool = typer.Option(False, "--all-stages", help="print every stage's per-rank table, "
                                                                   "not only the chosen one's"),
 ) -> None:
-    """Choose the ZeRO stage and every rank's micro-batch and accumulation for the most throughput."""
+    """Choose the ZeRO stage and each rank's micro-batch and accumulation from a profile.
+
+    Plans every stage asked for, prints each rank's share and Poplar's allocation beside the uniform,
+    proportional and measured-peak ones, says why it chose the stage, and writes the plan, which
+    poplar train --plan trains.
+
+    Example:
+      poplar plan --profile profile.json --global-batch 128 --out plan.json
+    """
     from poplar.planner import make_plan
     from poplar.planner.report import comparison_table, stage_table
     from poplar.profile.profile import Profile
@@ -159,131 +221,7 @@ def plan(
     say(console, f"wrote {out} ({result.plan.summary()})")
 
 
-def _where_run_stands(cfg) -> str:
-    from poplar.train.checkpoint import latest_checkpoint
-
-    if cfg is None:
-        return ""
-    last = latest_checkpoint(Path(cfg.out) / "checkpoints")
-    return (f"; last complete checkpoint: {last} (continue with `poplar train --resume --out {cfg.out}`)"
-            if last else "; no checkpoint was written")
-
-
-@app.command()
-def train(
-    config: Path | None = typer.Option(None, help="a YAML file of training fields (see poplar/train/config.py)"),
-    model: str | None = typer.Option(None, help="model preset, e.g. llama-tiny, bert-tiny, llama-125m, or a "
-                                                "Hugging Face model directory (./my-model)"),
-    cluster: str | None = typer.Option(None, help="emulated cluster: a preset or a YAML file; none: the real CUDA "
-                                                  "devices (discovered), or plain ranks with --plan"),
-    global_batch: int | None = typer.Option(None, help="samples per optimizer step"),
-    steps: int | None = typer.Option(None, help="optimizer steps"),
-    plan: str | None = typer.Option(None, help="train with this plan.json (no profiling or planning)"),
-    baseline: str | None = typer.Option(None, help="poplar (default), uniform, proportional or measured-peak"),
-    out: str | None = typer.Option(None, help="run directory: log, plan, checkpoints"),
-    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in --out"),
-    nproc: int | None = typer.Option(None, min=1, help="without --cluster: this many plain CPU ranks (with --plan)"),
-    data: str | None = typer.Option(None, help="'embedded', a .txt file, or a table: .jsonl/.csv/.parquet/.arrow "
-                                               "(fields text; prompt + completion; input_ids), a saved dataset"),
-    export: str | None = typer.Option(None, help="at the end, write the model here as a directory from_pretrained "
-                                                 "loads (new or empty)"),
-    set_: list[str] = typer.Option([], "--set", help="any other field: --set lr=3e-4 (repeatable)"),
-) -> None:
-    """Profile (or reuse the cache), plan, and train on an emulated heterogeneous cluster or the real CUDA devices.
-
-    Under torchrun every process is one rank; with restarts the group resumes by itself from the newest intact
-    checkpoint: torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m poplar.cli.main train --out runs/x ...
-
-    Under Slurm, one torchrun agent per node: srun --nodes 2 --ntasks-per-node 1 torchrun --nnodes 2
-    --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m poplar.cli.main train ...
-
-    SIGTERM (preemption) finishes the step, writes a checkpoint and exits 0; a second SIGTERM stops at once. A dead
-    rank stops every rank with one line naming it and the last checkpoint. --resume continues on this cluster or
-    another (other devices, another world size: planned anew). See docs/reliability.md.
-    """
-    from poplar.cli.inputs import refused_early
-
-    console = _console()
-    # a cluster file's fields and figures, and a precision it lacks, before torch is imported
-    refused_early(console, [cluster], precision=_set_precision(set_))
-    from poplar.launch import RankFailed
-    from poplar.train.config import load_config
-    from poplar.train.run import run_training
-
-    imported_for_good()     # this command's process (under torchrun, a rank): the probe's collections scan less
-    cfg = None
-    overrides = {"model": model, "cluster": cluster, "global_batch": global_batch, "steps": steps, "plan": plan,
-                 "baseline": baseline, "out": out, "resume": resume or None, "data": data, "export": export}
-    try:
-        cfg = load_config(config, {**overrides, **_set_options(set_)})
-        shown = os.environ.get("RANK", "0") == "0"   # under torchrun, rank 0 reports the profiling
-        shows = (lambda title, **kw: Progress(console, title, **kw)) if shown else None
-        result = run_training(cfg, nproc=nproc, progress=shows)
-    except BAD_INPUT_ERRORS as e:
-        _error(console, e)
-        raise typer.Exit(2) from None
-    except RankFailed as e:
-        _error(console, f"{e.line}{_where_run_stands(cfg)}")
-        raise typer.Exit(2 if is_bad_input_in_rank(e.error) else 1) from None
-    except (TimeoutError, RuntimeError, FloatingPointError) as e:   # this process is a rank (torchrun's)
-        line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        _error(console, f"{line}{_where_run_stands(cfg)}")
-        raise typer.Exit(1) from None
-    _say_trained(console, cfg, result)
-
-
-def _set_precision(items: list[str]) -> str | None:
-    """``--set mixed_precision=...`` where given and read (None otherwise: the config's, checked later)."""
-    try:
-        value = _set_options(items).get("mixed_precision")
-    except ValueError:
-        return None
-    return value if isinstance(value, str) else None
-
-
-def _set_options(items: list[str]) -> dict:
-    """``--set field=value`` options: each value read as YAML (numbers, lists, booleans)."""
-    import yaml
-
-    fields = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: write field=value")
-        try:
-            fields[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            raise ValueError(f"--set {item!r}: the value is not YAML ({getattr(e, 'problem', None) or e}); quote "
-                             "it or write it as YAML, e.g. --set stages=[0,1]") from None
-    return fields
-
-
-def _replanned(replans: list[dict]) -> str:
-    """Each re-plan: when, and its step time predicted and then measured."""
-    if not replans:
-        return ""
-    each = "; ".join(f"after step {r['after_step']}: {1e3 * r['predicted_step_s']:.3g} ms a step predicted"
-                     + (f", {1e3 * r['measured_after_s']:.3g} measured" if r.get("measured_after_s") else "")
-                     for r in replans)
-    return f"; re-planned {len(replans)} time{'s' if len(replans) > 1 else ''} ({each}: the log says why)"
-
-
-def _say_trained(console, cfg, result: dict) -> None:
-    if result.get("preempted"):
-        say(console, f"preempted: stopped after step {result['preempted']} with a checkpoint; continue with "
-                     f"`poplar train --resume --out {cfg.out}`")
-        return
-    losses = result["losses"]
-    if losses and "summary" in result:      # rank 0 (or the launcher)
-        s = result["summary"]
-        say(console, f"trained steps {result['start'] + 1}-{cfg.steps} with {result['plan']}: "
-                     f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; steady steps (median): "
-                     f"{s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:,.0f} tokens/s, "
-                     f"{s['tflops']:.2f} TFLOP/s" + (f", MFU {100 * s['mfu']:.1f}%" if "mfu" in s else "")
-                     + _replanned(s.get("replans", []))
-                     + f"; log {cfg.out}/log.jsonl, report {result['report']}")
-    if result.get("exported"):
-        say(console, f"exported the model to {result['exported']} (from_pretrained loads it)")
+app.command()(train)   # defined beside this file, with what it reports
 
 
 @app.command()
@@ -291,7 +229,14 @@ def export(
     run: Path = typer.Argument(..., help="a run directory of `poplar train` (its --out)"),
     out: Path = typer.Option(..., help="the directory to write (new or empty): config, safetensors, tokenizer"),
 ) -> None:
-    """Write a run's newest intact checkpoint as a Hugging Face model directory (from_pretrained loads it)."""
+    """Write a run's newest intact checkpoint as a Hugging Face model directory.
+
+    The run trained a Hugging Face model (a model directory or a preset such as llama-tiny); the
+    directory written holds its config, weights (safetensors) and tokenizer, and from_pretrained loads it.
+
+    Example:
+      poplar export runs/mine --out mine-model
+    """
     from poplar.launch import RankFailed
     from poplar.train.export import export_run
 
@@ -325,9 +270,15 @@ def bench(
     mixed_precision: str = typer.Option("none", help="what the engine computes in: none (fp32), bf16 or fp16 "
                                                      "(DeepSpeed is measured in fp32 alone)"),
 ) -> None:
-    """Measure Poplar's plan against the uniform, proportional and measured-peak splits, DeepSpeed, the ideal bound."""
-    from poplar.cli.inputs import refused_early
+    """Measure Poplar's plan against the baselines' splits on emulated clusters.
 
+    On each cluster: profile (cached after the first run), plan, and train a few steps with Poplar's
+    allocation and with the uniform, proportional and measured-peak ones (and DeepSpeed where it is
+    installed), beside the ideal bound. Minutes a cluster.
+
+    Example:
+      poplar bench --cluster both-differ,compute-differs --steps 6 --no-peers
+    """
     # each cluster file's fields and figures, before torch is imported
     refused_early(_console(), [] if cluster.strip() == "all" else [c.strip() for c in cluster.split(",")])
     from poplar.bench import bench_clusters, check_clusters, results_table
@@ -367,6 +318,9 @@ def bench(
 from poplar.cli.simulate import simulate  # noqa: E402  (its command, defined beside this file)
 
 app.command()(simulate)
+
+for _command in app.registered_commands:   # each command's --help from its docstring, as it reads
+    _command.help = _command.help or unwrapped(_command.callback.__doc__ or "")
 
 if __name__ == "__main__":
     app()

@@ -50,7 +50,15 @@ def simulate(
     json_out: Path | None = typer.Option(None, "--json", help="write the figures (the tables') here as JSON"),
     plot: Path | None = typer.Option(None, help="draw the comparison here (PNG)"),
 ) -> None:
-    """Plan a model on a cluster from a simulated profile: the device model counted on fake tensors, not run."""
+    r"""Plan a model on a cluster from a simulated profile, with no GPU and no weights.
+
+    Each kind's steps are counted on meta tensors, not run; Poplar's plan beside the baselines and each kind alone.
+
+    Examples:
+      poplar simulate --cluster two-node-10gbe --model tiny --global-batch 256
+      poplar simulate --cluster examples/clusters/memory-differs-4+4.yaml --model llama-7b \
+        --seq-len 2048 --mixed-precision bf16 --global-batch 512
+    """
     from pydantic import ValidationError
 
     from poplar.cli.inputs import BAD_INPUT_ERRORS, _error
@@ -67,7 +75,7 @@ def simulate(
 
     imported_for_good()     # this command's process: the simulator's collections scan only what it makes
     no_last_collection()    # (its files are written whole, each closed)
-    try:   # what needs the model, before anything is simulated
+    try:   # what needs the model, before anything is simulated; then a PlanningError: no stage can run it
         options = ProfileOptions(stages=stage_list, n_points=points, max_micro_batch=max_micro_batch,
                                  precision=mixed_precision)
         try:
@@ -76,12 +84,8 @@ def simulate(
             raise ValueError(f"--model/--seq-len: {e.errors()[0]['msg']}") from None
         batch = global_batch if tokens is None else _samples(global_batch_tokens, tokens, workload.seq_len)
         spec.check_global_batch(batch)
-    except BAD_INPUT_ERRORS as e:
-        _error(console, e)
-        raise typer.Exit(2) from None
-    try:
         evaluation, result = evaluate(workload, spec, batch, options, alone=alone, workers=workers)
-    except BAD_INPUT_ERRORS as e:   # PlanningError: no stage can run it
+    except BAD_INPUT_ERRORS as e:
         _error(console, e)
         raise typer.Exit(2) from None
     _report(console, evaluation, result, [(out, "plan"), (profile_out, "profile"), (json_out, "json"), (plot, "plot")])

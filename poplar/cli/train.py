@@ -1,0 +1,138 @@
+"""`poplar train`: profile (or reuse the cache), plan and train, with checkpoints, resume and export
+(:mod:`poplar.train`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+from poplar.cli.inputs import BAD_INPUT_ERRORS, _error, is_bad_input_in_rank, refused_early
+from poplar.cli.output import Progress, say
+from poplar.cli.output import console as _console
+from poplar.lazy import imported_for_good
+
+
+def _where_run_stands(cfg) -> str:
+    from poplar.train.checkpoint import latest_checkpoint
+
+    if cfg is None:
+        return ""
+    last = latest_checkpoint(Path(cfg.out) / "checkpoints")
+    return (f"; last complete checkpoint: {last} (continue with `poplar train --resume --out {cfg.out}`)"
+            if last else "; no checkpoint was written")
+
+
+def train(
+    config: Path | None = typer.Option(None, help="a YAML file of training fields (see poplar/train/config.py)"),
+    model: str | None = typer.Option(None, help="model preset, e.g. llama-tiny, bert-tiny, llama-125m, or a "
+                                                "Hugging Face model directory (./my-model)"),
+    cluster: str | None = typer.Option(None, help="emulated cluster: a preset or a YAML file; none: the real CUDA "
+                                                  "devices (discovered), or plain ranks with --plan"),
+    global_batch: int | None = typer.Option(None, help="samples per optimizer step"),
+    steps: int | None = typer.Option(None, help="optimizer steps"),
+    plan: str | None = typer.Option(None, help="train with this plan.json (no profiling or planning)"),
+    baseline: str | None = typer.Option(None, help="poplar (default), uniform, proportional or measured-peak"),
+    out: str | None = typer.Option(None, help="run directory: log, plan, checkpoints"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in --out"),
+    nproc: int | None = typer.Option(None, min=1, help="without --cluster: this many plain CPU ranks (with --plan)"),
+    data: str | None = typer.Option(None, help="'embedded', a .txt file, or a table: .jsonl/.csv/.parquet/.arrow "
+                                               "(fields text; prompt + completion; input_ids), a saved dataset"),
+    export: str | None = typer.Option(None, help="at the end, write the model here as a directory from_pretrained "
+                                                 "loads (new or empty)"),
+    set_: list[str] = typer.Option([], "--set", help="any other field: --set lr=3e-4 (repeatable)"),
+) -> None:
+    r"""Profile (or reuse the cache), plan and train on an emulated cluster or real GPUs.
+
+    Writes the plan, a step log, checkpoints and a report into --out; --resume continues a run, on this
+    or another cluster. Under torchrun every process is one rank (with --max-restarts the group resumes
+    from its newest checkpoint); SIGTERM checkpoints and exits 0. Slurm, failures: docs/reliability.md.
+
+    Examples:
+      poplar train --cluster both-differ --model llama-tiny --global-batch 64 --out runs/mine
+      poplar train --resume --steps 100 --out runs/mine
+      torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m poplar.cli.main train \
+        --cluster none --model llama-125m --global-batch 256 --out runs/gpus
+    """
+    console = _console()
+    # a cluster file's fields and figures, and a precision it lacks, before torch is imported
+    refused_early(console, [cluster], precision=_set_precision(set_))
+    from poplar.launch import RankFailed
+    from poplar.train.config import load_config
+    from poplar.train.run import run_training
+
+    imported_for_good()     # this command's process (under torchrun, a rank): the probe's collections scan less
+    cfg = None
+    overrides = {"model": model, "cluster": cluster, "global_batch": global_batch, "steps": steps, "plan": plan,
+                 "baseline": baseline, "out": out, "resume": resume or None, "data": data, "export": export}
+    try:
+        cfg = load_config(config, {**overrides, **_set_options(set_)})
+        shown = os.environ.get("RANK", "0") == "0"   # under torchrun, rank 0 reports the profiling
+        shows = (lambda title, **kw: Progress(console, title, **kw)) if shown else None
+        result = run_training(cfg, nproc=nproc, progress=shows)
+    except BAD_INPUT_ERRORS as e:
+        _error(console, e)
+        raise typer.Exit(2) from None
+    except RankFailed as e:
+        _error(console, f"{e.line}{_where_run_stands(cfg)}")
+        raise typer.Exit(2 if is_bad_input_in_rank(e.error) else 1) from None
+    except (TimeoutError, RuntimeError, FloatingPointError) as e:   # this process is a rank (torchrun's)
+        line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        _error(console, f"{line}{_where_run_stands(cfg)}")
+        raise typer.Exit(1) from None
+    _say_trained(console, cfg, result)
+
+
+def _set_precision(items: list[str]) -> str | None:
+    """``--set mixed_precision=...`` where given and read (None otherwise: the config's, checked later)."""
+    try:
+        value = _set_options(items).get("mixed_precision")
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _set_options(items: list[str]) -> dict:
+    """``--set field=value`` options: each value read as YAML (numbers, lists, booleans)."""
+    import yaml
+
+    fields = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: write field=value")
+        try:
+            fields[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--set {item!r}: the value is not YAML ({getattr(e, 'problem', None) or e}); quote "
+                             "it or write it as YAML, e.g. --set stages=[0,1]") from None
+    return fields
+
+
+def _replanned(replans: list[dict]) -> str:
+    """Each re-plan: when, and its step time predicted and then measured."""
+    if not replans:
+        return ""
+    each = "; ".join(f"after step {r['after_step']}: {1e3 * r['predicted_step_s']:.3g} ms a step predicted"
+                     + (f", {1e3 * r['measured_after_s']:.3g} measured" if r.get("measured_after_s") else "")
+                     for r in replans)
+    return f"; re-planned {len(replans)} time{'s' if len(replans) > 1 else ''} ({each}: the log says why)"
+
+
+def _say_trained(console, cfg, result: dict) -> None:
+    if result.get("preempted"):
+        say(console, f"preempted: stopped after step {result['preempted']} with a checkpoint; continue with "
+                     f"`poplar train --resume --out {cfg.out}`")
+        return
+    losses = result["losses"]
+    if losses and "summary" in result:      # rank 0 (or the launcher)
+        s = result["summary"]
+        say(console, f"trained steps {result['start'] + 1}-{cfg.steps} with {result['plan']}: "
+                     f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; steady steps (median): "
+                     f"{s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:,.0f} tokens/s, "
+                     f"{s['tflops']:.2f} TFLOP/s" + (f", MFU {100 * s['mfu']:.1f}%" if "mfu" in s else "")
+                     + _replanned(s.get("replans", []))
+                     + f"; log {cfg.out}/log.jsonl, report {result['report']}")
+    if result.get("exported"):
+        say(console, f"exported the model to {result['exported']} (from_pretrained loads it)")
