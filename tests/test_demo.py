@@ -9,56 +9,55 @@ from pathlib import Path
 
 import pytest
 
-from poplar.train.report import read_log
-
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _number(match) -> float:
-    return float(match.group(1).replace(",", ""))
-
-
-def test_demo_then_bench_on_an_emulated_cluster(tmp_path):
-    # a global batch of 24 caps every micro-batch the profiler tries at 24: a shorter profile
-    # the pace does not matter here (what does is tested in tests/devices/test_emulated.py): a small dilation runs it fast
-    # piped, as into a log: no COLUMNS set, so nothing but the console's own choice decides the width
-    env = {**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
-           "POPLAR_CACHE_DIR": str(tmp_path / "profiles"), "POPLAR_DATA_CACHE": str(tmp_path / "data"),
-           "POPLAR_DILATION": "3"}
+@pytest.mark.paced     # its assertions are about measured throughput: at the emulated devices' own pace
+def test_demo_as_a_user_runs_it(tmp_path):
+    # empty caches, piped as into a log (no COLUMNS: the console's own choice decides the width); the closing
+    # table's real model simulated as llama-1b's is, a smaller one (the same procedure, fewer operators)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "POPLAR_DILATION")},
+           "POPLAR_CACHE_DIR": str(tmp_path / "profiles"), "POPLAR_DATA_CACHE": str(tmp_path / "data")}
     out = tmp_path / "demo"
-    # the closing table's real model simulated as llama-1b's is, a smaller one (the same procedure, fewer operators)
-    run = subprocess.run([sys.executable, "-m", "poplar.cli.main", "demo", "--steps", "3", "--global-batch", "24",
-                          "--real-model", "llama-tiny", "--out", str(out)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "poplar.cli.main", "demo", "--real-model", "llama-tiny",
+                          "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    for word in ("poplar", "uniform", "proportional", "ideal", "samples/s", "predicted", "comparison.png"):
-        assert word in run.stdout, word
+    record = json.loads((out / "demo.json").read_text())
+    rows = {r["name"]: r for r in record["rows"]}
+    assert list(rows) == ["poplar", "uniform", "proportional", "a100-80gb alone", "a100-40gb alone"]
+    poplar = rows.pop("poplar")
+    # Poplar's plan puts both cards to work, each with its own micro-batch (memory decides them)
+    plan = poplar["plan"]
+    assert len(plan["micro_batch_sizes"]) == 2 and len(set(plan["micro_batch_sizes"])) == 2, plan
+    for name, row in rows.items():     # every baseline and each card alone, measured: at least 1.1x
+        assert poplar["samples_per_s"] >= 1.1 * row["samples_per_s"], (name, poplar, row)
+    assert poplar["samples_per_s"] >= 0.95 * record["ideal_samples_per_s"], (poplar, record["ideal_samples_per_s"])
+    for name, row in {"poplar": poplar, **rows}.items():
+        assert abs(row["predicted_samples_per_s"] / row["samples_per_s"] - 1) <= 0.05, (name, row)
+        assert row["overruns"] == 0, (name, row)
+        # however the batch is spread, and on however many cards, the update is the same: so is the loss
+        assert abs(row["last_loss"] - poplar["last_loss"]) < 1e-4, (name, row["last_loss"], poplar["last_loss"])
     assert (out / "comparison.png").stat().st_size > 20_000
-    # the demo's cluster is memory-bound: its small card holds a sample beside an even share of the states only
-    # in ZeRO-1 (at the demo's pace, ZeRO-1 is planned), and in ZeRO-2 beside a smaller share (timed so: at this
-    # test's fast pace, whose overruns blur the times, either may win); never in ZeRO-0
-    said = " ".join(run.stdout.split())     # however the console wrapped it
-    assert re.search(r"llama-tiny on memory-bound: ZeRO-[12]", said) and "stage 0 left out" in said, \
-        run.stdout[-3000:]
     # empty caches: the profiling reports every stage as it starts and ends, a line each in a log
     for stage in range(4):
-        assert re.search(rf"^memory-bound: (\S+ )?stage {stage}: memory$", run.stdout, re.M), run.stdout[:3000]
-        assert re.search(rf"^memory-bound: (\S+ )?stage {stage}: done \(\d+ s\)$", run.stdout, re.M), run.stdout[:3000]
-    assert "\u2026" not in run.stdout and "vs uniform" in run.stdout      # the table whole, no column cut
+        assert re.search(rf"^memory-differs-small: (\S+ )?stage {stage}: memory$", run.stdout, re.M), run.stdout[:3000]
+        assert re.search(rf"^memory-differs-small: (\S+ )?stage {stage}: done \(\d+ s\)$", run.stdout, re.M), \
+            run.stdout[:3000]
+    said = " ".join(run.stdout.split())     # however the console wrapped it
+    assert "\u2026" not in run.stdout and "Poplar's speedup" in said      # the table whole, no column cut
     # and what the same two GPUs do at full memory with a real model, simulated: Poplar against each card alone
     assert "llama-tiny (256-token samples, checkpointed)" in said and "at full memory: simulated" in said \
         and "model TFLOP/s" in said, run.stdout[-3000:]
-    real = re.search(r"Poplar \(stage \d[^)]*\) │ +([\d,.]+) │ +([\d,.]+) │ +(\d+)% │", run.stdout)
-    alone = re.search(r"a100-80gb alone │ +([\d,.]+) │", run.stdout)
-    assert real and alone and _number(real) > _number(alone) > 0, run.stdout[-3000:]
-    logs = {name: read_log(out / name / "log.jsonl") for name in ("poplar", "uniform", "proportional")}
-    # however the batch is spread, the update is the same: so are the losses
-    for name in ("uniform", "proportional"):
-        for a, b in zip(logs["poplar"], logs[name]):
-            assert abs(a["loss"] - b["loss"]) < 1e-4, (name, a["loss"], b["loss"])
-    # the benchmark reuses the demo's profile (same workload) and measures all three
+
+
+def test_bench_on_an_emulated_cluster(tmp_path):
+    # the pace does not matter here (what does is tested in tests/devices/test_emulated.py): a small dilation runs it
+    # fast; piped, as into a log
+    env = {**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
+           "POPLAR_CACHE_DIR": str(tmp_path / "profiles"), "POPLAR_DATA_CACHE": str(tmp_path / "data"),
+           "POPLAR_DILATION": "3"}
     # DeepSpeed beside Poplar in the bench: tests/peers/test_deepspeed.py; its column is there either way
     bench = subprocess.run([sys.executable, "-m", "poplar.cli.main", "bench", "--cluster", "memory-bound",
                             "--global-batch", "24", "--steps", "3", "--no-peers", "--json", str(tmp_path / "bench.json")],
@@ -74,6 +73,6 @@ def test_demo_then_bench_on_an_emulated_cluster(tmp_path):
     # and Poplar's split with even and with memory-proportional shares of the states (the kinds' memory differs)
     assert set(result["allocations"]) == {"poplar", "uniform", "proportional", "measured-peak", "even-shares",
                                           "memory-shares"}
-    assert result["zero_stage"] in (1, 2)                                # as the demo: either may win at this pace
+    assert result["zero_stage"] in (1, 2)                                # either may win at this fast pace
     assert all(a["samples_per_s"] > 0 for a in result["allocations"].values())
     assert result["ideal_samples_per_s"] > 0 and result["poplar_of_ideal"] > 0

@@ -22,7 +22,7 @@ def rank_device(cluster, rank: int, workload=None, precision: str = "fp32") -> D
         return CudaDevice()
     from poplar.devices.emulated import EmulatedDevice
 
-    return EmulatedDevice(cluster, rank, probe=None if workload is None else _workload_probe(workload, precision))
+    return EmulatedDevice(cluster, rank, probe=None if workload is None else _WorkloadProbe(workload, precision))
 
 
 def rank_device_of(cluster, rank: int, workload=None, cuda: bool | None = None, precision: str = "fp32") -> Device:
@@ -42,17 +42,19 @@ def rank_device_of(cluster, rank: int, workload=None, cuda: bool | None = None, 
     return Device()
 
 
-def _workload_probe(workload, precision: str):
+class _WorkloadProbe:
     """A step of ``workload``'s own model at ``m`` samples in ``precision``'s dtype, for the dilation's probes
-    (on a host without half-precision units a half step is slower against its declared time than fp32's)."""
-    from poplar.precision import torch_dtype
+    (on a host without half-precision units a half step is slower against its declared time than fp32's).
+    ``model``: whose parameters the probe's memory leaves out (the device holds them as model states)."""
 
-    model = workload.build().to(torch_dtype(precision))
+    def __init__(self, workload, precision: str):
+        from poplar.precision import torch_dtype
 
-    def probe(m: int) -> None:
-        workload.loss(model, workload.random_batch(m)).backward()
-        model.zero_grad(set_to_none=True)
-    return probe
+        self.workload, self.model = workload, workload.build().to(torch_dtype(precision))
+
+    def __call__(self, m: int) -> None:
+        self.workload.loss(self.model, self.workload.random_batch(m)).backward()
+        self.model.zero_grad(set_to_none=True)
 
 
 __all__ = ["Device", "rank_device", "rank_device_of"]

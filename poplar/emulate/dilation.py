@@ -12,10 +12,17 @@ small probes of each kind of work on this host against their declared time:
 - a large element-wise operation: bound by memory bandwidth;
 - where the caller names the work it will run (``probe(m)``: a forward and backward
   of ``m`` samples, in the dtype the run computes in), that work at 1 and at 8
-  samples: its fixed cost and its cost per sample (host and device are both close to
-  linear in ``m``, so the worst ratio over any ``m`` is the worse of the two);
+  samples: host and device are both close to linear in ``m``, so the worst ratio over
+  the micro-batches the rank can run is at the smallest or the largest. The largest is
+  what the device's memory holds: where the probe names its model (``probe.model``),
+  the bytes a forward and backward saves at 1 and at 8 samples, beside the model's
+  parameters, say how many samples fit the capacity at most (the model states only
+  lower it); else any number (the ratio of the costs per sample). A small card, or a
+  large one whose memory is scaled down, runs no large micro-batch: its pace is set
+  by the sizes it runs, not by a host-bound one it never will;
 - all-reduces, reduce-scatters and all-gathers of a few bytes, 64 KiB and 1 MiB a rank:
-  the real collectives against the declared links.
+  the real collectives against the declared links (the median of several rounds: the
+  host's occasional late wake-up is not the collective's cost).
 
 ``D`` is the largest ratio of real to declared time, times the ranks per core on this
 host, times ``MARGIN``. Only the pace depends on it: every figure is reported in
@@ -34,6 +41,10 @@ import torch.distributed as dist
 from poplar.emulate.model import WorkCounter
 
 MARGIN = 2.5
+# timed rounds of each probed collective, the median counts: a host's scheduler wakes a rank late now and then
+# (here one collective in ten took ten times the others); a span that late is absorbed by the pace, or counted
+# as an overrun, while three rounds let a single late one set the pace of the whole run
+COMM_REPEATS = 9
 
 
 def _cores() -> int:
@@ -95,7 +106,7 @@ def _comm_ratio(device) -> float:
                         ("reduce_scatter", lambda: reduce_scatter_tensor(shard, full)),
                         ("all_gather", lambda: all_gather_tensor(full, shard))):
             real = []
-            for i in range(4):
+            for i in range(COMM_REPEATS + 1):
                 dist.barrier()
                 start = time.perf_counter()
                 run()
@@ -105,11 +116,42 @@ def _comm_ratio(device) -> float:
     return worst
 
 
-def _probe_ratios(device, probe) -> list[float]:
-    """The fixed and the per-sample cost of the caller's own work, host against device."""
+def _probe_ratio(device, probe) -> float:
+    """The worst ratio of host to device time over the micro-batches ``probe``'s work can run on ``device``."""
     (real_1, declared_1), (real_8, declared_8) = (_timed(device, lambda m=m: probe(m), repeats=3) for m in (1, 8))
-    per_sample = max(real_8 - real_1, 0.0) / max(declared_8 - declared_1, 1e-12)
-    return [real_1 / declared_1, per_sample]
+    return worst_ratio((1, real_1, declared_1), (8, real_8, declared_8), largest_samples(device, probe))
+
+
+def worst_ratio(small: tuple[int, float, float], large: tuple[int, float, float], most: int | None) -> float:
+    """The largest ratio of host to device time over micro-batches from 1 to ``most`` (None: any number), both
+    times linear in the micro-batch through the two measured ``(micro_batch, host s, device s)`` points.
+
+    >>> worst_ratio((1, 2.0, 1.0), (8, 9.0, 1.7), None)    # a sample more: 1 s on the host, 0.1 s on the device
+    10.0
+    >>> round(worst_ratio((1, 2.0, 1.0), (8, 9.0, 1.7), 8), 3), round(worst_ratio((1, 2.0, 1.0), (8, 9.0, 1.7), 18), 3)
+    (5.294, 7.037)
+    """
+    (m1, real_1, declared_1), (m2, real_2, declared_2) = small, large
+    host = max(real_2 - real_1, 0.0) / (m2 - m1)
+    dev = max(declared_2 - declared_1, 1e-12) / (m2 - m1)
+    worst = max(real_1 / declared_1, real_2 / declared_2)
+    if most is None:
+        return max(worst, host / dev)
+    beyond = max(most - m2, 0)
+    return max(worst, (real_2 + host * beyond) / (declared_2 + dev * beyond))
+
+
+def largest_samples(device, probe) -> int | None:
+    """The most samples a forward and backward of ``probe``'s model fits in ``device``'s capacity, from the bytes
+    saved at 1 and 8 samples (linear in the samples); None where that is not known (no model, no capacity)."""
+    model, capacity = getattr(probe, "model", None), getattr(device, "capacity", None)
+    if model is None or not capacity or not hasattr(device, "saved_bytes"):
+        return None
+    one, eight = (device.saved_bytes(model, lambda m=m: probe(m)) for m in (1, 8))
+    per_sample = (eight - one) / 7
+    if per_sample <= 0:
+        return None
+    return max(1, int((capacity - (one - per_sample)) // per_sample))
 
 
 def choose_dilation(device, probe=None) -> float:
@@ -123,5 +165,5 @@ def choose_dilation(device, probe=None) -> float:
     big = torch.zeros(4 * 2**20)
     ratios = [_ratio(device, _mlp_step(2)), _ratio(device, lambda: big.add_(1.0)), _comm_ratio(device)]
     if probe is not None:
-        ratios += _probe_ratios(device, probe)
+        ratios.append(_probe_ratio(device, probe))
     return MARGIN * ranks_per_core() * max(ratios)

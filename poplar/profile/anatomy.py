@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 import poplar
 from poplar.profile.profile import StepAnatomy
-from poplar.profile.timing import RankRun, timed_step
+from poplar.profile.timing import RankRun, warm_up
 
 SMALL_BYTES = 8     # the loss and the squared norm: one fp32 (or fp64) number
 
@@ -170,8 +170,7 @@ def marked_step(run: RankRun, plan: poplar.Plan) -> tuple[Marks, int]:
     engine = run.engine(plan)
     wl = run.workload
     batch = wl.random_batch(plan.local_batch_size(run.rank))
-    for _ in range(max(1, run.warmup)):
-        timed_step(run.device, engine, batch, wl.loss)
+    warm_up(engine, batch, wl.loss, max(1, run.warmup))
     marks = Marks(run.device)
     with marks.watch(engine), run.device.step(engine.held_state):
         marks.start()

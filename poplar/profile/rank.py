@@ -30,7 +30,7 @@ from poplar.profile.probe import largest_micro_batch
 from poplar.profile.procedure import States, at_even_share, timed_stage, with_less
 from poplar.profile.profile import DOES_NOT_FIT, NOT_TIMED, CommProfile, StageProfile
 from poplar.profile.timing import (RankRun, _time_group, fractions_held, skewed_shares, time_collectives,
-                                   time_points, timed_step)
+                                   time_points, warm_up)
 from poplar.profile.units import bucket_numels
 from poplar.stages import OPTIMIZER_BYTES_PER_MASTER_BYTE
 from poplar.stages import stage as zero_stage
@@ -67,7 +67,8 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
         run = RankRun(device, rank, world_size, wl, config, options.warmup, options.repeats or device.timing_repeats,
                       kind, progress if reports else None)
         stages = {s: profile_stage(run, s, options) for s in options.stages}
-        comm = time_collectives(device, wl.n_params(), spec.node_groups(), units=bucket_numels(wl, config))
+        comm = time_collectives(device, wl.n_params(), spec.node_groups(), repeats=run.repeats,
+                                units=bucket_numels(wl, config))
         return RankProfile(kind=kind, stages=stages, comm=comm, dilation=device.dilation, overruns=device.overruns)
 
 
@@ -203,9 +204,8 @@ def _model_states(run: RankRun, stage: int, precision: str) -> States:
     fits, everyone = _fits_one(run, engine, before, precision)
     most = None
     if everyone:
-        batch = run.workload.random_batch(2)
-        for _ in range(2):    # optimizer states, then accumulated gradients, exist now
-            timed_step(run.device, engine, batch, run.workload.loss)
+        # optimizer states, then accumulated gradients, exist now (no figure read: at the host's speed)
+        warm_up(engine, run.workload.random_batch(2), run.workload.loss, 2)
         most = engine.model_state_bytes()
     sharded = shard_bytes(engine, stage, precision)
     units = tuple(u.numel for u in engine.units)

@@ -140,6 +140,13 @@ def timed_step(device: Device, engine, batch, loss: Callable) -> float:
     return device.compute_s
 
 
+def warm_up(engine, batch, loss: Callable, rounds: int) -> None:
+    """Untimed steps (the optimizer's states made, the allocator and caches warm), outside any device step: no
+    figure is read from them, so an emulated device runs them at the host's speed, not at its declared pace."""
+    for _ in range(rounds):
+        engine.train_batch(batch, loss)
+
+
 def time_points(run: RankRun, stage: int, sizes: list[list[int]]) -> tuple[list[tuple[int, float]], float]:
     """This rank's points ``(micro_batch, seconds)`` at ``sizes`` (round ``i``: every rank's size), and the
     once-per-step part of a step (the median over the smallest sizes)."""
@@ -165,13 +172,12 @@ def _time_group(run: RankRun, stage: int, plans: dict[int, poplar.Plan], times: 
     wl = run.workload
     engines = {i: run.engine(plan) for i, plan in plans.items()}
     batches = {i: wl.random_batch(plan.local_batch_size(run.rank)) for i, plan in plans.items()}
-    rounds = run.warmup + run.repeats
-    for r in range(rounds):
-        run.note(stage, f"round {r + 1}/{rounds}")
+    for i, engine in engines.items():
+        warm_up(engine, batches[i], wl.loss, run.warmup)
+    for r in range(run.repeats):
+        run.note(stage, f"round {r + 1}/{run.repeats}")
         for i, engine in engines.items():
-            busy = timed_step(run.device, engine, batches[i], wl.loss)
-            if r >= run.warmup:
-                times[i].append(busy)
+            times[i].append(timed_step(run.device, engine, batches[i], wl.loss))
     for engine in engines.values():
         engine.close()
 
@@ -182,14 +188,15 @@ def _timed(device: Device, issue: Callable[[], Any], repeats: int) -> float:
 
 
 def _timed_parts(device: Device, issue: Callable[[], Any], repeats: int) -> tuple[float, float, float]:
-    """Median device time of a step that runs ``issue()`` (after one untimed), of its wait, and of its compute."""
+    """Median device time of a step that runs ``issue()`` (after one untimed, outside a step: at the host's speed on
+    an emulated device), of its wait, and of its compute."""
+    issue()
     out = []
-    for i in range(repeats + 1):
+    for _ in range(repeats):
         device.comm.barrier()
         with device.step():
             issue()
-        if i:
-            out.append((device.step_s, device.wait_s, device.compute_s))
+        out.append((device.step_s, device.wait_s, device.compute_s))
     return tuple(statistics.median(x[j] for x in out) for j in range(3))
 
 
