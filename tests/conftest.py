@@ -4,7 +4,7 @@ not marked ``slow`` that starts a process (``tests/no_process.py``), and paced t
 
 from __future__ import annotations
 
-pytest_plugins = ["pytester", "tests.markers", "tests.no_process"]
+pytest_plugins = ["pytester", "tests.markers", "tests.no_process", "tests.paced"]
 
 
 def pytest_sessionstart(session):

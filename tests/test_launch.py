@@ -5,7 +5,7 @@ import pytest
 from poplar.launch import RankFailed, spawn
 from tests.launch_workers import abort_at_exit, fail_on_rank_1, hang_on_rank_0, rank_sum
 
-pytestmark = [pytest.mark.slow, pytest.mark.paced]
+pytestmark = pytest.mark.slow
 
 
 def test_results_come_back_in_rank_order():
@@ -18,6 +18,7 @@ def test_a_failing_rank_reports_its_own_traceback():
     assert "KeyError" in str(e.value) and "rank one is broken" in str(e.value)
 
 
+@pytest.mark.paced
 def test_a_hanging_rank_is_stopped_at_the_deadline():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish within 8 s"):

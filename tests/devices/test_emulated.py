@@ -14,8 +14,6 @@ from poplar.devices.fidelity import (collective_times, micro_steps, overlapped_c
                                     shaped_collectives)
 from tests.devices.emulated_workers import fits
 
-pytestmark = pytest.mark.paced
-
 TWO_KINDS = {"memory_scale": 0.001, "devices": [{"kind": "a100", "gpu": "A100-80GB"}, {"kind": "t4", "gpu": "T4-16GB"}]}
 FOUR = {"memory_scale": 0.001, "devices": [{"kind": "a100", "gpu": "A100-80GB", "count": 2},
                                            {"kind": "t4", "gpu": "T4-16GB", "count": 2}]}
@@ -32,16 +30,19 @@ def _check_fidelity(ranks):
     assert ranks[-1]["sizes"][-1]["declared"] > 1.2 * ranks[0]["sizes"][-1]["declared"]
 
 
+@pytest.mark.paced
 @pytest.mark.slow
 def test_a_micro_step_takes_its_declared_time_with_two_ranks():
     _check_fidelity(spawn(micro_steps, 2, TWO_KINDS, SIZES, timeout_s=240))
 
 
+@pytest.mark.paced
 @pytest.mark.slow
 def test_a_micro_step_takes_its_declared_time_with_four_ranks_on_two_cores():
     _check_fidelity(spawn(micro_steps, 4, FOUR, SIZES, timeout_s=300))
 
 
+@pytest.mark.paced
 @pytest.mark.slow
 def test_a_micro_step_takes_its_declared_time_while_another_process_keeps_a_core_busy():
     hog = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 240\nwhile time.time() < end: pass"])
@@ -52,6 +53,7 @@ def test_a_micro_step_takes_its_declared_time_while_another_process_keeps_a_core
         hog.wait()
 
 
+@pytest.mark.paced
 @pytest.mark.slow
 def test_collectives_across_two_nodes_take_latency_plus_size_over_bandwidth():
     sizes = [2**10, 2**16, 2**20, 2**25]          # 1 KB to 32 MB
@@ -73,6 +75,7 @@ def _without_overruns(run, attempts: int = 3) -> list[dict]:
     return ranks
 
 
+@pytest.mark.paced
 @pytest.mark.slow
 def test_a_collective_launched_during_compute_adds_nothing_to_the_step():
     for r in _without_overruns(lambda: spawn(overlapped_collective, 2, TWO_NODES, 2**20, timeout_s=240)):
@@ -81,6 +84,7 @@ def test_a_collective_launched_during_compute_adds_nothing_to_the_step():
         assert r["step"] - r["wait"] == pytest.approx(r["compute"], rel=0.03), r     # (the wait: the barrier's)
 
 
+@pytest.mark.paced
 @pytest.mark.slow
 def test_collectives_in_flight_together_hold_the_link_one_after_the_other():
     for r in spawn(queued_collectives, 2, TWO_NODES, 2**20, timeout_s=240):
@@ -88,6 +92,7 @@ def test_collectives_in_flight_together_hold_the_link_one_after_the_other():
         assert r["both"] == pytest.approx(2 * r["network"], rel=0.05), r      # not both at once
 
 
+@pytest.mark.paced
 @pytest.mark.slow
 def test_shaped_collectives_take_the_time_of_the_links_they_cross():
     """Nodes of two ranks and one: a node's gather at its own link (none for a lone rank), the sum across at the slow one."""
@@ -153,6 +158,7 @@ def test_a_checkpointed_blocks_recomputation_counts_against_memory(monkeypatch):
     assert checkpointed - unseen <= plain / 4
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize("dilation", [1.0, 4.0])
 def test_a_span_the_host_ran_late_counts_as_an_overrun_and_says_how_late(dilation):
     from poplar.cluster.spec import parse_cluster
@@ -173,6 +179,7 @@ def test_a_span_the_host_ran_late_counts_as_an_overrun_and_says_how_late(dilatio
         assert device.step_s == pytest.approx(late_s, rel=0.05, abs=1e-4)
 
 
+@pytest.mark.paced
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_the_pace_is_probed_with_the_work_in_the_dtype_the_rank_computes_in(precision):
     """The dilation's probe runs the workload's own step in the run's dtype: a half step on a host without half

@@ -18,8 +18,6 @@ from poplar.peers.deepspeed import INSTALL_HINT
 from tests.peers.workers import WORKLOAD, BrokenSetup, deepspeed_time_and_memory
 from tests.planner.profiles import make_profile
 
-pytestmark = pytest.mark.paced
-
 # the same memory (20 and 4 GB), different compute: by the data sheets the T4 has 8.1 fp32 TFLOP/s
 # and 320 GB/s beside the A100's 19.5 and 2,039
 A100_T4 = {"memory_scale": 0.25, "devices": [{"kind": "a100", "gpu": "A100-80GB"}, {"kind": "t4", "gpu": "T4-16GB"}]}
@@ -42,6 +40,7 @@ def zero3_ranks(starts_processes, tmp_path_factory):
         return spawn(deepspeed_time_and_memory, 2, A100_T4, 3, 6, DILATION, timeout_s=240)
 
 
+@pytest.mark.paced
 def test_deepspeed_computes_at_the_pace_of_the_declared_gpus(zero3_ranks):
     a100, t4 = zero3_ranks
     assert (a100["kind"], t4["kind"]) == ("a100", "t4")
@@ -62,6 +61,7 @@ def test_deepspeed_computes_at_the_pace_of_the_declared_gpus(zero3_ranks):
     assert statistics.median(s["wait"] for s in fast) > 0.5 * statistics.median(s["compute"] for s in fast)
 
 
+@pytest.mark.paced
 def test_deepspeed_runs_out_of_the_emulated_memory(zero3_ranks):
     for rank in zero3_ranks:
         assert rank["oom"] is not None and "out of memory" in rank["oom"], rank["oom"]

@@ -14,6 +14,7 @@ SLOW = 40   # a pace (declared time x this) at which this host keeps up with the
 
 
 @pytest.mark.slow
+@pytest.mark.paced     # the shares are read from the emulated pace: a host late beside another test reads as its own
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_a_step_s_compute_is_placed_unit_by_unit(stage):
     for dilation in (None, 2 * SLOW, 4 * SLOW):   # a run the host made late (overruns) measures the host: again,

@@ -16,8 +16,6 @@ from poplar.profile import CommProfile, Profile
 from poplar.profile.profiler import cache_key, point_sizes, profile_cluster
 from tests.profile.workers import train_at
 
-pytestmark = pytest.mark.paced
-
 ROOT = Path(__file__).resolve().parents[2]
 # HALF: half FAST's TFLOP/s and bandwidth, twice its kernel launch cost: every operator takes twice as long
 FAST = {"kind": "fast", "memory_gb": 0.03, "tflops": 20.0, "memory_bandwidth_gbs": 1000.0}
@@ -51,6 +49,7 @@ def fixed_pace(monkeypatch):
     monkeypatch.setenv("POPLAR_DILATION", DILATION)
 
 
+@pytest.mark.paced
 def test_a_device_of_half_the_figures_profiles_at_twice_the_time(half_speed):
     prof, summary, _ = half_speed
     fast, half = prof.stage("fast", 0), prof.stage("half", 0)
@@ -77,6 +76,7 @@ def test_a_device_of_half_the_figures_profiles_at_twice_the_time(half_speed):
     assert summary["overruns"] >= 0
 
 
+@pytest.mark.paced
 def test_second_run_reads_the_cache_and_a_changed_device_does_not(half_speed):
     first, _, cache_dir = half_speed
     again, summary = _stage0(HALF_SPEED, cache_dir, n_points=2, max_micro_batch=HALF_SPEED_CAP)
@@ -92,6 +92,7 @@ def test_second_run_reads_the_cache_and_a_changed_device_does_not(half_speed):
     assert summary["measured"] == [("fast", 0), ("half", 0)] and summary["from_cache"] == []
 
 
+@pytest.mark.paced
 def test_a_profile_is_in_declared_seconds_whatever_the_pace(half_speed, tmp_path, monkeypatch):
     first, first_summary, _ = half_speed
     for pace in (60, 240):   # a run the host made late (overruns) measures the host: again, at a slower pace
@@ -203,6 +204,7 @@ def test_cli_profiles_a_preset_and_rejects_a_bad_cluster_file(tmp_path):
     assert not (tmp_path / "bad.json").exists()
 
 
+@pytest.mark.paced
 @pytest.mark.slow
 def test_cli_under_torchrun(tmp_path):
     env = {**os.environ, "POPLAR_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
@@ -243,6 +245,7 @@ def test_a_bf16_profile_is_its_own_and_holds_more_samples(tmp_path):
         _stage0(cluster, tmp_path, precision="fp8")
 
 
+@pytest.mark.paced
 @pytest.mark.slow
 @pytest.mark.parametrize("nodes", [(2, 1), (1, 1, 1)])
 def test_on_several_nodes_the_collectives_are_timed_inside_each_node_and_across(nodes):
@@ -326,6 +329,7 @@ def test_a_card_that_holds_a_sample_only_beside_less_than_its_share_is_timed_the
     assert not big1.share_steps and not small1.share_steps   # already timed at other shares than an even one
 
 
+@pytest.mark.paced
 @pytest.mark.slow
 def test_the_once_per_step_part_is_timed_at_unlike_shares_where_every_card_has_room(tmp_path):
     """Stages 1-3: the card with the most memory holds more than an even share and the other less, at two skews
