@@ -8,7 +8,8 @@ from poplar.cluster.kinds import CudaProperties
 from poplar.cluster.spec import ClusterSpec, Link, load_cluster, parse_cluster, presets
 from poplar.emulate import NetworkModel
 
-PRESETS = ["both-differ", "compute-differs", "memory-bound", "memory-bound-a100", "memory-differs", "memory-skewed",
+PRESETS = ["both-differ", "compute-differs", "memory-bound", "memory-bound-a100", "memory-differs", "memory-differs-small",
+           "memory-skewed",
            "three-node", "two-node", "two-node-100g", "two-node-10gbe", "uneven-quantity"]
 DECLARED = {"kind": "custom", "memory_gb": 24.0, "tflops": {"fp32": 20.0, "bf16": 80.0}, "memory_bandwidth_gbs": 900.0}
 
