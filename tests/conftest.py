@@ -1,10 +1,10 @@
 """How the suite is run: its markers (``slow``, ``paced``: ``tests/markers.py``), the guard that fails a test
-not marked ``slow`` that starts a process (``tests/no_process.py``), and paced tests kept apart from the rest
-(``tests/paced.py``)."""
+not marked ``slow`` that starts a process (``tests/no_process.py``), and the tests side by side, paced ones
+alone (``tests/parallel.py``)."""
 
 from __future__ import annotations
 
-pytest_plugins = ["pytester", "tests.markers", "tests.no_process", "tests.paced"]
+pytest_plugins = ["pytester", "tests.markers", "tests.no_process", "tests.parallel"]
 
 
 def pytest_sessionstart(session):

@@ -7,7 +7,7 @@
   process: ``tests/no_process.py`` fails a test not marked ``slow`` that starts one, in every run.
 - ``paced``: asserts about time (an emulated device keeping its declared pace, heartbeats, deadlines, a run
   held to its prediction). Declared on the test or its module. It runs with no other test beside it, also
-  under pytest-xdist (``tests/paced.py``); ``-m paced`` runs them alone.
+  under pytest-xdist (``tests/parallel.py``); ``-m paced`` runs them alone.
 
 A pytest plugin, registered by ``tests/conftest.py``.
 """

@@ -1,9 +1,16 @@
 """The suite's markers are honest: a test not marked ``slow`` that starts a process fails, however it starts it
-and whatever it makes of the refusal; one marked ``slow`` (itself or through a fixture) may start them.
+and whatever it makes of the refusal; one marked ``slow`` (itself or through a fixture) may start them. And a
+``paced`` test runs with nothing beside it.
 
-Each case is a small test file run by pytest in this process with the suite's own plugins (``pytester``)."""
+Each marking case is a small test file run by pytest in this process with the suite's own plugins
+(``pytester``); the lock is the one this run's tests hold."""
+
+import fcntl
+import os
 
 import pytest
+
+from tests import parallel
 
 PLUGINS = ("-p", "tests.markers", "-p", "tests.no_process")
 
@@ -125,3 +132,23 @@ def test_marked_by_its_fixture(ranks):
 ''')
     result = pytester.runpytest_inprocess(*PLUGINS, "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
+
+
+def _could_lock(path: str, how: int) -> bool:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_a_test_holds_the_lock_shared_so_that_no_paced_test_runs_beside_it():
+    assert _could_lock(parallel.LOCK, fcntl.LOCK_SH) and not _could_lock(parallel.LOCK, fcntl.LOCK_EX)
+
+
+@pytest.mark.paced
+def test_a_paced_test_holds_the_lock_alone_and_no_test_starts_beside_it():
+    assert not _could_lock(parallel.LOCK, fcntl.LOCK_SH) and not _could_lock(parallel.TURNSTILE, fcntl.LOCK_EX)
