@@ -39,6 +39,10 @@ FORBIDDEN["poplar.integrations"] = {"poplar.bench", "poplar.demo", "poplar.measu
 for _part_name in ("poplar.cluster", "poplar.engine", "poplar.emulate", "poplar.devices", "poplar.profile",
                    "poplar.planner", "poplar.train", "poplar.simulate"):
     FORBIDDEN[_part_name] = FORBIDDEN[_part_name] | {"poplar.integrations"}
+# how a long wait is shown, by the commands and the integrations alike: it knows nothing of what waits
+FORBIDDEN["poplar.progress"] = {"poplar.cluster", "poplar.engine", "poplar.emulate", "poplar.devices", "poplar.profile",
+                                "poplar.planner", "poplar.train", "poplar.simulate", "poplar.integrations",
+                                "poplar.bench", "poplar.demo", "poplar.measure", "poplar.peers", "poplar.cli"}
 # the values every part reads: they import nothing of poplar but these
 LEAVES = {"poplar.stages": set(), "poplar.precision": set(), "poplar.plan": {"poplar.stages"}}
 

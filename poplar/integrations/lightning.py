@@ -108,7 +108,7 @@ class PoplarStrategy(ParallelStrategy):
         self._plan = load_plan(plan) if plan is not None else None
         if self._plan is None and cluster is None:
             raise ValueError(_NEEDS_A_PLAN)
-        self._cluster = cluster_spec(cluster)
+        self._cluster, self._cluster_named = cluster_spec(cluster), cluster   # named: as planning's lines say it
         if self._plan is not None and self._cluster is not None and self._cluster.world_size != self._plan.world_size:
             raise ValueError(f"the plan is for {self._plan.world_size} ranks but the cluster has "
                              f"{self._cluster.world_size} devices: give a plan for {self._cluster.world_size} ranks "
@@ -189,7 +189,7 @@ class PoplarStrategy(ParallelStrategy):
         super().setup_environment()
         if self._plan is not None or self._workload is not None:   # else the module is profiled in setup
             self._plan, self._basis = resolve_planning(
-                self._world, self._plan, cluster=self._cluster, workload=self._workload,
+                self._world, self._plan, cluster=self._cluster_named, workload=self._workload,
                 global_batch=self._global_batch, stages=self._stages, config=self._config)
 
     # ------------------------------------------------------------------ checks and set-up
@@ -230,8 +230,8 @@ class PoplarStrategy(ParallelStrategy):
         the global batch, where not given, is the loader's ``batch_size`` on every rank (as DDP's)."""
         source, batch_size = module_source(trainer, module, loss_of)
         global_batch = self._global_batch or (batch_size or 1) * self._world
-        return resolve_planning(self._world, None, cluster=self._cluster, workload=source, global_batch=global_batch,
-                                stages=self._stages, config=self._config, model=module)
+        return resolve_planning(self._world, None, cluster=self._cluster_named, workload=source,
+                                global_batch=global_batch, stages=self._stages, config=self._config, model=module)
 
     def _broadcast_weights(self) -> None:
         """Evaluation without training: every rank evaluates rank 0's weights."""

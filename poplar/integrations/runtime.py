@@ -92,16 +92,59 @@ def _check_workload_is(model: torch.nn.Module, workload) -> None:
 
 
 def _profile_and_plan(world_size: int, cluster, workload, global_batch: int, stages, config) -> tuple:
+    """Every rank profiles and plans; rank 0 shows what is profiled, how far it is, and the plan chosen (as
+    ``poplar train`` does: bars in a terminal, a line per stage in a log)."""
+    import time
+
+    import torch.distributed as dist
+
     from poplar.plan import check_global_batch
     from poplar.planner.replan import PlanBasis
+    from poplar.progress import Progress, console, say
     from poplar.train.planning import profile_and_plan
     from poplar.workload import as_workload
 
-    spec = cluster_spec(cluster)
+    name = str(cluster) if isinstance(cluster, (str, Path)) and ":" not in str(cluster) else "the cluster"
+    spec, wl = cluster_spec(cluster), as_workload(workload)
     spec.check_world_size(world_size)
     check_global_batch(global_batch, world_size)
-    result = profile_and_plan(as_workload(workload), spec, global_batch, stages, config, distributed=True)
+    out = console() if not dist.is_initialized() or dist.get_rank() == 0 else None
+    shown: list[Progress] = []
+
+    def progress(title: str) -> Progress:
+        shown.append(Progress(out, title))
+        return shown[-1]
+
+    start = time.monotonic()
+    result = profile_and_plan(wl, spec, global_batch, stages, config, distributed=True,
+                              progress=progress if out is not None else None,
+                              title=profiling_title(name, wl.name, spec, stages))
+    if out is not None:
+        how = "profiled and planned" if any(p.heard for p in shown) else "planned (the profile read from the cache)"
+        plan = str(result.plan) if result.plan.world_size <= 8 else result.plan.summary()
+        say(out, f"{name}: {how} in {time.monotonic() - start:.0f} s: {plan}; {result.reason}")
     return result.plan, None if result.profile is None else PlanBasis(result.profile, list(result.ranks))
+
+
+def profiling_title(name: str, model: str, spec, stages) -> str:
+    """The first line a profiling prints: what is profiled, where, in which stages, and how long it takes.
+
+    >>> from poplar.cluster.spec import load_cluster
+    >>> print(profiling_title("memory-bound", "LitTiny", load_cluster("memory-bound"), (0, 1, 2, 3)))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    memory-bound: profiling LitTiny on 1 x a100-80gb, 1 x t4-16gb in ZeRO stages 0-3
+    (cached after the first run): this takes minutes on an emulated cluster
+    """
+    stages = sorted(stages)
+    if len(stages) == 1:
+        which = f"stage {stages[0]}"
+    elif stages == list(range(stages[0], stages[-1] + 1)):
+        which = f"stages {stages[0]}-{stages[-1]}"
+    else:
+        which = "stages " + ", ".join(map(str, stages))
+    kinds = ", ".join(f"{d.count} x {d.kind}" for d in spec.devices)
+    takes = "a few minutes on the GPUs" if spec.is_real else "minutes on an emulated cluster"
+    return f"{name}: profiling {model} on {kinds} in ZeRO {which} (cached after the first run): this takes {takes}"
 
 
 def replan_config(replan):

@@ -30,6 +30,7 @@ from poplar.profile.profile import CommProfile, DeviceProfile, EngineOptions, Mo
 from poplar.profile.rank import RankProfile, profile_rank
 from poplar.profile.timing import point_sizes
 from poplar.profile.units import unit_flops, unit_numels
+from poplar.progress.relay import relayed
 from poplar.workload import Workload, as_workload
 
 __all__ = ["ProfileOptions", "cache_key", "default_cache_dir", "largest_micro_batch", "merge_stage",
@@ -46,7 +47,8 @@ def profile_cluster(workload: str | Workload, cluster: dict | ClusterSpec, optio
     profiled only with ``distributed=True``. ``options`` (or its fields as keywords):
     what is measured and how. ``config``: the engine's options training will use (its
     units, its buckets; its precision is ``options.precision``). ``progress``: the ranks'
-    ``(kind, stage, what)`` events go to its ``put`` (the first rank of each kind reports);
+    ``(kind, stage, what)`` events go to its ``put`` (the first rank of each kind reports; in a running group,
+    rank 0's shows every rank's: :func:`poplar.progress.relay.relayed`);
     ``on_poll`` is called while spawned ranks run.
 
     Returns the :class:`Profile` and a summary: which (kind, stage) were measured, which
@@ -110,10 +112,11 @@ def _run_ranks(wl: Workload, spec: ClusterSpec, options: ProfileOptions, config:
                distributed: bool) -> list[RankProfile]:
     """Every rank's figures: this process's and the group's (``distributed``), or from spawned ranks."""
     args = (wl, spec.model_dump(), options, config)
-    if distributed:
-        mine = profile_rank(dist.get_rank(), spec.world_size, *args, progress)
-        ranks: list = [None] * spec.world_size
-        dist.all_gather_object(ranks, mine)
+    if distributed:   # a kind's first rank may be another process: its events reach rank 0's display
+        with relayed(progress) as events:
+            mine = profile_rank(dist.get_rank(), spec.world_size, *args, events)
+            ranks: list = [None] * spec.world_size
+            dist.all_gather_object(ranks, mine)
         return ranks
     from poplar.launch import spawn
 

@@ -19,7 +19,7 @@ def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, given, cluster, di
     ``cluster``: the run's, read (None: none given).
 
     ``progress(title)``: a context that hears of the profiling's progress
-    (:class:`poplar.cli.output.Progress`).
+    (:class:`poplar.progress.Progress`).
     """
     from poplar.engine.agreement import check_plans_before_launch
 

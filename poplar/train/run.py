@@ -56,7 +56,7 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     Under ``torchrun`` this process is one rank (every rank calls this). Otherwise it
     launches the ranks itself: one per device of ``cfg.cluster``, or ``nproc`` plain
     CPU ranks with ``cfg.plan``. ``progress`` hears of the profiling, if any
-    (:class:`poplar.cli.output.Progress` shows it). The cluster file and the plan given
+    (:class:`poplar.progress.Progress` shows it). The cluster file and the plan given
     are read once, here, and handed on.
     """
     cluster = cluster_of(cfg)

@@ -32,14 +32,17 @@ def run(engine, batches, stop_at: int | None = None, overflow_from: float = floa
 
 def train(rank, world_size, cases, cluster, n_steps, save_at=None, load=None, out=None, overflow_from=float("inf")):
     """Each (plan, config) case in turn; with ``save_at``/``load``, a checkpoint written or resumed under ``out``."""
+    from tests.integrations import printed
+
     results = []
     for plan, config in cases:   # no plan: planned from the cluster, the model profiled with lm_loss on its data
         plan = poplar.Plan.from_dict(plan) if plan is not None else None
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        engine, _, loader, _ = poplar.initialize(model=model, optimizer=opt, config=config, plan=plan,
-                                                 training_data=dataset(n_steps, config["train_batch_size"]),
-                                                 cluster=cluster, loss=lm_loss if plan is None else None)
+        with printed(rank) as shown:
+            engine, _, loader, _ = poplar.initialize(model=model, optimizer=opt, config=config, plan=plan,
+                                                     training_data=dataset(n_steps, config["train_batch_size"]),
+                                                     cluster=cluster, loss=lm_loss if plan is None else None)
         client = engine.load_checkpoint(load)[1] if load is not None else None
         batches = iter(loader)      # one pass over the data, however it is cut by a checkpoint
         scales = []
@@ -53,7 +56,7 @@ def train(rank, world_size, cases, cluster, n_steps, save_at=None, load=None, ou
         results.append({"state": state if rank == 0 else None, "steps": engine.global_steps,
                         "plan": engine.runtime.plan.to_dict(), "cache": _cache_files(),
                         "loss": engine.last_loss, "client": client, "logits": logits, "scales": scales,
-                        "skipped": engine.skipped_steps})
+                        "skipped": engine.skipped_steps, "printed": shown.getvalue()})
         engine.close()
     return results
 

@@ -66,6 +66,7 @@ def train_cases(rank: int, world_size: int, cases: list[tuple[dict, dict]], out:
 def train_twice(rank: int, world_size: int, out: str, cluster: str) -> list[dict]:
     """Two runs planned from the cluster alone (the model and data profiled), one after the other: each one's
     result, whether it profiled (the cache's files changed) and its plan."""
+    from tests.integrations import printed
     from tests.integrations import profile_cache_files as cache_files
 
     runs = []
@@ -73,12 +74,14 @@ def train_twice(rank: int, world_size: int, out: str, cluster: str) -> list[dict
         before = cache_files()
         from poplar.integrations.hf import PoplarTrainer
 
-        trainer = PoplarTrainer(model=build_model(), args=training_args(f"{out}/run-{i}", world_size),
-                                train_dataset=token_samples(), cluster=cluster, stages=(1,))
+        with printed(rank) as shown:    # the Trainer plans as it is made
+            trainer = PoplarTrainer(model=build_model(), args=training_args(f"{out}/run-{i}", world_size),
+                                    train_dataset=token_samples(), cluster=cluster, stages=(1,))
         plan = trainer.plan.to_dict()
         trainer.train()
         state = trainer.runtime.engine.full_state_dict()
         logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
         trainer.close()
-        runs.append({"state": state, "logs": logs, "plan": plan, "profiled": cache_files() != before})
+        runs.append({"state": state, "logs": logs, "plan": plan, "profiled": cache_files() != before,
+                     "printed": shown.getvalue()})
     return runs if rank == 0 else []

@@ -161,6 +161,7 @@ def lightning_runs(rank, world_size, cases, ckpt_dir, two_ranks, two_ranks_clip)
 def fit_twice_from_cluster(rank, world_size, cluster: str) -> list[dict]:
     """Two fits planned from the cluster alone (LitTiny itself profiled on its loader's samples), one after the
     other: each one's final state (rank 0), losses, plan, and whether it profiled (the cache's files changed)."""
+    from tests.integrations import printed
     from tests.integrations import profile_cache_files as cache_files
 
     warnings.filterwarnings("ignore")
@@ -170,7 +171,9 @@ def fit_twice_from_cluster(rank, world_size, cluster: str) -> list[dict]:
         lit, record = LitTiny(), Record()
         strategy = PoplarStrategy(cluster=cluster, global_batch=GLOBAL_BATCH, stages=(1,), seed=SEED)
         trainer = pl.Trainer(strategy=strategy, max_steps=N_STEPS, callbacks=[record], **QUIET)
-        trainer.fit(lit, DataLoader(dataset(), batch_size=4, shuffle=True))
+        with printed(rank) as out:
+            trainer.fit(lit, DataLoader(dataset(), batch_size=4, shuffle=True))
         runs.append({"state": {k: v.clone() for k, v in lit.state_dict().items()} if rank == 0 else None,
-                     "losses": record.losses, "plan": strategy.plan.to_dict(), "profiled": cache_files() != before})
+                     "losses": record.losses, "plan": strategy.plan.to_dict(), "profiled": cache_files() != before,
+                     "printed": out.getvalue()})
     return runs

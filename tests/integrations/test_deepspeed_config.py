@@ -14,7 +14,7 @@ from poplar.integrations.data import PlanBatchSampler
 from poplar.integrations.ds_config import read_ds_config
 from poplar.integrations.runtime import load_plan, optimizer_factory, resolve_plan
 from poplar.launch import spawn
-from tests.integrations import ds_workers
+from tests.integrations import assert_profiling_shown, ds_workers
 from tests.models import make_model, reference_train, reference_train_fp16
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,6 +121,7 @@ def test_with_a_cluster_alone_the_model_given_is_profiled_on_its_data_planned_an
         assert_same(got["state"], reference(12), 1e-5)
     first, second = (got["cache"] for got in ranks[0])
     assert first and first == second      # the profiles written by the first run, read (not rewritten) by the second
+    assert_profiling_shown(*(got["printed"] for got in ranks[0]), CLUSTER, "TinyLM", 1)
 
 
 def test_a_workload_that_is_not_the_model_is_refused_before_profiling():

@@ -19,6 +19,7 @@ import torch
 import poplar
 from poplar.integrations.data import PlanBatchSampler
 from poplar.launch import spawn
+from tests.integrations import assert_profiling_shown
 from tests.integrations import hf_workers as W
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,3 +188,4 @@ def test_the_users_model_is_profiled_on_its_data_planned_and_trained_as_one_devi
         assert_same_params(run["state"], want, atol=1e-5)
         assert [loss for loss, _ in run["logs"]] == pytest.approx([loss for loss, _ in logs], abs=1e-5)
     assert first["profiled"] and not second["profiled"]      # measured once, then read from the cache
+    assert_profiling_shown(first["printed"], second["printed"], CLUSTER3, "LlamaForCausalLM", 1)

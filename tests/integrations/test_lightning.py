@@ -24,6 +24,7 @@ from poplar.launch import spawn
 pl = pytest.importorskip("lightning.pytorch")
 
 from poplar.integrations.lightning import PoplarStrategy  # noqa: E402
+from tests.integrations import assert_profiling_shown  # noqa: E402
 from tests.integrations.lightning_workers import (  # noqa: E402
     CLUSTER, EPOCH_END, GLOBAL_BATCH, LAST_STEP, MID_EPOCH, N_STEPS, OPTIMIZER, QUIET, LitTiny, dataset,
     fit_twice_from_cluster, global_batches, lightning_runs, schedule, val_set)
@@ -181,6 +182,7 @@ def test_a_users_module_is_profiled_on_its_data_planned_and_trained_as_one_devic
         for name, value in want.items():
             torch.testing.assert_close(run["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
     assert first["profiled"] and not second["profiled"]      # measured once, then read from the cache
+    assert_profiling_shown(first["printed"], second["printed"], CLUSTER, "LitTiny", 1)
 
 
 def test_no_plan_is_refused():
