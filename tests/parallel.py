@@ -1,13 +1,12 @@
-"""How the suite runs side by side (pytest-xdist, a test file's tests on one worker): the heavier files first,
-and paced tests with nothing beside them.
+"""How the suite runs side by side (pytest-xdist, a test file's tests on one worker): paced tests with nothing
+beside them.
 
-- Files that start processes are handed out before the rest, so that the quick files fill the gaps at the end
-  (the longest first) rather than a long one running on alone.
-- Every test holds a lock on a file in the temporary directory, for its setup, call and teardown: a ``paced``
-  test exclusively, any other shared. The file is this user's, not the run's: an xdist run's workers share it,
-  and so do two runs at once. A paced test that waits for its turn holds a second lock (the turnstile) that
-  any test takes before its own, so no new test starts beside the one that runs while it waits: the paced test
-  begins as soon as that one ends. A run of paced tests on one worker keeps the lock from one to the next.
+Every test holds a lock on a file in the temporary directory, for its setup, call and teardown: a ``paced``
+test exclusively, any other shared. The file is this user's, not the run's: an xdist run's workers share it,
+and so do two runs at once. A paced test that waits for its turn holds a second lock (the turnstile) that any
+test takes before its own, so no new test starts beside the one that runs while it waits: the paced test
+begins as soon as that one ends. A run of paced tests on one worker keeps the lock from one to the next.
+
 """
 
 from __future__ import annotations
@@ -51,12 +50,6 @@ TURNSTILE, LOCK = f"{BASE}.turnstile", f"{BASE}.lock"
 
 def _paced(item) -> bool:
     return item is not None and item.get_closest_marker("paced") is not None
-
-
-@pytest.hookimpl(trylast=True)      # after the markers are declared (tests/markers.py)
-def pytest_collection_modifyitems(config, items):
-    starts = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in starts)     # stable: each file's own order kept
 
 
 _alone: ExitStack | None = None     # the exclusive lock, while a run of paced tests goes on
