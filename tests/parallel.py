@@ -6,7 +6,6 @@ test exclusively, any other shared. The file is this user's, not the run's: an x
 and so do two runs at once. A paced test that waits for its turn holds a second lock (the turnstile) that any
 test takes before its own, so no new test starts beside the one that runs while it waits: the paced test
 begins as soon as that one ends. A run of paced tests on one worker keeps the lock from one to the next.
-
 """
 
 from __future__ import annotations
