@@ -118,15 +118,28 @@ def run_demo(steps: int, cluster: str, out: str | Path, global_batch: int,
                  f"plots: {plot} (every row), {out}/<row>/report.png; logs: {out}/<row>/log.jsonl; "
                  f"the table: {out}/demo.json"):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
-    real = None
-    if real_model is not None:
-        with (progress(f"simulating {real_model} on the same GPUs at full memory") if progress
-              else contextlib.nullcontext()):
-            real = real_size(cluster, real_model)
-        console.print(real_size_table(real))
-        console.print(f"the planner's choice there: {real.evaluation.reason}", markup=False, highlight=False,
-                      soft_wrap=True)
+    real = _real_size_shown(console, progress, cluster, real_model) if real_model is not None else None
     return {"rows": rows, "ideal_samples_per_s": ideal, "planning": result, "plot": plot, "real": real}
+
+
+def _real_size_shown(console: Console, progress, cluster: str, real_model: str):
+    """The closing table: ``real_model`` on ``cluster``'s GPUs at full memory, simulated; where these GPUs cannot
+    hold it in any stage, a line saying so (the demo's own table stands): the RealSize, or None."""
+    with (progress(f"simulating {real_model} on the same GPUs at full memory") if progress
+          else contextlib.nullcontext()):
+        try:
+            real = real_size(cluster, real_model)
+        except ValueError as e:   # the planner's (PlanningError) or the arithmetic's: no stage holds the model
+            real, why = None, str(e)
+    if real is None:
+        console.print(f"{real_model} at full memory on these GPUs: no plan ({why}); the closing table is left "
+                      "out: give --real-model a smaller preset, or none", markup=False, highlight=False,
+                      soft_wrap=True)
+        return None
+    console.print(real_size_table(real))
+    console.print(f"the planner's choice there: {real.evaluation.reason}", markup=False, highlight=False,
+                  soft_wrap=True)
+    return real
 
 
 def _summary(log: list[dict]) -> dict:

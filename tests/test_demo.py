@@ -77,3 +77,19 @@ def test_bench_on_an_emulated_cluster(tmp_path):
     assert result["zero_stage"] in (1, 2)                                # either may win at this fast pace
     assert all(a["samples_per_s"] > 0 for a in result["allocations"].values())
     assert result["ideal_samples_per_s"] > 0 and result["poplar_of_ideal"] > 0
+
+
+def test_a_real_model_these_gpus_cannot_hold_is_said_in_a_line_and_the_demo_stands():
+    # the closing table on GPUs that hold Llama-1B in no stage at full memory (two 16 GB cards): a line saying so
+    # and what to give, not a failure after the demo's own runs
+    import io
+
+    from rich.console import Console
+
+    from poplar.demo import _real_size_shown
+
+    out = io.StringIO()
+    assert _real_size_shown(Console(file=out, width=200), None, "compute-differs", "llama-1b") is None
+    said = " ".join(out.getvalue().split())
+    assert "llama-1b at full memory on these GPUs: no plan (no stage can run this job" in said, said
+    assert "give --real-model a smaller preset, or none" in said, said
