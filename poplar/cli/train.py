@@ -41,6 +41,13 @@ def train(
                                                "(fields text; prompt + completion; input_ids), a saved dataset"),
     export: str | None = typer.Option(None, help="at the end, write the model here as a directory from_pretrained "
                                                  "loads (new or empty)"),
+    eval_data: str | None = typer.Option(None, help="held-out data (a file or table as --data), or a fraction of "
+                                                    "the training samples held out, e.g. 0.05"),
+    eval_every: int | None = typer.Option(None, min=0, help="steps between evaluations (default: at the end only)"),
+    lora: str | None = typer.Option(None, help="train LoRA adapters: r=16,alpha=32,targets=q_proj,v_proj (or on "
+                                               "for the defaults)"),
+    report_to: str | None = typer.Option(None, help="also log to tensorboard and/or wandb (comma-separated; "
+                                                    "default none)"),
     set_: list[str] = typer.Option([], "--set", help="any other field: --set lr=3e-4 (repeatable)"),
 ) -> None:
     r"""Profile (or reuse the cache), plan and train on an emulated cluster or real GPUs.
@@ -64,9 +71,10 @@ def train(
 
     imported_for_good()     # this command's process (under torchrun, a rank): the probe's collections scan less
     cfg = None
-    overrides = {"model": model, "cluster": cluster, "global_batch": global_batch, "steps": steps, "plan": plan,
-                 "baseline": baseline, "out": out, "resume": resume or None, "data": data, "export": export}
     try:
+        overrides = {"model": model, "cluster": cluster, "global_batch": global_batch, "steps": steps, "plan": plan,
+                     "baseline": baseline, "out": out, "resume": resume or None, "data": data, "export": export,
+                     "eval_data": eval_data, "eval_every": eval_every, "lora": lora_option(lora), "report_to": report_to}
         cfg = load_config(config, {**overrides, **_set_options(set_)})
         shown = os.environ.get("RANK", "0") == "0"   # under torchrun, rank 0 reports the profiling
         shows = (lambda title, **kw: Progress(console, title, **kw)) if shown else None
@@ -82,6 +90,31 @@ def train(
         _error(console, f"{line}{_where_run_stands(cfg)}")
         raise typer.Exit(1) from None
     _say_trained(console, cfg, result)
+
+
+def lora_option(text: str | None) -> dict | None:
+    """``--lora r=16,alpha=32,targets=q_proj,v_proj``: fields by name, a name with no ``=`` continuing the list
+    before it; ``on`` for the defaults."""
+    import yaml
+
+    if text is None:
+        return None
+    if text.strip().lower() in ("on", "true", "yes", "default"):
+        return {}
+    fields: dict = {}
+    key = None
+    for part in (p.strip() for p in text.split(",")):
+        name, sep, value = part.partition("=")
+        if sep:
+            key = name.strip()
+            fields[key] = value.strip() if key == "targets" else yaml.safe_load(value)
+        elif key == "targets" and part:
+            fields[key] = [*([fields[key]] if isinstance(fields[key], str) else fields[key]), part]
+        else:
+            raise ValueError(f"--lora {text!r}: write field=value pairs, e.g. r=16,alpha=32,targets=q_proj,v_proj")
+    if isinstance(fields.get("targets"), str) and fields["targets"] != "all-linear":
+        fields["targets"] = [fields["targets"]]
+    return fields
 
 
 def _set_precision(items: list[str]) -> str | None:

@@ -53,6 +53,33 @@ class ReplanConfig(BaseModel):
         return {"mode": data} if isinstance(data, str) else data
 
 
+REPORTERS = ("tensorboard", "wandb")   # report_to's names, as the HF Trainer's
+
+
+class LoraSettings(BaseModel):
+    """LoRA adapters (PEFT's) trained beside the model's frozen weights (:mod:`poplar.models.lora`).
+
+    On the command line: ``--lora r=16,alpha=32,targets=q_proj,v_proj`` (or ``--lora on`` for these defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(16, gt=0, description="the adapters' rank")
+    alpha: float = Field(32.0, gt=0, description="their updates are scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    targets: list[str] | str | None = Field(None, description="module names (or name endings) that get adapters, "
+                                            "'all-linear', or none: PEFT's default for the model's family")
+    merge: bool = Field(False, description="--export also writes the merged model (adapters folded into the "
+                        "weights) beside the adapter")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _on(cls, data: Any) -> Any:
+        """``lora: true`` / ``--lora on`` for the defaults."""
+        if data is True or (isinstance(data, str) and data.strip().lower() in ("on", "true", "yes", "default")):
+            return {}
+        return data
+
+
 @dataclass(frozen=True)
 class LrSchedule:
     """The learning rate of each step: linear warm-up, then cosine decay to a tenth over the run."""
@@ -158,6 +185,18 @@ class TrainConfig(BaseModel):
     log_every: int = Field(1, gt=0)
     replan: ReplanConfig = Field(default_factory=ReplanConfig, description="re-planning while training from the "
                                  "steps measured: mode auto|off, threshold, patience, every (e.g. --set replan=off)")
+    eval_data: str | float | None = Field(None, description="held-out data: a file or table as `data` takes it "
+                                          "(the same fields), or a fraction of the training samples held out "
+                                          "(0.05)")
+    eval_every: int = Field(0, ge=0, description="steps between evaluations of eval_data (0: at the end only)")
+    lora: LoraSettings | None = Field(None, description="train LoRA adapters instead of every weight: r, alpha, "
+                                      "dropout, targets, merge (needs the lora extra: pip install "
+                                      "'poplar-zero[lora]')")
+    chat_template: str | None = Field(None, description="a Jinja chat template (a file or the template itself) "
+                                      "for conversational data, where the model's tokenizer has none")
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description="also log to "
+                                                             "tensorboard and/or wandb (HF's names; none: "
+                                                             "log.jsonl only)")
     profile_cache: bool = True
     peak_tflops: float | None = Field(None, gt=0, description="each GPU's peak dense TFLOP/s in the compute dtype, "
                                       "for model FLOPs utilisation where poplar does not know the GPU")
@@ -185,6 +224,17 @@ class TrainConfig(BaseModel):
             data["auto_precision"] = True
         data["engine"] = {**ENGINE_DEFAULTS, **engine, **flat}
         return data
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _reporters(cls, v):
+        """``none``, one name, or several (``tensorboard,wandb``), as the HF Trainer's ``report_to``."""
+        if v is None:
+            return []
+        names = [x.strip().lower() for x in v.split(",")] if isinstance(v, str) else v
+        if names in (["none"], [""]):
+            return []
+        return list(REPORTERS) if names == ["all"] else names
 
     @field_validator("cluster", mode="before")
     @classmethod
