@@ -67,6 +67,9 @@ def _setup(tmp: Path, earlier_run: Path) -> None:
     _your_model(tmp)
     shutil.copytree(earlier_run, tmp / "earlier")
     shutil.copytree(earlier_run, tmp / "corrupted")
+    shutil.copytree(earlier_run, tmp / "finished")     # its own options in config.yaml: --resume reads them
+    (tmp / "finished" / "config.yaml").write_text(f"cluster: {CLUSTER3}\nsteps: 2\nseq_len: 32\nvocab_size: 512\n"
+                                                  "global_batch: 12\n")
     for shard in (tmp / "corrupted" / "checkpoints").glob("step-*/*.distcp"):
         shard.write_bytes(shard.read_bytes()[:10])
 
@@ -219,10 +222,13 @@ CASES = [
     ("a run directory holding a run, without --resume", _train("--out", "{tmp}/earlier"), "already holds a run", 2),
     ("--resume with no run there", _train("--resume", "--out", "{tmp}/empty-dir"), "holds no run to continue", 2),
     ("--out that is a file", _train("--out", "{tmp}/a-file"), "is a file", 2),
-    ("--resume from a checkpoint of another model", _train("--model", "bert-tiny", "--resume", "--out",
-                                                           "{tmp}/earlier"), "resume with the same workload", 2),
-    ("--resume where every checkpoint is corrupted", _train("--resume", "--out", "{tmp}/corrupted"),
+    ("--resume from a checkpoint of another model", _train("--model", "bert-tiny", "--resume", "--steps", "4",
+                                                           "--out", "{tmp}/earlier"), "resume with the same workload", 2),
+    ("--resume where every checkpoint is corrupted", _train("--resume", "--steps", "4", "--out", "{tmp}/corrupted"),
      "no intact checkpoint", 2),
+    ("--resume of a run that has trained its steps (read from its config.yaml)", ["train", "--resume", "--out",
+                                                                                  "{tmp}/finished"],
+     "has trained 2 steps already, and steps is 2: give --steps more than 2", 2),
     # contradicting command lines
     ("--nproc against the cluster file", _train("--nproc", "2", "--out", "{tmp}/r"), "describes 3 devices", 2),
     ("a model directory with no config", _yours("no-config"), "has no config.json", 2),

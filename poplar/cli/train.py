@@ -13,6 +13,8 @@ from poplar.cli.output import Progress, say
 from poplar.cli.output import console as _console
 from poplar.lazy import imported_for_good
 
+TRAIN_OUT_DEFAULT = "runs/poplar"   # TrainConfig.out's default (read here before the config is imported)
+
 
 def _where_run_stands(cfg) -> str:
     from poplar.train.checkpoint import latest_checkpoint
@@ -75,7 +77,7 @@ def train(
         overrides = {"model": model, "cluster": cluster, "global_batch": global_batch, "steps": steps, "plan": plan,
                      "baseline": baseline, "out": out, "resume": resume or None, "data": data, "export": export,
                      "eval_data": eval_data, "eval_every": eval_every, "lora": lora_option(lora), "report_to": report_to}
-        cfg = load_config(config, {**overrides, **_set_options(set_)})
+        cfg = load_config(_run_config(config, resume, out), {**overrides, **_set_options(set_)})
         shown = os.environ.get("RANK", "0") == "0"   # under torchrun, rank 0 reports the profiling
         shows = (lambda title, **kw: Progress(console, title, **kw)) if shown else None
         result = run_training(cfg, nproc=nproc, progress=shows)
@@ -90,6 +92,15 @@ def train(
         _error(console, f"{line}{_where_run_stands(cfg)}")
         raise typer.Exit(1) from None
     _say_trained(console, cfg, result)
+
+
+def _run_config(config: Path | None, resume: bool, out: str | None) -> Path | None:
+    """The config a run starts from: ``--config``, or, resuming with none, the run's own (its ``config.yaml``), so
+    that the options not given again are the run's, not the defaults."""
+    if config is not None or not resume:
+        return config
+    own = Path(out or TRAIN_OUT_DEFAULT) / "config.yaml"
+    return own if own.is_file() else None
 
 
 def lora_option(text: str | None) -> dict | None:

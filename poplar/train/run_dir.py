@@ -18,8 +18,9 @@ import poplar
 from poplar.train.config import TrainConfig
 
 
-def check_out(out: str, resume: bool, restarted: bool = False) -> Path:
-    """Refuse to clobber an earlier run in ``out``, or to ``resume`` one that is not there."""
+def check_out(out: str, resume: bool, restarted: bool = False, steps: int | None = None) -> Path:
+    """Refuse to clobber an earlier run in ``out``, or to ``resume`` one that is not there or that has trained its
+    ``steps`` already."""
     out_dir = Path(out)
     held = out_dir.exists() and ((out_dir / "log.jsonl").exists() or (out_dir / "checkpoints").exists())
     if out_dir.exists() and not out_dir.is_dir():
@@ -30,7 +31,19 @@ def check_out(out: str, resume: bool, restarted: bool = False) -> Path:
     if resume and not held and not restarted:
         raise ValueError(f"--resume: {out_dir} holds no run to continue (no log, no checkpoints): check --out, "
                          "or leave --resume out to start one")
+    if resume and steps is not None and not restarted:
+        _more_to_train(out_dir, steps)
     return out_dir
+
+
+def _more_to_train(out_dir: Path, steps: int) -> None:
+    from poplar.train.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(out_dir / "checkpoints")
+    done = int(last.name.split("-")[1]) if last is not None else 0
+    if done >= steps:
+        raise ValueError(f"--resume: the run in {out_dir} has trained {done} steps already, and steps is {steps}: "
+                         f"give --steps more than {done} to train on")
 
 
 def cluster_record(cluster, world_size: int) -> dict:
