@@ -4,8 +4,11 @@ The call takes DeepSpeed's arguments and returns what ``deepspeed.initialize`` r
 ``(engine, optimizer, training_dataloader, lr_scheduler)``, so switching is a change of
 import. The config is read by :mod:`~poplar.integrations.ds_config`; the plan comes from
 ``plan=`` (or the config's ``poplar.plan``, or ``POPLAR_PLAN``), or is profiled and
-planned on ``cluster=`` for ``workload=`` (or ``poplar.cluster``/``poplar.workload``,
-``POPLAR_CLUSTER``/``POPLAR_WORKLOAD``). The engine answers DeepSpeed's calls:
+planned on ``cluster=`` (the model given, or ``workload=``; or ``poplar.cluster``/``poplar.workload``,
+``POPLAR_CLUSTER``/``POPLAR_WORKLOAD``). With neither, the config is taken as DeepSpeed takes
+it: ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and ``gradient_accumulation_steps``
+give every rank the same micro-batch and accumulation count, with DeepSpeed's consistency
+rules (:mod:`~poplar.integrations.batch_settings`). The engine answers DeepSpeed's calls:
 
     for batch in loader:               # this rank's micro-batches, its plan's sizes
         loss = engine(batch)           # the forward
@@ -26,6 +29,7 @@ import torch
 
 from poplar.engine.batch import batch_size
 from poplar.engine.config import EngineConfig
+from poplar.integrations.batch_settings import launched_rank, launched_world_size
 from poplar.integrations.data import plan_loader
 from poplar.integrations.ds_config import build_optimizer, read_ds_config
 from poplar.integrations.runtime import Runtime, from_environment, resolve_planning
@@ -42,7 +46,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     ``lr_scheduler``: a scheduler built on ``optimizer``, or a callable of the optimizer.
     Without a plan or a ``workload``, a ``cluster`` plans the model given, profiled on
     samples of ``training_data`` (collated by ``collate_fn``) with ``loss(model, batch)``
-    (default: the model's own output, a scalar or one with ``.loss``).
+    (default: the model's own output, a scalar or one with ``.loss``). Without a plan or a
+    cluster, every rank trains the even split of the config's batch fields, as DeepSpeed does.
     """
     from poplar.engine.dist import init_distributed
 
@@ -57,9 +62,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     extra = sorted(set(unused) - set(_UNUSED_ARGS))
     if extra:
         raise TypeError(f"poplar.initialize got unexpected argument {extra[0]!r}")
-    ctx = init_distributed()
-    settings = read_ds_config(config, ctx.world_size)
-    if ctx.rank == 0 and settings.ignored_line():
+    world = launched_world_size()
+    settings = read_ds_config(config, world)     # a config refused costs nothing: no process group yet
+    if launched_rank() == 0 and settings.ignored_line():
         print(settings.ignored_line(), flush=True)
     engine_config = EngineConfig(clip_grad_norm=settings.clip_grad_norm, mixed_precision=settings.precision,
                                  loss_scale=settings.loss_scale)
@@ -69,8 +74,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                                   workload or poplar.get("workload"), settings.global_batch)
     if plan is None and cluster is not None and workload is None:   # the model given, profiled on its data
         workload = _module_source(model, loss, training_data, collate_fn)
-    plan, basis = _plan(ctx.world_size, settings, engine_config, plan, cluster, workload, model)
     opt = _optimizer(optimizer, settings)
+    if plan is None and cluster is not None:
+        init_distributed()     # the ranks profile together; a plan given or the even split needs no group yet
+    plan, basis = _plan(world, settings, engine_config, plan, cluster, workload, model)
     runtime = Runtime(model, opt, plan, engine_config, cluster=cluster, basis=basis, replan=poplar.get("replan"))
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(runtime.engine.optimizer)
@@ -98,7 +105,8 @@ def _module_source(model, loss, training_data, collate_fn):
 def _plan(world_size: int, settings, config: EngineConfig, plan, cluster, workload, model=None):
     stages = (settings.stage,) if settings.stage is not None else tuple(settings.poplar.get("stages", (0, 1, 2, 3)))
     plan, basis = resolve_planning(world_size, plan, cluster=cluster, workload=workload,
-                                   global_batch=settings.global_batch, stages=stages, config=config, model=model)
+                                   global_batch=settings.global_batch, stages=stages, config=config, model=model,
+                                   batch=settings.batch)
     if settings.stage is not None and plan.zero_stage != settings.stage:
         raise ValueError(f"the plan is for ZeRO stage {plan.zero_stage}, the config's zero_optimization.stage is "
                          f"{settings.stage}: make them agree")

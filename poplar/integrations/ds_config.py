@@ -7,9 +7,11 @@ DeepSpeed derives it), ``zero_optimization.stage``, ``gradient_clipping``,
 ``loss_scale`` 0 dynamic, else the static scale; ``initial_scale_power``,
 ``loss_scale_window``, ``hysteresis``, ``consecutive_hysteresis``, ``min_loss_scale``;
 the scale grows after ``loss_scale_window`` good steps in a row, where DeepSpeed's first
-growth waits one more), ``optimizer`` (Adam, AdamW, SGD and their ``params``). Poplar plans
-every rank's micro-batches and accumulation itself, so the per-GPU micro-batch and
-accumulation count only give the global batch. Fields that tune DeepSpeed's own
+growth waits one more), ``optimizer`` (Adam, AdamW, SGD and their ``params``). With a plan or
+a cluster, Poplar plans every rank's micro-batches and accumulation itself, so the per-GPU
+micro-batch and accumulation count only give the global batch; with neither, the three
+batch fields give the even split DeepSpeed would use, with its consistency rules
+(:class:`~poplar.integrations.batch_settings.BatchSettings`). Fields that tune DeepSpeed's own
 machinery (buckets, overlap, logging) have no meaning here: they are named in one line
 and ignored. Fields whose meaning Poplar cannot honour (apex's ``amp``, offload,
 DeepSpeed's schedulers) are refused in one line that says what to change. A ``poplar``
@@ -27,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from poplar.integrations.batch_settings import DEEPSPEED, BatchSettings
 
 _USED = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
          "zero_optimization", "bf16", "fp16", "amp", "optimizer", "scheduler", "poplar"}
@@ -46,6 +50,7 @@ class DsSettings:
     poplar: dict = field(default_factory=dict)
     loss_scale: dict = field(default_factory=dict)   # fp16's LossScaleConfig fields
     ignored: list[str] = field(default_factory=list)
+    batch: BatchSettings | None = None     # the three batch fields as given: the even split with no plan or cluster
 
     def ignored_line(self) -> str | None:
         """The one line naming what is ignored (None: nothing is)."""
@@ -90,9 +95,10 @@ def read_ds_config(config: str | Path | dict, world_size: int) -> DsSettings:
     if "scheduler" in data:
         raise ValueError("config: Poplar does not build DeepSpeed's schedulers: remove `scheduler` and pass a torch "
                          "scheduler built on your optimizer (lr_scheduler=...)")
-    return DsSettings(global_batch=_global_batch(data, world_size), stage=stage, clip_grad_norm=_clip(data),
+    batch = _batch_settings(data)
+    return DsSettings(global_batch=_global_batch(batch, world_size), stage=stage, clip_grad_norm=_clip(data),
                       precision=_precision(data), optimizer=_optimizer(data), poplar=poplar, ignored=ignored,
-                      loss_scale=_loss_scale(_section(data, "fp16")))
+                      loss_scale=_loss_scale(_section(data, "fp16")), batch=batch)
 
 
 def _section(data: dict, name: str) -> dict:
@@ -122,21 +128,19 @@ def _offload(key: str, value: Any) -> bool:
     return True
 
 
-def _global_batch(data: dict, world_size: int) -> int:
-    batch, micro = data.get("train_batch_size"), data.get("train_micro_batch_size_per_gpu")
-    accum = data.get("gradient_accumulation_steps")
-    for name, v in (("train_batch_size", batch), ("train_micro_batch_size_per_gpu", micro),
-                    ("gradient_accumulation_steps", accum)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"config: {name} = {v!r} must be a positive integer")
-    derived = micro * (accum or 1) * world_size if micro is not None else None
-    if batch is not None and derived is not None and accum is not None and batch != derived:
-        raise ValueError(f"config: train_batch_size {batch} != train_micro_batch_size_per_gpu {micro} x "
-                         f"gradient_accumulation_steps {accum} x {world_size} ranks; give train_batch_size alone "
-                         "(Poplar splits it per rank)")
-    if batch is None and derived is None:
-        raise ValueError("config: give train_batch_size (the global batch Poplar splits across the ranks)")
-    return batch if batch is not None else derived
+def _batch_settings(data: dict) -> BatchSettings:
+    try:
+        return BatchSettings(data.get("train_batch_size"), data.get("train_micro_batch_size_per_gpu"),
+                             data.get("gradient_accumulation_steps"), DEEPSPEED)
+    except ValueError as e:
+        raise ValueError(f"config: {e}") from None
+
+
+def _global_batch(batch: BatchSettings, world_size: int) -> int:
+    try:
+        return batch.global_batch_size(world_size)
+    except ValueError as e:
+        raise ValueError(f"config: {e}") from None
 
 
 def _clip(data: dict) -> float | None:

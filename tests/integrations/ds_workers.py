@@ -85,3 +85,34 @@ def _cache_files() -> dict:
 
     root = Path(os.environ.get("POPLAR_CACHE_DIR", "/nonexistent"))
     return {str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
+
+
+def config_alone(rank, world_size, cases, n_steps, refused=()):
+    """DeepSpeed's call with a config and nothing else (no plan, no cluster, no optimizer: the config's), as
+    DeepSpeed's users write it, for each ``(config, global batch)`` in turn; before them, each config of
+    ``refused``: its one-line refusal (None if it was taken) and the seconds it took."""
+    import time
+
+    from tests.integrations import printed
+
+    out = {"refused": [], "runs": []}
+    for config in refused:
+        start, model = time.monotonic(), make_model()
+        try:
+            poplar.initialize(model=model, model_parameters=model.parameters(), training_data=dataset(n_steps, 6),
+                              config=config)
+            out["refused"].append((None, time.monotonic() - start))
+        except ValueError as e:
+            out["refused"].append((str(e), time.monotonic() - start))
+    for config, global_batch in cases:
+        model = make_model()
+        with printed(rank) as shown:
+            engine, _, loader, _ = poplar.initialize(model=model, model_parameters=model.parameters(),
+                                                     training_data=dataset(n_steps, global_batch), config=config)
+        run(engine, iter(loader))
+        split = (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps())
+        state = engine.runtime.engine.full_state_dict()
+        out["runs"].append({"state": state if rank == 0 else None, "steps": engine.global_steps, "split": split,
+                            "plan": engine.runtime.plan.to_dict(), "printed": shown.getvalue()})
+        engine.close()
+    return out

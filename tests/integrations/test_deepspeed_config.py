@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,8 @@ PLANS = {   # 3 ranks, each stage uneven (stages 2-3: the same number of micro-b
 @pytest.fixture(autouse=True)
 def fast_pace(monkeypatch):
     monkeypatch.setenv("POPLAR_DILATION", "3")     # the emulated devices' pace: the numbers do not depend on it
+    for name in ("POPLAR_PLAN", "POPLAR_CLUSTER", "POPLAR_WORKLOAD", "POPLAR_GLOBAL_BATCH"):
+        monkeypatch.delenv(name, raising=False)
 
 
 def config(stage: int, batch: int, **more) -> dict:
@@ -216,3 +221,137 @@ def test_every_rank_takes_its_slice_of_the_same_global_batches_whatever_the_plan
         if plan is three:
             first = joined
     assert joined == first and sorted(sum(first, [])) == list(range(27))
+
+
+# -- a config and nothing else: DeepSpeed's even split ---------------------------------------------
+OPTIMIZER_SECTION = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}   # tests.models.OPTIMIZER's
+FIELDS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def split_config(world: int, micro: int, accum: int, stage: int, given: tuple[str, ...]) -> tuple[dict, int]:
+    """A config giving ``given`` of the three batch fields of ``micro`` x ``accum`` x ``world``; its global batch."""
+    values = dict(zip(FIELDS, (micro * accum * world, micro, accum)))
+    return ({**{k: values[k] for k in given}, "zero_optimization": {"stage": stage},
+             "optimizer": OPTIMIZER_SECTION}, micro * accum * world)
+
+
+def even_cases(world: int, fixed, n_sampled: int, seed: int = 63) -> list[tuple[dict, int, tuple]]:
+    """``fixed`` (micro, accum, stage, given) cases, then ``n_sampled`` drawn from ``seed``: (config, global batch,
+    the split DeepSpeed makes of it)."""
+    rng = random.Random(seed + world)
+    choices = [FIELDS, FIELDS[:2], FIELDS[::2], FIELDS[1:], FIELDS[:1], FIELDS[1:2]]
+    drawn = [(rng.randint(1, 3), rng.randint(1, 3), rng.randint(0, 3), rng.choice(choices)) for _ in range(n_sampled)]
+    cases = []
+    for micro, accum, stage, given in [*fixed, *drawn]:
+        accum = accum if FIELDS[2] in given or set(FIELDS[:2]) <= set(given) else 1   # else DeepSpeed's 1
+        config, batch = split_config(world, micro, accum, stage, given)
+        cases.append((config, batch, (batch, micro, accum)))
+    return cases
+
+
+def deepspeed_split(config: dict, world: int, monkeypatch):
+    """What DeepSpeed itself makes of ``config``'s batch fields on ``world`` ranks: (train_batch_size, micro,
+    accumulation), or None where it refuses them (its own DeepSpeedConfig, its process group's size given)."""
+    deepspeed = pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda *a, **k: 0)
+    monkeypatch.setattr(deepspeed.comm, "get_world_size", lambda *a, **k: world)
+    try:
+        c = DeepSpeedConfig({k: v for k, v in config.items() if k in FIELDS})
+    except AssertionError:
+        return None
+    return c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps
+
+
+def poplar_split(config: dict, world: int):
+    """Poplar's even split of ``config`` on ``world`` ranks, as DeepSpeed's triple (None: refused, in one line)."""
+    try:
+        micro, accum = read_ds_config(config, world).batch.even_split(world)
+    except ValueError as e:
+        assert "\n" not in str(e), e
+        return None
+    return micro * accum * world, micro, accum
+
+
+def test_the_even_split_is_deepspeeds_own_on_every_combination_of_the_three_fields(monkeypatch):
+    """Every combination of the three batch fields (each left out or 1-12, 1-4, 1-3) on 1-4 ranks: Poplar takes
+    exactly the configs DeepSpeed 0.19's DeepSpeedConfig takes, with its split, and refuses the rest."""
+    seen = {True: 0, False: 0}
+    for world, batch, micro, accum in itertools.product(range(1, 5), [None, *range(1, 13)], [None, *range(1, 5)],
+                                                       [None, 1, 2, 3]):
+        config = {k: v for k, v in zip(FIELDS, (batch, micro, accum)) if v is not None}
+        want = deepspeed_split(config, world, monkeypatch)
+        assert poplar_split(config, world) == want, (config, world)
+        seen[want is not None] += 1
+    assert seen[True] > 100 and seen[False] > 100, seen
+
+
+def test_the_batch_settings_examples_run():
+    import doctest
+
+    import poplar.integrations.batch_settings
+
+    failed, tried = doctest.testmod(poplar.integrations.batch_settings)
+    assert tried > 0 and failed == 0
+
+
+@pytest.mark.parametrize("world, fields, words", [
+    (1, {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4},
+     "config: train_batch_size 12 != train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 4 x 1 ranks "
+     "(DeepSpeed refuses it too): give train_batch_size 8, or leave one of the three out to have it derived"),
+    (3, {"train_batch_size": 10}, "train_batch_size 10 is not a multiple of the 3 ranks (DeepSpeed gives every rank "
+     "the same micro-batch): give train_batch_size 9 or 12, or a cluster (or a plan) to have Poplar split it "
+     "unevenly"),
+    (2, {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3},
+     "train_batch_size 10 is not a multiple of train_micro_batch_size_per_gpu 3 x the 2 ranks = 6"),
+    (2, {"train_batch_size": 12, "gradient_accumulation_steps": 5},
+     "train_batch_size 12 is not a multiple of gradient_accumulation_steps 5 x the 2 ranks = 10 (DeepSpeed gives every "
+     "rank the same micro-batch): give train_batch_size 10 or 20"),
+    (1, {"gradient_accumulation_steps": 2}, "config: give train_batch_size (the samples of every optimizer step) or "
+     "train_micro_batch_size_per_gpu (each rank's micro-batch)"),
+], ids=["inconsistent", "indivisible", "micro-indivisible", "accumulation-indivisible", "neither"])
+def test_a_config_alone_deepspeed_refuses_is_refused_in_one_line_before_any_process_group(world, fields, words,
+                                                                                         monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))   # as torchrun launches it; no process group yet
+    monkeypatch.setenv("RANK", "0")
+    model, start = make_model(), time.monotonic()
+    with pytest.raises(ValueError) as e:
+        poplar.initialize(model=model, model_parameters=model.parameters(), training_data=ds_workers.dataset(1, 4),
+                          config={**fields, "optimizer": OPTIMIZER_SECTION})
+    assert words in str(e.value) and "\n" not in str(e.value) and time.monotonic() - start < 10
+    assert not dist.is_initialized()
+
+
+ONE_RANK = [(2, 3, 0, FIELDS[:2]), (3, 2, 3, FIELDS[::2])]      # (micro, accum, stage, fields given)
+TWO_RANKS = [(2, 2, 0, FIELDS), (3, 2, 3, FIELDS[1:])]
+REFUSED_ON_TWO = [{"train_batch_size": 5}, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 3},
+                  {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, fixed", [(1, ONE_RANK), (2, TWO_RANKS)], ids=["one-rank", "two-ranks"])
+def test_a_config_alone_trains_as_deepspeed_splits_it_exactly_as_one_device(world, fixed, monkeypatch):
+    """``poplar.initialize(model=, model_parameters=, training_data=, config=)`` and nothing else, DeepSpeed's loop:
+    stages 0 and 3 and a seeded sample of (micro, accumulation, stage, fields given) on 1 and 2 gloo ranks; each
+    trains DeepSpeed's split (the engine says so, and it is DeepSpeedConfig's), equal to one device to 1e-5; rank
+    0 says the split and that a cluster plans it, once. On 2 ranks, configs DeepSpeed refuses are refused in one
+    line, in well under 10 s."""
+    cases = even_cases(world, fixed, n_sampled=3)
+    got = spawn(ds_workers.config_alone, world, [(c, b) for c, b, _ in cases], N_STEPS,
+                REFUSED_ON_TWO if world == 2 else (), timeout_s=240)
+    for (config, batch, split), first, last in zip(cases, got[0]["runs"], got[-1]["runs"]):
+        assert first["split"] == last["split"] == split == deepspeed_split(config, world, monkeypatch), config
+        assert first["steps"] == N_STEPS and poplar.Plan.from_dict(first["plan"]).zero_stage == \
+            config["zero_optimization"]["stage"]
+        assert_same(first["state"], reference(batch), 1e-5)
+        said = [line for line in first["printed"].splitlines() if "no plan and no cluster" in line]
+        assert len(said) == 1 and f"{split[1]} samples x {split[2]} accumulation" in said[0], first["printed"]
+        assert "give a cluster" in said[0] and "mixed GPUs" in said[0]
+        assert last["printed"] == "" or world == 1
+    for rank in got:
+        for (message, seconds), config in zip(rank["refused"], REFUSED_ON_TWO):
+            assert message is not None and "\n" not in message and seconds < 10, (config, message)
+            assert deepspeed_split(config, 2, monkeypatch) is None
