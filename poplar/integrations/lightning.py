@@ -18,10 +18,11 @@ What changes, and why:
   reduction, clipping and the optimizer step happen inside (Lightning's own ``backward``,
   ``on_before/after_backward``, ``on_before_optimizer_step`` and ``configure_gradient_clipping``
   do not run). The step's loss Lightning logs as ``loss`` is the global batch's mean.
-- The train ``DataLoader``'s dataset, ``collate_fn`` and workers are kept, its ``batch_size``,
-  ``shuffle`` and sampler are not: the plan's global batch and ``PoplarStrategy(shuffle=,
-  seed=)`` decide, so the global batches are the same on any world size and plan.
-- ``accumulate_grad_batches`` must be 1 (the plan accumulates); ``gradient_clip_val`` clips the
+- The train ``DataLoader``'s dataset, ``collate_fn`` and workers are kept, its ``shuffle`` and
+  sampler are not (``PoplarStrategy(shuffle=, seed=)`` decide: the same global batches on any
+  world size and plan). With no plan and no cluster its ``batch_size`` and
+  ``accumulate_grad_batches`` are every rank's (the even split, as DDP's); else the plan decides.
+- ``gradient_clip_val`` clips the
   global gradient norm inside the engine (``gradient_clip_algorithm='value'`` is refused);
   precision is ``'32-true'``, ``'bf16-mixed'`` or ``'16-mixed'`` (bf16 or fp16 compute, fp32 master weights;
   fp16 with the engine's dynamic loss scale, ``EngineConfig.loss_scale``).
@@ -35,8 +36,8 @@ What changes, and why:
 
 Launching: under ``torchrun`` (or any launcher that sets ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``, or
 an initialised process group) the strategy joins that group; a plain ``python train.py``
-starts one process per rank of the cluster file (or of the plan) with Lightning's script
-launcher, as DDP does (one node; several nodes: torchrun).
+starts one process per rank of the cluster file (or of the plan, or of the Trainer's ``devices``)
+with Lightning's script launcher, as DDP does (one node; several nodes: torchrun).
 
 ``Trainer(strategy="poplar")`` (after importing this module) takes everything from the
 environment: ``POPLAR_PLAN`` (a ``plan.json``) and ``POPLAR_CLUSTER`` (a cluster file or
@@ -68,17 +69,16 @@ except ImportError:   # pragma: no cover - only without Lightning
 from poplar.engine.config import EngineConfig
 from poplar.engine.dist import choose_backend, init_distributed, shutdown
 from poplar.integrations import lightning_checkpoint as checkpoints
-from poplar.integrations.lightning_data import module_source, plan_train_loader
-from poplar.integrations.lightning_options import engine_config, loss_of, take_weights
+from poplar.integrations.lightning_data import even_settings, module_source, plan_train_loader
+from poplar.integrations.lightning_options import engine_config, loss_of, take_accumulation, take_weights
 from poplar.integrations.runtime import (Runtime, cluster_spec, from_environment, load_plan, optimizer_factory,
                                          replan_config, resolve_plan, resolve_planning)
 from poplar.plan import Plan
 
 __all__ = ["PoplarStrategy"]
 
-_NEEDS_A_PLAN = ("PoplarStrategy needs a plan: give plan= (a poplar.Plan or a plan.json from `poplar plan`), or "
-                 "cluster= to plan one for your module and data (Trainer(strategy='poplar') reads them from "
-                 "POPLAR_PLAN, or POPLAR_CLUSTER)")
+_WORKLOAD_ALONE = ("PoplarStrategy(workload=...) names what to profile on a cluster: give cluster= too (or "
+                   "POPLAR_CLUSTER), or leave the workload out to train the loader's batch_size evenly, as DDP does")
 
 
 class PoplarStrategy(ParallelStrategy):
@@ -94,7 +94,9 @@ class PoplarStrategy(ParallelStrategy):
     engine's :class:`~poplar.engine.config.EngineConfig` (or its dict). ``shuffle``, ``seed``: the
     order of the samples, drawn afresh each epoch from ``seed + epoch``. ``replan``: a plan
     planned here is planned again while training as the steps measure (``"auto"``, ``"off"``
-    or a dict of :class:`~poplar.train.config.ReplanConfig`'s fields; docs/train.md).
+    or a dict of :class:`~poplar.train.config.ReplanConfig`'s fields; docs/train.md). With no plan
+    and no cluster, the loader's ``batch_size`` and ``accumulate_grad_batches`` on every rank (DDP's
+    split), in the lowest of ``stages``, on the Trainer's ``devices``.
     """
 
     strategy_name = "poplar"
@@ -106,8 +108,8 @@ class PoplarStrategy(ParallelStrategy):
         self._replan, self._basis = replan_config(replan), None
         plan, cluster, workload, global_batch = from_environment(plan, cluster, workload, global_batch)
         self._plan = load_plan(plan) if plan is not None else None
-        if self._plan is None and cluster is None:
-            raise ValueError(_NEEDS_A_PLAN)
+        if self._plan is None and cluster is None and workload is not None:
+            raise ValueError(_WORKLOAD_ALONE)
         self._cluster, self._cluster_named = cluster_spec(cluster), cluster   # named: as planning's lines say it
         if self._plan is not None and self._cluster is not None and self._cluster.world_size != self._plan.world_size:
             raise ValueError(f"the plan is for {self._plan.world_size} ranks but the cluster has "
@@ -116,20 +118,23 @@ class PoplarStrategy(ParallelStrategy):
         if self._plan is not None:   # the global batch too, before anything starts
             resolve_plan(self._plan.world_size, self._plan, global_batch=global_batch)
         self._workload, self._global_batch, self._stages = workload, global_batch, tuple(stages)
+        self._profiled = workload if self._plan is None else None   # planned from it: its step paces the ranks
         self._config = EngineConfig(**config) if isinstance(config, dict) else (config or EngineConfig())
         self.seed, self.shuffle = seed, shuffle
         self.runtime: Runtime | None = None   # this rank's process group, device and engine (kept after fit)
         self._live = False                     # the runtime trains (set up and not yet closed)
         self._trained = False                  # training ended normally: every rank gathers the weights
         self._sampler = None
+        self._accumulation = None              # (trainer, its accumulate_grad_batches) the even split took
         self._rank, self._world = 0, self._launch_size()
 
     # ------------------------------------------------------------------ ranks and launching
     def _launch_size(self) -> int:
-        """How many ranks a plain ``python train.py`` starts: the cluster's devices, else the plan's ranks."""
+        """How many ranks a plain ``python train.py`` starts: the cluster's devices, else the plan's ranks, else
+        the Trainer's ``devices`` (as DDP)."""
         if self._cluster is not None:
             return self._cluster.world_size
-        return self._plan.world_size if self._plan is not None else 1
+        return self._plan.world_size if self._plan is not None else len(self.parallel_devices or ()) or 1
 
     @property
     def plan(self) -> Plan | None:
@@ -200,6 +205,11 @@ class PoplarStrategy(ParallelStrategy):
             self._check_trainer(trainer)   # before any process group: a mistake costs nothing
 
     def _check_trainer(self, trainer) -> None:
+        if self._plan is None and self._cluster is None:   # the even split takes Lightning's accumulation
+            self._accumulation = take_accumulation(trainer, self._accumulation)
+            settings = even_settings(trainer, self._global_batch, self._accumulation[1], before_setup=True)
+            if settings is not None:   # the loader given to fit: its split refused now, before any process group
+                settings.even_split(self._world)
         self._config = engine_config(trainer, self.lightning_module, self.precision_plugin, self._config)
 
     def setup(self, trainer) -> None:
@@ -216,10 +226,13 @@ class PoplarStrategy(ParallelStrategy):
             raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers: PoplarStrategy "
                              "steps one; return one optimizer")
         optimizer_factory(self.optimizers[0])   # its one-line refusals, before the engine is built
-        if self._plan is None:
+        if self._plan is None and self._cluster is None:   # the even split, as DDP's
+            settings = even_settings(trainer, self._global_batch, self._accumulation[1])
+            self._plan = resolve_planning(self._world, None, stages=self._stages, batch=settings)[0]
+        elif self._plan is None:
             self._plan, self._basis = self._plan_module(trainer, module)
         self.runtime = Runtime(module, self.optimizers[0], self._plan, self._config, cluster=self._cluster,
-                               basis=self._basis, replan=self._replan,
+                               basis=self._basis, replan=self._replan, workload=self._profiled,
                                scratch=os.path.join(trainer.default_root_dir, "poplar-restage"))
         self._live, self._trained = True, False
         self.model = module
@@ -229,6 +242,7 @@ class PoplarStrategy(ParallelStrategy):
         """A cluster and no workload: the module itself profiled on its training data (every rank), and planned;
         the global batch, where not given, is the loader's ``batch_size`` on every rank (as DDP's)."""
         source, batch_size = module_source(trainer, module, loss_of)
+        self._profiled = source
         global_batch = self._global_batch or (batch_size or 1) * self._world
         return resolve_planning(self._world, None, cluster=self._cluster_named, workload=source,
                                 global_batch=global_batch, stages=self._stages, config=self._config, model=module)
@@ -377,6 +391,8 @@ class PoplarStrategy(ParallelStrategy):
             if state is not None:
                 take_weights(self.lightning_module, state)
         self._sampler = None
+        if self._accumulation is not None:     # the Trainer's own setting back, as it was given
+            (trainer, trainer.accumulate_grad_batches), self._accumulation = self._accumulation, None
         super().teardown()
 
 

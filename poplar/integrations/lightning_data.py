@@ -1,16 +1,19 @@
 """The training data of :class:`~poplar.integrations.lightning.PoplarStrategy`: each rank's slice of every
-global batch, as a ``DataLoader`` Lightning can save and resume mid-epoch.
+global batch, as a ``DataLoader`` Lightning can save and resume mid-epoch; the train loader's ``batch_size``
+where it is each rank's (:func:`even_settings`: no plan and no cluster).
 
 Lightning hands the strategy the user's train ``DataLoader``; :func:`plan_train_loader` keeps its
 dataset, ``collate_fn`` and worker settings and replaces its sampling with a
-:class:`~poplar.integrations.data.PlanBatchSampler` (the user's ``batch_size``, ``shuffle`` and
-sampler are not used: the plan's global batch and the strategy's ``shuffle``/``seed`` decide).
+:class:`~poplar.integrations.data.PlanBatchSampler` (the user's ``shuffle`` and sampler are not
+used: the plan's global batch and the strategy's ``shuffle``/``seed`` decide; its ``batch_size`` is
+each rank's micro-batch only in the even split).
 """
 
 from __future__ import annotations
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from poplar.integrations.batch_settings import LIGHTNING, BatchSettings
 from poplar.integrations.data import PlanBatchSampler
 from poplar.plan import Plan
 
@@ -82,6 +85,38 @@ def plan_train_loader(dataloader, plan: Plan, rank: int, *, shuffle: bool, seed:
     return PlanDataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **options)
 
 
+def train_loader(trainer, why: str) -> DataLoader:
+    """The train ``DataLoader`` fit was given (its own, the module's or the datamodule's ``train_dataloader``), before
+    the fit loop sets it up; refused in one line unless one torch DataLoader over a map-style dataset (``why``: what
+    it is read for, and what to give instead)."""
+    # Lightning keeps where the training data come from in the fit loop's source, with no public accessor before
+    # the loop sets it up (2.6, pinned)
+    loader = trainer.fit_loop._data_source.dataloader()
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        raise TypeError(f"{why}: give one torch DataLoader over a map-style dataset (got {type(loader).__name__})")
+    return loader
+
+
+def loader_batch_size(trainer) -> int:
+    """The train loader's ``batch_size`` (or its batch sampler's): each rank's micro-batch in the even split."""
+    loader = train_loader(trainer, "with no plan and no cluster each rank takes the train loader's batch_size")
+    size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+    if not isinstance(size, int) or size < 1:
+        raise ValueError("the train DataLoader has no batch_size (a batch_sampler without one): give it batch_size=, "
+                         "or a plan or a cluster")
+    return size
+
+
+def even_settings(trainer, global_batch: int | None, accumulation: int,
+                  before_setup: bool = False) -> BatchSettings | None:
+    """The even split's settings: the train loader's ``batch_size`` on every rank, ``accumulation`` (the Trainer's
+    ``accumulate_grad_batches`` as given) and ``global_batch`` where given. ``before_setup``: None unless the loader
+    was handed to ``fit`` itself (a module's or datamodule's ``train_dataloader`` waits for their set-up)."""
+    if before_setup and trainer.fit_loop._data_source.is_module():
+        return None
+    return BatchSettings(global_batch, loader_batch_size(trainer), accumulation, LIGHTNING)
+
+
 def module_source(trainer, module, loss_of) -> tuple:
     """``(source, batch_size)``: the user's module as a :class:`~poplar.integrations.module_source.ModuleSource`
     profiled on samples of its training data, collated as its loader collates them (``loss_of`` reads the loss
@@ -95,12 +130,8 @@ def module_source(trainer, module, loss_of) -> tuple:
 
     from poplar.integrations.module_source import ModuleSource
 
-    # Lightning keeps where the training data come from (fit's loader, the module's or the datamodule's
-    # train_dataloader) in the fit loop's source, with no public accessor before the loop sets it up (2.6, pinned)
-    loader = trainer.fit_loop._data_source.dataloader()
-    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
-        raise TypeError("planning from a cluster alone profiles your module on its training data: give one torch "
-                        f"DataLoader over a map-style dataset (got {type(loader).__name__}), or workload= or a plan")
+    loader = train_loader(trainer, "planning from a cluster alone profiles your module on its training data (or "
+                          "give workload= or a plan)")
     collate = loader.collate_fn if loader.batch_sampler is not None else default_collate
     detached = copy.deepcopy(module, memo={id(trainer): None})
     source = ModuleSource(detached, lambda m, batch: loss_of(m.training_step(batch, 0)), loader.dataset, collate,

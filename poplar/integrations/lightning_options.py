@@ -2,7 +2,8 @@
 
 Poplar runs each step's micro-batches, backward, clipping and update itself, so the Trainer
 options that would do these again are refused in one line, before any process starts, and
-``gradient_clip_val`` and ``precision`` become the engine's own settings.
+``gradient_clip_val`` and ``precision`` become the engine's own settings. With no plan and no
+cluster, ``accumulate_grad_batches`` is the even split's accumulation count (:func:`take_accumulation`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ def engine_config(trainer, module, precision_plugin, config: EngineConfig) -> En
     """``config`` with the Trainer's clipping and precision in it; a one-line ValueError for what Poplar refuses."""
     if trainer.accumulate_grad_batches != 1:
         raise ValueError(f"accumulate_grad_batches={trainer.accumulate_grad_batches}: the Poplar plan decides "
-                         "each rank's accumulation; leave Trainer(accumulate_grad_batches=1)")
+                         "each rank's accumulation; leave Trainer(accumulate_grad_batches=1), or give neither a plan "
+                         "nor a cluster to split the loader's batch_size evenly with it")
     if not module.automatic_optimization:
         raise ValueError("manual optimization: PoplarStrategy runs each step's micro-batches, backward and "
                          "update itself; set automatic_optimization = True")
@@ -40,6 +42,17 @@ def engine_config(trainer, module, precision_plugin, config: EngineConfig) -> En
                              "give one of them")
         update["clip_grad_norm"] = float(clip)
     return config.model_copy(update=update)
+
+
+def take_accumulation(trainer, taken: tuple | None) -> tuple:
+    """``(trainer, accumulate_grad_batches)`` for the even split, Lightning's own then set to 1 (as its SWA
+    callback sets it): each batch Lightning hands the strategy is a rank's whole step, which the engine
+    accumulates. Taken once per trainer (``taken``: what was taken before; the strategy gives it back at the end)."""
+    if taken is not None and taken[0] is trainer:
+        return taken
+    given = trainer.accumulate_grad_batches
+    trainer.accumulate_grad_batches = 1
+    return trainer, given
 
 
 def loss_of(output) -> torch.Tensor:

@@ -64,10 +64,10 @@ def val_set() -> TensorDataset:
     return dataset(6, seed=2)
 
 
-def global_batches(n_steps: int = N_STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def global_batches(n_steps: int = N_STEPS, global_batch: int = GLOBAL_BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batches every run must train on, in order (one rank taking them whole)."""
     tokens, targets = dataset().tensors
-    sampler = PlanBatchSampler(N_SAMPLES, poplar.Plan(0, [GLOBAL_BATCH]), 0, shuffle=True, seed=SEED)
+    sampler = PlanBatchSampler(N_SAMPLES, poplar.Plan(0, [global_batch]), 0, shuffle=True, seed=SEED)
     out, epoch = [], 0
     while len(out) < n_steps:
         sampler.set_epoch(epoch)
@@ -176,4 +176,31 @@ def fit_twice_from_cluster(rank, world_size, cluster: str) -> list[dict]:
         runs.append({"state": {k: v.clone() for k, v in lit.state_dict().items()} if rank == 0 else None,
                      "losses": record.losses, "plan": strategy.plan.to_dict(), "profiled": cache_files() != before,
                      "printed": out.getvalue()})
+    return runs
+
+
+def fit_even(rank: int, stages, batch_size: int, accumulate: int) -> dict:
+    """``PoplarStrategy(stages=...)`` with no plan and no cluster: the loader's ``batch_size`` and
+    ``accumulate_grad_batches`` on every rank; the final state (rank 0), losses, plan, what rank 0 printed, and the
+    Trainer's ``accumulate_grad_batches`` after fit (the user's own, given back)."""
+    from tests.integrations import printed
+
+    lit, record = LitTiny(), Record()
+    strategy = PoplarStrategy(stages=stages, seed=SEED)
+    trainer = pl.Trainer(strategy=strategy, max_steps=N_STEPS, accumulate_grad_batches=accumulate, callbacks=[record],
+                         **QUIET)
+    with printed(rank) as out:
+        trainer.fit(lit, DataLoader(dataset(), batch_size=batch_size, shuffle=True))
+    return {"state": {k: v.clone() for k, v in lit.state_dict().items()} if rank == 0 else None,
+            "losses": record.losses, "plan": strategy.plan.to_dict(), "steps": trainer.global_step,
+            "accumulate": trainer.accumulate_grad_batches, "printed": out.getvalue()}
+
+
+def even_runs(rank, world_size, two: list, one: list) -> dict:
+    """The ``two`` cases ``(stages, batch_size, accumulate_grad_batches)`` on 2 ranks, then ``one`` on rank 0 alone
+    (a group of one: ``smaller_world``), each with no plan and no cluster."""
+    warnings.filterwarnings("ignore")
+    runs = {"two": [fit_even(rank, *case) for case in two]}
+    if smaller_world(1):
+        runs["one"] = [fit_even(rank, *case) for case in one]
     return runs

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from poplar.integrations.lightning import PoplarStrategy  # noqa: E402
 from tests.integrations import assert_profiling_shown  # noqa: E402
 from tests.integrations.lightning_workers import (  # noqa: E402
-    CLUSTER, EPOCH_END, GLOBAL_BATCH, LAST_STEP, MID_EPOCH, N_STEPS, OPTIMIZER, QUIET, LitTiny, dataset,
+    CLUSTER, EPOCH_END, GLOBAL_BATCH, LAST_STEP, MID_EPOCH, N_STEPS, OPTIMIZER, QUIET, LitTiny, dataset, even_runs,
     fit_twice_from_cluster, global_batches, lightning_runs, schedule, val_set)
 from tests.models import lm_loss, reference_train  # noqa: E402
 
@@ -185,12 +186,71 @@ def test_a_users_module_is_profiled_on_its_data_planned_and_trained_as_one_devic
     assert_profiling_shown(first["printed"], second["printed"], CLUSTER, "LitTiny", 1)
 
 
-def test_no_plan_is_refused():
+# ---------------------------------------------------------------------- no plan and no cluster: DDP's even split
+EVEN_TWO = [((0, 1, 2, 3), 2, 3), ((3,), 5, 1), ((1, 2), 3, 2)]   # (stages, batch_size, accumulate_grad_batches)
+EVEN_ONE = [((0, 1, 2, 3), 10, 1), ((3,), 3, 4)]
+
+
+@pytest.fixture(scope="module")
+def even(starts_processes):
+    return spawn(even_runs, 2, EVEN_TWO, EVEN_ONE, timeout_s=300)
+
+
+@pytest.mark.parametrize("world, cases", [(2, EVEN_TWO), (1, EVEN_ONE)], ids=["two-ranks", "one-rank"])
+def test_no_plan_and_no_cluster_trains_the_loaders_batch_size_evenly_exactly_as_one_device(even, world, cases):
+    """``PoplarStrategy()`` alone on 2 gloo ranks and on 1: every rank ``accumulate_grad_batches`` micro-batches of the
+    loader's ``batch_size`` (DDP's split) in the lowest stage given, equal to one device on the same global batches to
+    1e-5; rank 0 says the split and that a cluster plans it, once; the Trainer's ``accumulate_grad_batches`` given
+    back."""
+    for index, (stages, batch_size, accumulate) in enumerate(cases):
+        runs = [r["two" if world == 2 else "one"][index] for r in even[:world]]
+        global_batch = batch_size * accumulate * world
+        assert runs[0]["plan"] == poplar.Plan(min(stages), [batch_size] * world, accumulate).to_dict()
+        state, losses = reference_train(global_batches(N_STEPS, global_batch), optimizer=OPTIMIZER,
+                                        schedule=schedule)
+        for key, value in state.items():
+            torch.testing.assert_close(runs[0]["state"][f"net.{key}"], value, atol=1e-5, rtol=0, msg=key)
+        for r in runs:
+            assert r["losses"] == pytest.approx(losses, abs=1e-5) and r["steps"] == N_STEPS
+            assert r["accumulate"] == accumulate
+        said = [line for line in runs[0]["printed"].splitlines() if "no plan and no cluster" in line]
+        assert len(said) == 1 and f"takes {batch_size} samples x {accumulate} accumulation" in said[0], said
+        assert "as DDP splits it" in said[0] and "mixed GPUs" in said[0]
+        assert world == 1 or "no plan and no cluster" not in runs[1]["printed"]
+
+
+def test_no_plan_and_no_cluster_takes_the_trainers_devices_as_ddp_does(monkeypatch):
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    trainer = pl.Trainer(strategy="poplar", **QUIET)
+    assert isinstance(trainer.strategy, PoplarStrategy) and trainer.strategy.plan is None
+    assert trainer.strategy.world_size == 1 and trainer.strategy.launcher is None
+    trainer = pl.Trainer(strategy=PoplarStrategy(), devices=2, **QUIET)     # a plain run launches 2, as DDP does
+    assert trainer.strategy.world_size == 2 and trainer.strategy.launcher is not None
     with pytest.raises(ValueError) as e:
-        PoplarStrategy()
-    assert "PoplarStrategy needs a plan" in one_line(e) and "POPLAR_PLAN" in str(e.value)
-    with pytest.raises(ValueError, match="PoplarStrategy needs a plan"):
-        pl.Trainer(strategy="poplar", **QUIET)
+        PoplarStrategy(workload="tiny")
+    assert "give cluster= too" in one_line(e)
+
+
+@pytest.mark.parametrize("world, strategy, loader, accumulate, says", [
+    (2, dict(global_batch=10), dict(batch_size=4), 1,
+     "global_batch 10 != the train DataLoader's batch_size 4 x accumulate_grad_batches 1 x 2 ranks: give global_batch "
+     "8, or leave global_batch out"),
+    (1, dict(global_batch=12), dict(batch_size=4), 2, "global_batch 12 != the train DataLoader's batch_size 4 x "
+     "accumulate_grad_batches 2 x 1 rank: give global_batch 8"),
+    (1, dict(), dict(batch_sampler=[[0, 1], [2, 3]]), 1, "the train DataLoader has no batch_size"),
+], ids=["two-ranks", "accumulation", "no-batch-size"])
+def test_an_even_split_that_does_not_add_up_is_refused_before_the_group(world, strategy, loader, accumulate, says,
+                                                                       monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(world))     # launched by torchrun: rank 0 of ``world``
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    trainer = pl.Trainer(strategy=PoplarStrategy(**strategy), max_steps=1, accumulate_grad_batches=accumulate, **QUIET)
+    start = time.monotonic()
+    with pytest.raises(ValueError) as e:
+        trainer.fit(LitTiny(), torch.utils.data.DataLoader(dataset(), **loader))
+    assert says in one_line(e) and time.monotonic() - start < 10
+    assert not dist.is_initialized() and trainer.accumulate_grad_batches == accumulate
 
 
 def test_the_registry_name_reads_the_plan_from_the_environment(tmp_path, monkeypatch):
