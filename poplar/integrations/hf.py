@@ -4,7 +4,9 @@
 every rank its own micro-batch size and accumulation count, and each optimizer step exactly
 the single device's on the whole global batch. Users write ``TrainingArguments`` as usual;
 the global batch is ``per_device_train_batch_size x world size x gradient_accumulation_steps``
-and the plan decides how the ranks split it::
+and the plan decides how the ranks split it (with no plan and no cluster, every rank takes
+``gradient_accumulation_steps`` micro-batches of ``per_device_train_batch_size``, as the Trainer
+does with DDP; one line on rank 0 says so)::
 
     # torchrun --standalone --nproc-per-node 3 train.py
     plan = poplar.Plan(zero_stage=1, micro_batch_sizes=[4, 1, 2], accum_steps=[1, 4, 2])   # 12 samples
@@ -44,6 +46,7 @@ from transformers import Trainer, TrainingArguments
 
 from poplar.engine.batch import batch_size
 from poplar.engine.config import EngineConfig
+from poplar.integrations.batch_settings import HF, BatchSettings
 from poplar.integrations.data import PlanBatchSampler
 from poplar.integrations.hf_parts import EngineOptimizer, PlanLoader, global_batch_of, one_group_optimizer, poplar_args
 from poplar.integrations.runtime import Runtime, load_plan, replan_config, resolve_planning
@@ -58,7 +61,8 @@ class PoplarTrainer(Trainer):
     """A ``transformers.Trainer`` whose every optimizer step is Poplar's engine on the plan.
 
     ``plan``: a :class:`~poplar.Plan`, its dict or a ``plan.json``; or leave it out and give
-    ``cluster`` (a cluster file or preset) to have one planned for the global batch: the
+    ``cluster`` (a cluster file or preset) to have one planned for the global batch (neither: the
+    arguments' even split, in the lowest of ``stages``, as the Trainer splits it with DDP): the
     model given profiled on samples of ``train_dataset`` collated by the Trainer's collator
     (cached: a second run reads the profile), or the preset named by ``workload``
     (``stages``: the ZeRO stages to consider). ``cluster`` also
@@ -86,13 +90,14 @@ class PoplarTrainer(Trainer):
             self.plan, self.basis = _plan_for(args, global_batch, plan, cluster, workload, stages, engine_config,
                                               model)
         self.cluster, self.engine_config = cluster, engine_config
+        self._profiled = workload if plan is None else None   # planned from it: its step paces the ranks
         self.runtime: Runtime | None = None     # built with the optimizer, when training starts
         self._sampler: PlanBatchSampler | None = None    # the train loader's, which the runtime's re-plans reach
         super().__init__(model, poplar_args(args), *trainer_args, **trainer_kwargs)
         if yours:   # the Trainer's collator and column removal exist only now
             from poplar.integrations.module_source import ModuleSource, output_loss
 
-            source = ModuleSource(self.model, output_loss, *self._train_samples())
+            source = self._profiled = ModuleSource(self.model, output_loss, *self._train_samples())
             self.plan, self.basis = _plan_for(args, global_batch, None, cluster, source, stages, engine_config,
                                               self.model)
 
@@ -150,7 +155,7 @@ class PoplarTrainer(Trainer):
             optimizer = self.optimizer if self.optimizer is not None else one_group_optimizer(self)
             self.model._is_accelerate_prepared = True    # accelerate must not wrap it: the engine is the DDP
             self.runtime = Runtime(self.model, optimizer, self.plan, self._engine_config(), cluster=self.cluster,
-                                   basis=self.basis, replan=self.replan,
+                                   basis=self.basis, replan=self.replan, workload=self._profiled,
                                    scratch=Path(self.args.output_dir) / "poplar-restage")
             if self._sampler is not None:
                 self.runtime.follow(self._sampler)
@@ -279,7 +284,8 @@ class PoplarTrainer(Trainer):
 
 
 def _plan_for(args, global_batch: int, plan, cluster, workload, stages, engine_config, model=None):
-    """The plan, checked against the launched world and the arguments' global batch (one line each)."""
+    """The plan, checked against the launched world and the arguments' global batch (one line each); with no plan
+    and no cluster, ``per_device_train_batch_size`` in ``gradient_accumulation_steps`` micro-batches on every rank."""
     world = args.world_size
     if plan is not None:
         plan = load_plan(plan)
@@ -294,9 +300,10 @@ def _plan_for(args, global_batch: int, plan, cluster, workload, stages, engine_c
 
         init_distributed()      # profiling the cluster is collective
     config = EngineConfig(**engine_config) if isinstance(engine_config, dict) else engine_config
+    even = BatchSettings(None, args.per_device_train_batch_size, args.gradient_accumulation_steps, HF)
     return resolve_planning(world, plan, cluster=cluster, workload=workload, global_batch=global_batch,
-                            stages=stages, config=config,
-                            model=model if isinstance(model, torch.nn.Module) else None)
+                            stages=stages, config=config, model=model if isinstance(model, torch.nn.Module) else None,
+                            batch=even)
 
 
 def _is_hf_dataset(dataset) -> bool:

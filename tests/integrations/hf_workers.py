@@ -40,14 +40,17 @@ def training_args(out: str, world_size: int, *, steps: int = STEPS, clip: float 
         dataloader_pin_memory=False, log_level="error", log_level_replica="error", fp16=fp16, **HYPER)
 
 
-def train(rank: int, world_size: int, plan: dict, out: str, cluster: str, resume: str | None = None,
-          engine_config: dict | None = None, **kw) -> dict:
-    """One PoplarTrainer run; rank 0 returns the final full weights, the logged (loss, grad_norm), step times and
-    the engine's precision and loss scale."""
+def train(rank: int, world_size: int, plan: dict | None, out: str, cluster: str | None, resume: str | None = None,
+          engine_config: dict | None = None, stages=(0, 1, 2, 3), **kw) -> dict:
+    """One PoplarTrainer run; rank 0 returns the final full weights, the logged (loss, grad_norm), step times, the
+    engine's precision and loss scale, the plan and what it printed as the Trainer was made."""
     from poplar.integrations.hf import PoplarTrainer
+    from tests.integrations import printed
 
-    trainer = PoplarTrainer(model=build_model(), args=training_args(out, world_size, **kw),
-                            train_dataset=token_samples(), plan=plan, cluster=cluster, engine_config=engine_config)
+    with printed(rank) as shown:
+        trainer = PoplarTrainer(model=build_model(), args=training_args(out, world_size, **kw),
+                                train_dataset=token_samples(), plan=plan, cluster=cluster, engine_config=engine_config,
+                                stages=stages)
     trainer.train(resume_from_checkpoint=resume)
     state = trainer.runtime.engine.full_state_dict()
     logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
@@ -55,7 +58,8 @@ def train(rank: int, world_size: int, plan: dict, out: str, cluster: str, resume
     engine = trainer.runtime.engine
     precision = (engine.config.mixed_precision, engine.loss_scale)
     trainer.close()
-    return {"state": state, "logs": logs, "steps_s": steps_s, "precision": precision} if rank == 0 else {}
+    return {"state": state, "logs": logs, "steps_s": steps_s, "precision": precision, "plan": trainer.plan.to_dict(),
+            "printed": shown.getvalue()} if rank == 0 else {}
 
 
 def train_cases(rank: int, world_size: int, cases: list[tuple[dict, dict]], out: str, cluster: str) -> list[dict]:

@@ -144,10 +144,11 @@ def args(**kw):
     (dict(plan={"zero_stage": 2, "micro_batch_sizes": [2, 1], "accum_steps": [1, 2]}),
      "same number of accumulation steps"),
     (dict(plan=poplar.Plan(0, [3], [1])), "the plan splits 3 samples per step, the TrainingArguments give 4"),
-    (dict(), "Poplar needs a plan"),
+    (dict(workload="tiny"), "Poplar needs a plan"),
     (dict(cluster="both-differ"), "give train_dataset"),
     (dict(plan=poplar.Plan(0, [4], [1]), train_sampling_strategy="group_by_length"), "train_sampling_strategy"),
-], ids=["world-size", "stage2-unequal-accum", "global-batch", "no-plan", "cluster-without-data", "sampling"])
+], ids=["world-size", "stage2-unequal-accum", "global-batch", "workload-without-cluster", "cluster-without-data",
+        "sampling"])
 def test_bad_input_is_one_line_before_any_process_group(given, message):
     from poplar.integrations.hf import PoplarTrainer
 
@@ -189,3 +190,37 @@ def test_the_users_model_is_profiled_on_its_data_planned_and_trained_as_one_devi
         assert [loss for loss, _ in run["logs"]] == pytest.approx([loss for loss, _ in logs], abs=1e-5)
     assert first["profiled"] and not second["profiled"]      # measured once, then read from the cache
     assert_profiling_shown(first["printed"], second["printed"], CLUSTER3, "LlamaForCausalLM", 1)
+
+
+# ---------------------------------------------------------------------- no plan and no cluster: the Trainer's split
+EVEN = {1: [(None, {"accum": 3, "stages": (3,)}), (None, {"accum": 1})],                 # 4 x 3 and 12 x 1
+        2: [(None, {"accum": 2}), (None, {"accum": 1, "stages": (2, 3)})]}               # 3 x 2 and 6 x 1 a rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2], ids=["one-rank", "two-ranks"])
+def test_no_plan_and_no_cluster_trains_the_arguments_evenly_exactly_as_one_device(env, tmp_path, world):
+    """``PoplarTrainer(model, args, train_dataset)`` alone on 1 and 2 gloo ranks: every rank
+    ``gradient_accumulation_steps`` micro-batches of ``per_device_train_batch_size`` (the Trainer's split with DDP) in
+    the lowest stage given, equal to one device to 1e-5; rank 0 says the split and that a cluster plans it, once."""
+    got = spawn(W.train_cases, world, EVEN[world], str(tmp_path), None, timeout_s=300)[0]
+    want, logs = reference(0.0, 0.0)
+    for (_, kw), run in zip(EVEN[world], got):
+        per_device = W.GLOBAL_BATCH // (world * kw["accum"])
+        assert run["plan"] == poplar.Plan(min(kw.get("stages", (0,))), [per_device] * world, kw["accum"]).to_dict()
+        assert_same_params(run["state"], want, atol=1e-5)
+        assert [loss for loss, _ in run["logs"]] == pytest.approx([loss for loss, _ in logs], abs=1e-5)
+        said = [line for line in run["printed"].splitlines() if "no plan and no cluster" in line]
+        assert len(said) == 1 and f"takes {per_device} samples x {kw['accum']} accumulation" in said[0], said
+        assert "mixed GPUs" in said[0]
+
+
+def test_no_plan_and_no_cluster_is_the_arguments_even_split_before_any_process_group(capsys):
+    from poplar.integrations.hf import PoplarTrainer
+
+    trainer = PoplarTrainer(model=torch.nn.Linear(2, 2), args=args(gradient_accumulation_steps=3), stages=(2, 3))
+    assert trainer.plan == poplar.Plan(2, [4], 3) and not torch.distributed.is_initialized()
+    said = [line for line in capsys.readouterr().out.splitlines() if "no plan and no cluster" in line]
+    assert said == ["poplar: no plan and no cluster: the one rank takes 4 samples x 3 accumulation steps (12 a step, "
+                    "ZeRO stage 2), as DDP splits it; give a cluster (cluster= or POPLAR_CLUSTER) or a plan to have "
+                    "Poplar plan the split for mixed GPUs"]
