@@ -298,8 +298,8 @@ def test_the_batch_settings_examples_run():
 
 @pytest.mark.parametrize("world, fields, words", [
     (1, {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4},
-     "config: train_batch_size 12 != train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 4 x 1 ranks "
-     "(DeepSpeed refuses it too): give train_batch_size 8, or leave one of the three out to have it derived"),
+     "config: train_batch_size 12 != train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 4 x 1 rank: "
+     "give train_batch_size 8, or leave one of the three out to have it derived (DeepSpeed refuses it too)"),
     (3, {"train_batch_size": 10}, "train_batch_size 10 is not a multiple of the 3 ranks (DeepSpeed gives every rank "
      "the same micro-batch): give train_batch_size 9 or 12, or a cluster (or a plan) to have Poplar split it "
      "unevenly"),
@@ -312,9 +312,10 @@ def test_the_batch_settings_examples_run():
      "train_micro_batch_size_per_gpu (each rank's micro-batch)"),
 ], ids=["inconsistent", "indivisible", "micro-indivisible", "accumulation-indivisible", "neither"])
 def test_a_config_alone_deepspeed_refuses_is_refused_in_one_line_before_any_process_group(world, fields, words,
-                                                                                         monkeypatch):
+                                                                                         monkeypatch, tmp_path):
     import torch.distributed as dist
 
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WORLD_SIZE", str(world))   # as torchrun launches it; no process group yet
     monkeypatch.setenv("RANK", "0")
     model, start = make_model(), time.monotonic()
@@ -322,7 +323,7 @@ def test_a_config_alone_deepspeed_refuses_is_refused_in_one_line_before_any_proc
         poplar.initialize(model=model, model_parameters=model.parameters(), training_data=ds_workers.dataset(1, 4),
                           config={**fields, "optimizer": OPTIMIZER_SECTION})
     assert words in str(e.value) and "\n" not in str(e.value) and time.monotonic() - start < 10
-    assert not dist.is_initialized()
+    assert not dist.is_initialized() and not list(tmp_path.iterdir())     # nothing started, nothing written
 
 
 ONE_RANK = [(2, 3, 0, FIELDS[:2]), (3, 2, 3, FIELDS[::2])]      # (micro, accum, stage, fields given)

@@ -241,16 +241,18 @@ def test_no_plan_and_no_cluster_takes_the_trainers_devices_as_ddp_does(monkeypat
     (1, dict(), dict(batch_sampler=[[0, 1], [2, 3]]), 1, "the train DataLoader has no batch_size"),
 ], ids=["two-ranks", "accumulation", "no-batch-size"])
 def test_an_even_split_that_does_not_add_up_is_refused_before_the_group(world, strategy, loader, accumulate, says,
-                                                                       monkeypatch):
+                                                                       monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", str(world))     # launched by torchrun: rank 0 of ``world``
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("RANK", "0")
-    trainer = pl.Trainer(strategy=PoplarStrategy(**strategy), max_steps=1, accumulate_grad_batches=accumulate, **QUIET)
+    trainer = pl.Trainer(strategy=PoplarStrategy(**strategy), max_steps=1, accumulate_grad_batches=accumulate,
+                         default_root_dir=str(tmp_path), **QUIET)
     start = time.monotonic()
     with pytest.raises(ValueError) as e:
         trainer.fit(LitTiny(), torch.utils.data.DataLoader(dataset(), **loader))
     assert says in one_line(e) and time.monotonic() - start < 10
     assert not dist.is_initialized() and trainer.accumulate_grad_batches == accumulate
+    assert not list(tmp_path.iterdir())     # nothing written
 
 
 def test_the_registry_name_reads_the_plan_from_the_environment(tmp_path, monkeypatch):
