@@ -38,12 +38,15 @@ class BatchNames:
     micro_batch: str
     accum_steps: str
     splits: str
+    derived: str      # how the three are made to agree, other than by giving the global batch they make
 
 
 DEEPSPEED = BatchNames("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                       "DeepSpeed")
-LIGHTNING = BatchNames("global_batch", "the train DataLoader's batch_size", "accumulate_grad_batches", "DDP")
-HF = BatchNames("the global batch", "per_device_train_batch_size", "gradient_accumulation_steps", "DDP")
+                       "DeepSpeed", "leave one of the three out to have it derived (DeepSpeed refuses it too)")
+LIGHTNING = BatchNames("global_batch", "the train DataLoader's batch_size", "accumulate_grad_batches", "DDP",
+                       "leave global_batch out (it is then batch_size x accumulate_grad_batches x ranks, as DDP's)")
+HF = BatchNames("the global batch", "per_device_train_batch_size", "gradient_accumulation_steps", "DDP",
+                "leave it out")
 
 CLUSTER_NOTE = "give a cluster (cluster= or POPLAR_CLUSTER) or a plan to have Poplar plan the split for mixed GPUs"
 
@@ -97,9 +100,9 @@ class BatchSettings:
         if self.micro_batch is not None and self.accum_steps is not None:
             want = self.micro_batch * self.accum_steps * world_size
             return (f"{n.global_batch} {batch} != {n.micro_batch} {self.micro_batch} x {n.accum_steps} "
-                    f"{self.accum_steps} x {world_size} ranks ({n.splits} refuses it too): give {n.global_batch} "
-                    f"{want}, or leave one of the three out to have it derived")
-        parts = [f"{name} {v}" for name, v in self._given()[1:]] + [f"the {world_size} ranks"]
+                    f"{self.accum_steps} x {_ranks(world_size)}: give {n.global_batch} {want}, or {n.derived}")
+        parts = [f"{name} {v}" for name, v in self._given()[1:]] + ([f"the {world_size} ranks"] if world_size > 1
+                                                                      else [])
         unit = (self.micro_batch or 1) * (self.accum_steps or 1) * world_size
         near = " or ".join(str(v) for v in (batch // unit * unit, batch // unit * unit + unit) if v > 0)
         what = (f"a multiple of {parts[0]}" if len(parts) == 1 else
@@ -116,9 +119,14 @@ class BatchSettings:
     def line(self, plan: Plan) -> str:
         """The one line rank 0 prints when this split is trained: what each rank takes, and what plans it instead."""
         micro, accum = plan.micro_batch_sizes[0], plan.accum_steps[0]
-        return (f"poplar: no plan and no cluster: each of the {plan.world_size} ranks takes {micro} samples x "
+        who = "the one rank" if plan.world_size == 1 else f"each of the {plan.world_size} ranks"
+        return (f"poplar: no plan and no cluster: {who} takes {micro} samples x "
                 f"{accum} accumulation step{'s' if accum != 1 else ''} ({plan.global_batch_size} a step, ZeRO "
                 f"stage {plan.zero_stage}), as {self.names.splits} splits it; {CLUSTER_NOTE}")
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
 
 
 def even_plan(world_size: int, settings: BatchSettings, stages=(0,)) -> Plan:
