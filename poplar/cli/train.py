@@ -67,6 +67,15 @@ def train(
     console = _console()
     # a cluster file's fields and figures, and a precision it lacks, before torch is imported
     refused_early(console, [cluster], precision=_set_precision(set_))
+    given = {"model": model, "cluster": cluster, "global_batch": global_batch, "steps": steps, "plan": plan,
+             "baseline": baseline, "out": out, "resume": resume or None, "data": data, "export": export,
+             "eval_data": eval_data, "eval_every": eval_every, "lora": lora, "report_to": report_to}
+    _train(console, config, given, set_, nproc)
+
+
+def _train(console, config: Path | None, given: dict, set_: list[str], nproc: int | None) -> None:
+    """The command's work: the config (the file, or a resumed run's own, then ``given`` and ``--set``), the run, its
+    end said in one line (or its failure)."""
     from poplar.launch import RankFailed
     from poplar.train.config import load_config
     from poplar.train.run import run_training
@@ -74,10 +83,8 @@ def train(
     imported_for_good()     # this command's process (under torchrun, a rank): the probe's collections scan less
     cfg = None
     try:
-        overrides = {"model": model, "cluster": cluster, "global_batch": global_batch, "steps": steps, "plan": plan,
-                     "baseline": baseline, "out": out, "resume": resume or None, "data": data, "export": export,
-                     "eval_data": eval_data, "eval_every": eval_every, "lora": lora_option(lora), "report_to": report_to}
-        cfg = load_config(_run_config(config, resume, out), {**overrides, **_set_options(set_)})
+        overrides = {**given, "lora": lora_option(given["lora"]), **_set_options(set_)}
+        cfg = load_config(_run_config(config, bool(given["resume"]), given["out"]), overrides)
         shown = os.environ.get("RANK", "0") == "0"   # under torchrun, rank 0 reports the profiling
         shows = (lambda title, **kw: Progress(console, title, **kw)) if shown else None
         result = run_training(cfg, nproc=nproc, progress=shows)
@@ -178,5 +185,9 @@ def _say_trained(console, cfg, result: dict) -> None:
                      f"{s['tflops']:.2f} TFLOP/s" + (f", MFU {100 * s['mfu']:.1f}%" if "mfu" in s else "")
                      + _replanned(s.get("replans", []))
                      + f"; log {cfg.out}/log.jsonl, report {result['report']}")
-    if result.get("exported"):
+    if result.get("exported") and cfg.lora is not None:
+        merged = f", the merged model to {result['exported']}/merged (from_pretrained loads it)" if cfg.lora.merge else ""
+        say(console, f"exported the adapter to {result['exported']} (peft.PeftModel.from_pretrained loads it onto "
+                     f"the base model){merged}")
+    elif result.get("exported"):
         say(console, f"exported the model to {result['exported']} (from_pretrained loads it)")
