@@ -10,11 +10,13 @@ one (:func:`poplar.data.tokenizer.tokenizer_of`) and gives :class:`Prepared`:
   ``seq_len + 1`` and padded; only the completion's tokens (and its end) are counted;
 - ids are samples as they are (their ``labels`` where given), cut and padded alike;
 - a text with a label is one sample of a sequence classifier: its ids cut to ``seq_len``
-  and padded with the model's padding id, and its label (:mod:`poplar.models.classify`).
+  and padded with the model's padding id, and its label (:mod:`poplar.models.classify`);
+- a conversation (:mod:`poplar.data.chat`) is one sample: rendered by the chat template, cut and
+  padded as a pair is; only the assistant's tokens are counted (:mod:`poplar.data.chat_template`).
 
 The launcher prepares; the ranks read the same tensors back from the cache (keyed by
-the data's bytes, the tokenizer, the sequence length and the fields), so tokenising a
-large file happens once.
+the data's bytes, the tokenizer, the chat template, the sequence length and the fields, its
+format among them), so tokenising a large file happens once.
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ class Prepared:
 
 
 def prepare(source: str, fields: DataFields, model_source, seq_len: int, vocab_size: int,
-            phase: Callable[[str], None] | None = None) -> Prepared:
+            phase: Callable[[str], None] | None = None, chat_template: str | None = None) -> Prepared:
     """``source``'s samples for ``model_source`` (a preset's Workload-to-be or a ModelDirectory); see the module.
-    ``phase(what)`` is told when the long part begins (tokenising, on a first run): a progress display's."""
+    ``phase(what)`` is told when the long part begins (tokenising, on a first run): a progress display's.
+    ``chat_template``: the config's (a file or the template), rendering conversations in place of the model's."""
+    from poplar.data.chat_template import chat_tokenizer
     from poplar.data.text import data_cache_dir, load_text
     from poplar.data.tokenizer import tokenizer_of
 
@@ -57,17 +61,17 @@ def prepare(source: str, fields: DataFields, model_source, seq_len: int, vocab_s
     has_own = getattr(model_source, "directory", None) is not None and model_source.has_tokenizer()
     records = None if has_own else read()    # the model's own tokenizer: the cache is looked up before reading
     if has_own or records.kind != "ids":
-        docs = None if records is None else records.docs or [p + c for p, c in records.pairs or []]
-        tok = tokenizer_of(model_source, docs, vocab_size)
+        tok = tokenizer_of(model_source, None if records is None else records.texts(), vocab_size)
     else:
         tok = None
-    key = _key(source, fields, tok, seq_len)
+    rendering = chat_tokenizer(model_source, tok, chat_template) if tok is not None else None
+    key = _key(source, fields, tok, seq_len, rendering[1] if rendering else None)
     cached = _read_cache(data_cache_dir() / f"prepared-{key}.pt", tok)
     if cached is not None:
         return cached
     records = _for_task(records or read(), getattr(model_source, "task", "causal-lm"), source)
     phase(f"tokenising {_rows(records):,} rows of {source} into samples of {seq_len} tokens (once: cached)")
-    prepared = _cut(records, tok, seq_len, model_source, source)
+    prepared = _cut(records, tok, seq_len, model_source, source, rendering)
     path = data_cache_dir() / f"prepared-{key}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -97,7 +101,7 @@ def _read_cache(path: Path, tok) -> Prepared | None:
 
 
 def _rows(records: Records) -> int:
-    return len(records.docs or records.pairs or records.ids or [])
+    return len(records.docs or records.pairs or records.ids or records.chats or [])
 
 
 def _for_task(records: Records, task: str, source: str) -> Records:
@@ -109,13 +113,19 @@ def _for_task(records: Records, task: str, source: str) -> Records:
         return records
     records = records.as_text()
     if records.kind != "text" and task != "causal-lm":
-        raise ValueError(f"--data {source!r}: {records.kind} train a causal LM; a masked LM trains on text")
+        what = "conversations" if records.kind == "chat" else records.kind
+        raise ValueError(f"--data {source!r}: {what} train a causal LM; a masked LM trains on text")
     return records
 
 
-def _cut(records: Records, tok, seq_len: int, model_source, source: str) -> Prepared:
+def _cut(records: Records, tok, seq_len: int, model_source, source: str, rendering=None) -> Prepared:
+    from poplar.data.chat_template import chat_samples, no_template
     from poplar.data.text import pack
 
+    if records.kind == "chat":
+        if rendering is None:
+            raise no_template(model_source, source)
+        return _padded(chat_samples(records.chats, rendering, source), seq_len, tok.pad_id, tok, source)
     if records.kind == "labelled":
         return _classified(records, tok, seq_len, model_source, source)
     if records.kind == "text":
@@ -178,9 +188,11 @@ def _check_ids(records: Records, model_source, source: str) -> None:
         raise ValueError(f"--data {source!r}: a row's labels and input_ids differ in length")
 
 
-def _key(source: str, fields: DataFields, tok, seq_len: int) -> str:
-    """The prepared samples' identity: the data's bytes, how they are read and cut."""
+def _key(source: str, fields: DataFields, tok, seq_len: int, template: str | None = None) -> str:
+    """The prepared samples' identity: the data's bytes, how they are read (the fields, the format), rendered (the
+    chat template) and cut."""
     h = hashlib.sha256(f"{VERSION}|{fields.model_dump_json()}|{tok.digest if tok else None}|{seq_len}".encode())
+    h.update(b"" if template is None else b"|template|" + template.encode())
     path = Path(source)
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.exists() else []
     h.update(source.encode() if not files else b"")
