@@ -9,11 +9,15 @@ catalogue's, :mod:`poplar.cluster.catalogue`, a cluster file's declared figures,
 ``peak_tflops`` in the config). Times are on the devices' clock: an emulated cluster's
 are its declared seconds, and a step where an emulated device's real work ran past its
 declared time says so (``overruns``).
+
+An evaluation (:mod:`poplar.train.evaluation`) is a record of its own, beside its step's:
+``{"step", "eval_loss", "eval_perplexity", "eval_tokens", "eval_samples", "eval_s"}``. Rank 0
+hands every record to one sink (:class:`~poplar.train.reporters.Reporters`: ``log.jsonl``,
+and TensorBoard or W&B where ``report_to`` names them).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
@@ -76,17 +80,21 @@ class StepFigures:
 
 
 class StepLog:
-    """Rank 0's ``log.jsonl`` and printed line per logged step; every rank gathers the figures."""
+    """Rank 0's record (``log.jsonl``, ``report_to``'s) and printed line per logged step and per evaluation; every
+    rank gathers the figures."""
 
     def __init__(self, settings: LogSettings, rank: int, device, comm, global_batch: int, flops_per_token: float,
-                 peak: float):
+                 peak: float, sink=None):
         """``settings``: the config's :class:`~poplar.train.config.LogSettings`; ``peak``: this rank's peak TFLOP/s
-        for MFU (:func:`peak_tflops`)."""
+        for MFU (:func:`peak_tflops`); ``sink``: where rank 0's records go (default: ``log.jsonl`` and
+        ``settings.report_to``'s reporters, :class:`~poplar.train.reporters.Reporters`)."""
+        from poplar.train.reporters import Reporters
+
         self.settings, self.device, self.comm = settings, device, comm
         self.global_batch, self.fpt = global_batch, flops_per_token
         self.tokens = global_batch * settings.seq_len
         self.peak = peak
-        self._file = open(settings.out / "log.jsonl", "a") if rank == 0 else None
+        self._sink = (sink or Reporters(settings.out, settings.report_to)) if rank == 0 else None
         self._late = device.lateness()
 
     def step_started(self) -> None:
@@ -104,16 +112,26 @@ class StepLog:
               replan: dict | None = None) -> None:
         """Rank 0: the step's record and line. ``loss_scale``: fp16's, after the step (None in bf16 and fp32);
         ``replan``: the plan changed after this step (:class:`poplar.train.replan.Replan`'s record)."""
-        if self._file is None:
+        if self._sink is None:
             return
         record = self.record(step, loss, figures, skipped)
         if loss_scale is not None:
             record["loss_scale"] = loss_scale
         if replan is not None:
             record["replan"] = replan
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._sink.write(record)
         print(self.line(record, loss), flush=True)
+
+    def write_eval(self, step: int, result) -> None:
+        """Rank 0: an evaluation's record and line (``result``: :class:`~poplar.train.evaluation.EvalResult`)
+        after step ``step`` (from 0)."""
+        if self._sink is None:
+            return
+        self._sink.write(result.record(step))
+        ppl = result.perplexity
+        print(f"eval after step {step + 1}/{self.settings.steps}  loss {result.loss:.4f}  perplexity "
+              + (f"{ppl:,.2f}" if ppl is not None else "-") + f"  ({result.tokens:,} tokens of {result.samples:,} "
+              f"samples, {result.seconds:.1f} s)", flush=True)
 
     def record(self, step: int, loss: float, fig: StepFigures, skipped: bool) -> dict:
         record = {"step": step, "loss": loss if math.isfinite(loss) else None, "lr": self.settings.schedule.at(step),
@@ -136,6 +154,6 @@ class StepLog:
                 + ("  SKIPPED (non-finite)" if "skipped" in r else ""))
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None

@@ -1,4 +1,8 @@
-"""What a training run did: figures from its JSON-lines log, and plots."""
+"""What a training run did: figures from its JSON-lines log, and plots.
+
+The log holds a record per logged step and one per evaluation (``eval_loss``, beside its
+step's): :func:`step_records` and :func:`eval_records` tell them apart.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +15,28 @@ def read_log(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def step_records(records: list[dict]) -> list[dict]:
+    """The steps' records of a log (its evaluations' left out)."""
+    return [r for r in records if "eval_loss" not in r]
+
+
+def eval_records(records: list[dict]) -> list[dict]:
+    """The evaluations' records of a log, in order."""
+    return [r for r in records if "eval_loss" in r]
+
+
 def summarize(records: list[dict], skip: int = 1) -> dict:
-    """Medians over the steady steps, and the loss at both ends.
+    """Medians over the steady steps, and the loss at both ends (and the last evaluation's, where the run
+    evaluated).
 
     Steady: after the first ``skip`` (warm-up). ``steady_steps`` names them (log step numbers).
     A run resumed on another cluster is summarised on the last one (its trailing records), a run
     that re-planned on its last plan (the steps after the last change); ``replans`` lists each
     change (:class:`poplar.train.replan.Replan`'s record).
     """
+    evals = eval_records(records)
+    last_eval = {"eval_loss": evals[-1]["eval_loss"], "eval_perplexity": evals[-1]["eval_perplexity"]} if evals else {}
+    records = step_records(records)
     ranks = len(records[-1]["busy_s"])
     here = len(records)
     while here > 0 and len(records[here - 1]["busy_s"]) == ranks and "replan" not in records[here - 1]:
@@ -38,6 +56,7 @@ def summarize(records: list[dict], skip: int = 1) -> dict:
         "idle_s": [statistics.median(r["idle_s"][i] for r in steady) for i in range(ranks)],
         "replans": _replans(records, skip),
         **mfu,
+        **last_eval,
     }
 
 
@@ -54,17 +73,35 @@ def _replans(records: list[dict], skip: int) -> list[dict]:
 
 
 def plot_runs(runs: dict[str, list[dict]], path: str | Path, title: str = "") -> Path:
-    """Loss curves, throughput per step, and every rank's busy and idle time, for one or more runs."""
+    """Loss curves (and evaluation losses), throughput per step, and every rank's busy and idle time, for one or
+    more runs (:func:`figure`), saved as ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(runs, title)
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def figure(runs: dict[str, list[dict]], title: str = ""):
+    """The report's matplotlib figure: loss (each evaluation's as a dashed series, ``<run> eval``), throughput per
+    step, busy and idle per rank."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_tput, ax_busy) = plt.subplots(1, 3, figsize=(15, 4))
+    evals = {name: eval_records(records) for name, records in runs.items()}
+    runs = {name: step_records(records) for name, records in runs.items()}
     names = list(runs)
     for name, records in runs.items():
         steps = [r["step"] + 1 for r in records]
-        ax_loss.plot(steps, [r["loss"] for r in records], label=name)
+        drawn, = ax_loss.plot(steps, [r["loss"] for r in records], label=name)
+        if evals[name]:
+            ax_loss.plot([r["step"] + 1 for r in evals[name]], [r["eval_loss"] for r in evals[name]], ls="--",
+                         marker="s", ms=4, color=drawn.get_color(), label=f"{name} eval")
         line, = ax_tput.plot(steps, [r["samples_per_s"] for r in records], marker="o", ms=3, label=name)
         for r in records:
             if "replan" in r:     # the new plan from the next step
@@ -89,7 +126,4 @@ def plot_runs(runs: dict[str, list[dict]], path: str | Path, title: str = "") ->
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig

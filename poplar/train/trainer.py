@@ -4,7 +4,9 @@
 optimizer step; ``train`` is the loop. Everything else is a component with one job:
 
 - :class:`~poplar.train.checkpointer.Checkpointer`: resume, and save when due;
-- :class:`~poplar.train.metrics.StepLog`: every step's figures, gathered, logged, printed;
+- :class:`~poplar.train.metrics.StepLog`: every step's figures, gathered, logged, printed (rank 0's records go to
+  :class:`~poplar.train.reporters.Reporters`: ``log.jsonl``, TensorBoard, W&B);
+- :class:`~poplar.train.evaluation.Evaluator`: the loss of the evaluation data, every rank its share, when due;
 - :class:`~poplar.train.recovery.StepRecovery`: a rank out of memory mid-step, recovered;
 - :class:`~poplar.train.replan.Replanner`: the steps held to the plan's prediction, a better plan taken;
 - :class:`~poplar.train.preemption.Preemption`: SIGTERM, a checkpoint and a clean exit;
@@ -26,11 +28,13 @@ from poplar.models.source import build_for_rank
 from poplar.train.checkpointer import Checkpointer
 from poplar.train.config import TrainConfig
 from poplar.train.dataset import prepare_data
+from poplar.train.evaluation import evaluator_for
 from poplar.train.faults import FaultInjector
 from poplar.train.metrics import StepLog, flops_per_token, peak_tflops
 from poplar.train.preemption import Preemption
 from poplar.train.rank import RankRuntime
 from poplar.train.recovery import StepRecovery
+from poplar.train.reporters import Reporters
 from poplar.train.replan import replanner_for
 from poplar.train.run_dir import keep_log_before, write_plan
 from poplar.train.watchdog import Watchdog, lost_peer, store_address
@@ -45,7 +49,7 @@ class Trainer:
         as the steps measure (None: the plan is kept)."""
         self.cfg, self.wl, self.device, self.rank, self.world_size = cfg, wl, device, rank, world_size
         self.schedule = cfg.schedule     # the learning rate of each step
-        _, self.batches = prepare_data(cfg.model_data)
+        tokenizer, self.batches = prepare_data(cfg.model_data)
         model, weights = build_for_rank(wl, cfg.seed, device.torch_device)   # read into the shards where it can
         optimizer = lambda params: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # noqa: E731
         self.runtime = RankRuntime(device, model, optimizer, plan, cfg.engine, weights=weights)   # as integrations
@@ -66,7 +70,10 @@ class Trainer:
             keep_log_before(Path(cfg.out) / "log.jsonl", self.start)
         self.log = StepLog(cfg.logging, rank, device, self.comm, plan.global_batch_size,
                            flops_per_token(wl, cfg.engine),
-                           peak_tflops(device, cfg.engine.mixed_precision, cfg.peak_tflops))
+                           peak_tflops(device, cfg.engine.mixed_precision, cfg.peak_tflops),
+                           sink=Reporters(Path(cfg.out), cfg.report_to, cfg.model_dump(mode="json"), self.start)
+                           if rank == 0 else None)
+        self.evaluator = evaluator_for(cfg, tokenizer, self.engine, wl.loss, self.comm, self.last)
         self.replanner = replanner_for(cfg.replan, basis, self.engine.plan, world_size, cfg.baseline,
                                        restage=True)
         self.losses: list[float] = []
@@ -114,6 +121,8 @@ class Trainer:
             c.on_step_end(step + 1)
         stop = self.preemption.agreed()
         self.checkpointer.step_done(step + 1, self.last, stopping=stop)
+        if not stop and self.evaluator is not None and self.evaluator.due(step):
+            self.log.write_eval(step, self.evaluator.evaluate())
         if stop:
             self.preempted = step + 1
             if self.rank == 0:
