@@ -95,6 +95,25 @@ def test_the_figures_of_a_record_as_tensorboard_reads_them(tmp_path):
     assert got["loss"] == {1: 6.5} and got["replan"] == {2: 1.0}      # a lost loss is left out, not a NaN
 
 
+def test_a_resumed_run_s_steps_replace_the_earlier_run_s_in_tensorboard(tmp_path):
+    """A run resumed from its checkpoint after step 2 logs steps 3 and 4 again: TensorBoard shows the new ones
+    only, as log.jsonl keeps only the records before the checkpoint."""
+    first = Reporters(tmp_path, ["tensorboard"])
+    for step in range(4):
+        first.write({"step": step, "loss": 10.0 + step})
+    first.close()
+    time.sleep(1.1)     # (event files are named by the second they are opened in)
+    resumed = Reporters(tmp_path, ["tensorboard"], start=2)
+    for step in (2, 3):
+        resumed.write({"step": step, "loss": 20.0 + step})
+    resumed.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 10.0), (2, 11.0), (3, 22.0), (4, 23.0)]
+
+
 @pytest.mark.slow
 def test_a_run_reports_to_tensorboard_and_wandb_what_its_log_holds(tmp_path):
     plan = poplar.Plan.from_local_batches(3, [5, 3], 1, shard_shares=[2, 1])
