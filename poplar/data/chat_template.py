@@ -75,9 +75,10 @@ def chat_tokenizer(model_source, tok, given: str | None):
 def no_template(model_source, source: str) -> ValueError:
     name = getattr(model_source, "directory", None) or getattr(model_source, "name", "the model")
     has = getattr(model_source, "directory", None) is not None and model_source.has_tokenizer()
-    what = "its tokenizer has no chat template" if has else "it has no tokenizer of its own (one is trained on the data)"
-    return ValueError(f"--data {source!r} holds conversations, rendered by a chat template, and --model {name}: {what}: "
-                      f"give one with {FIX}")
+    what = "its tokenizer has no chat template" if has else \
+        "it has no tokenizer of its own (one is trained on the data)"
+    return ValueError(f"--data {source!r} holds conversations, rendered by a chat template, and --model {name}: "
+                      f"{what}: give one with {FIX}")
 
 
 def chat_samples(chats: list[Conversation], rendering, source: str) -> list[tuple[list[int], list[int]]]:

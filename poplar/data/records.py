@@ -149,7 +149,8 @@ CHAT_FORMATS = ("messages", "prompt-completion", "sharegpt", "alpaca")
 
 def _format_fields(fields: DataFields) -> dict[str, tuple[str, ...]]:
     """Each format's fields, as named (alpaca's ``input`` and ``system`` may be absent)."""
-    return {"messages": ("messages",), "prompt-completion": (fields.prompt or "prompt", fields.completion or "completion"),
+    return {"messages": ("messages",),
+            "prompt-completion": (fields.prompt or "prompt", fields.completion or "completion"),
             "sharegpt": ("conversations",), "alpaca": ("instruction", "output"), "text": (fields.text or "text",),
             "ids": ("input_ids",)}
 

@@ -22,9 +22,13 @@ def trl_template(name: str) -> str:
     return (importlib.resources.files("trl") / "chat_templates" / f"{name}.jinja").read_text()
 
 
-QWEN = ("<|im_start|>", "<|im_end|>")
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# ChatML with the assistant's reply marked, as TRL's training templates mark it
+CHATML_MARKED = ("{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+                 "{% generation %}{{ message['content'] + '<|im_end|>\n' }}{% endgeneration %}{% else %}"
+                 "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 def save_chat_model(directory: Path, template: str | None = CHATML, seed: int = 7) -> Path:

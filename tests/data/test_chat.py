@@ -11,14 +11,9 @@ from poplar.data.prepare import prepare
 from poplar.data.records import DataFields, read_records
 from poplar.models.loss import IGNORE
 from poplar.models.pretrained import ModelDirectory
-from tests.data.chat_models import CHATML, conversation, rows, save_chat_model, trl_template, write_rows
+from tests.data.chat_models import CHATML, CHATML_MARKED, conversation, rows, save_chat_model, trl_template, write_rows
 
 SEQ = 127     # the test model's 128 positions
-# ChatML with the assistant's reply marked, as TRL's training templates mark it
-CHATML_MARKED = ("{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
-                 "{% generation %}{{ message['content'] + '<|im_end|>\n' }}{% endgeneration %}{% else %}"
-                 "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
-                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 @pytest.fixture(autouse=True)
@@ -101,11 +96,12 @@ def test_the_assistant_s_turns_and_nothing_else_are_counted_over_a_space_of_conv
 
 def test_the_labels_are_those_trl_s_assistant_only_loss_gives(tmp_path):
     """TRL's SFTTrainer (``assistant_only_loss=True``, offline, on the same model directory and rows, cut to the
-    same length): its ``input_ids`` and ``labels`` beside ours, shifted as the loss reads them. On Llama 3's template (TRL swaps in its
-    marked training variant; ours renders prefixes) and on marked templates (both take the marks): equal. On
-    Qwen2.5's, TRL's training variant also marks the new line after ``<|im_start|>assistant``, which is the end of
-    the generation prompt (given at inference, not generated): ours leaves that one token a turn out, and equals
-    TRL's own completion mask of conversational prompt-completion rows, which leaves it out too."""
+    same length): its ``input_ids`` and ``labels`` beside ours, shifted as the loss reads them. On Llama 3's
+    template (TRL swaps in its marked training variant; ours renders prefixes) and on marked templates (both take
+    the marks): equal. On Qwen2.5's, TRL's training variant also marks the new line after
+    ``<|im_start|>assistant``, which ends the generation prompt (given at inference, not generated): ours leaves
+    that one token a turn out, and equals TRL's own completion mask of conversational prompt-completion rows,
+    which leaves it out too."""
     pytest.importorskip("trl")
     for name in ("llama3", "llama3_training", "qwen2_5_training", "qwen2_5"):
         model = str(save_chat_model(tmp_path / name, trl_template(name)))
@@ -145,7 +141,8 @@ def trl_labels(model: str, given: list[dict], tmp_path) -> tuple[list, list]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model), processing_class=AutoTokenizer.from_pretrained(model),
+    trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model),
+                         processing_class=AutoTokenizer.from_pretrained(model),
                          args=SFTConfig(output_dir=str(tmp_path / "trl"), assistant_only_loss=True, max_length=SEQ + 1,
                                         report_to=[], use_cpu=True),
                          train_dataset=datasets.Dataset.from_list(given))
@@ -260,3 +257,30 @@ def test_a_row_the_template_refuses_is_named(tmp_path, models):
                 "{% endfor %}" + CHATML)
     with pytest.raises(ValueError, match=r"row 4: the chat template refuses it \(no tool turns\)"):
         prepared(path, models["chatml"], template=no_tools)
+
+
+def test_every_rank_s_share_of_the_loss_sums_to_the_mean_over_the_global_batch_s_assistant_tokens(tmp_path, models):
+    """The weighting the engine applies (a rank's loss times its samples over the global batch), summed over an
+    uneven plan's ranks: the cross-entropy averaged over every counted token of the global batch, as one device
+    (and TRL's loss over a batch) takes it, however unlike the conversations' counted lengths."""
+    import torch.nn.functional as F
+
+    import poplar
+    from poplar.data.text import GlobalBatches
+    from poplar.models.loss import next_token_loss
+
+    got = prepared(write_rows(tmp_path / "rows.jsonl", rows("messages", 40, seed=6)), models["chatml"])
+    plan = poplar.Plan.from_local_batches(1, [7, 2, 3], 1)
+    batches = GlobalBatches(got.tokens, plan.global_batch_size, seed=1, targets=got.targets)
+    logits = torch.randn(plan.global_batch_size, SEQ, 310, generator=torch.Generator().manual_seed(0))
+    one = poplar.Plan(0, [plan.global_batch_size], 1)
+    for step in range(3):
+        targets = batches.local(step, one, 0)[1]
+        whole = F.cross_entropy(logits.reshape(-1, 310), targets.reshape(-1), ignore_index=IGNORE)
+        shares = []
+        for rank in range(3):
+            lo, hi = plan.sample_range(rank)
+            local = batches.local(step, plan, rank)
+            assert torch.equal(local[1], targets[lo:hi])
+            shares.append(next_token_loss(logits[lo:hi], local) * (hi - lo) / plan.global_batch_size)
+        torch.testing.assert_close(sum(shares), whole, rtol=1e-6, atol=1e-6)

@@ -15,8 +15,7 @@ from poplar.models.loss import IGNORE
 from poplar.train.config import load_config
 from poplar.train.dataset import prepare_data
 from poplar.train.run import run_training
-from tests.data.chat_models import rows, save_chat_model, trl_template, write_rows
-from tests.data.test_chat import CHATML_MARKED
+from tests.data.chat_models import CHATML_MARKED, rows, save_chat_model, trl_template, write_rows
 from tests.train.test_your_model import reference
 
 pytestmark = pytest.mark.slow
@@ -39,7 +38,8 @@ def test_conversations_on_uneven_ranks_train_as_one_device(tmp_path, fmt, templa
     model = save_chat_model(tmp_path / "model", CHATML_MARKED if template == "marked" else trl_template(template))
     plan = poplar.Plan.from_local_batches(stage, local, accum, shard_shares=shares)
     plan.save(tmp_path / "plan.json")
-    cfg = load_config(None, {"model": str(model), "data": write_rows(tmp_path / "rows.jsonl", rows(fmt, 48, seed=stage)),
+    data = write_rows(tmp_path / "rows.jsonl", rows(fmt, 48, seed=stage))
+    cfg = load_config(None, {"model": str(model), "data": data,
                              "seq_len": 48, "global_batch": plan.global_batch_size, "steps": 3, "lr": 1e-2,
                              "cluster": CLUSTER, "plan": str(tmp_path / "plan.json"), "out": str(tmp_path / "run")})
     _, batches = prepare_data(cfg.model_data)
