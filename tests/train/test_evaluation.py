@@ -221,3 +221,38 @@ def test_a_held_out_fraction_never_trains_and_is_the_same_split_every_run(tmp_pa
             f"print(held_out({len(whole)}, 0.25, 0, 8)[1].tolist())")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(other.stdout) == held_out(len(whole), 0.25, 0, 8)[1].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, stage, local", [("classifier", 1, [5, 2, 3]), ("bert", 3, [2, 5, 3])])
+def test_a_classifier_s_and_a_masked_lm_s_evaluation_is_one_device_s(tmp_path, family, stage, local):
+    """A sequence classifier on labelled rows and a masked LM on text: one micro-batch of every evaluation sample
+    through the model's own loss, on one device, gives the loss the ranks report (to 1e-5)."""
+    from tests.pretrained import save_classifier, save_family
+    from tests.train.test_your_model import write_labelled
+
+    plan = poplar.Plan.from_local_batches(stage, local, 1, shard_shares=[2, 1, 1] if stage == 3 else None)
+    plan.save(tmp_path / "plan.json")
+    if family == "classifier":
+        fields = {"model": str(save_classifier(tmp_path / "m", num_labels=3)),
+                  "data": str(write_labelled(tmp_path / "rows.jsonl")),
+                  "eval_data": str(write_labelled(tmp_path / "eval.jsonl", n=21, seed=4))}
+    else:
+        fields = {"model": str(save_family(tmp_path / "m", "bert")), "data": str(text_file(tmp_path / "t.txt", 60, 0)),
+                  "eval_data": str(text_file(tmp_path / "eval.txt", 11, 1))}
+    cfg = load_config(None, {**fields, "seq_len": 16, "global_batch": 10, "steps": 2, "lr": 1e-2, "cluster": "none",
+                             "plan": str(tmp_path / "plan.json"), "out": str(tmp_path / "run")})
+    result = run_training(cfg, return_state=True, nproc=3)
+    wl = workload_of(cfg.model_data)
+    samples = prepare_eval(cfg.model_data, prepare_data(cfg.model_data)[0])
+    assert len(samples.tokens) % 10        # a partial last batch
+    model = wl.build(seed=cfg.seed)
+    model.load_state_dict(result["state"])
+    model.eval()
+    whole = ((samples.tokens, samples.labels) if family == "classifier" else
+             (samples.tokens[:, :-1], samples.tokens[:, 1:]))
+    with torch.no_grad():
+        want = float(wl.loss(model, whole))
+    evals = eval_records(read_log(tmp_path / "run" / "log.jsonl"))
+    assert [r["step"] for r in evals] == [1] and evals[0]["eval_samples"] == len(samples.tokens)
+    assert evals[0]["eval_loss"] == pytest.approx(want, rel=1e-5, abs=0)
