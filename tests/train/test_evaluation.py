@@ -61,6 +61,17 @@ def test_every_sample_is_evaluated_once_in_micro_batches_no_larger_than_training
             assert mine == list(range(*plan.sample_range(rank)))
 
 
+def test_the_modules_examples_hold():
+    import doctest
+
+    import poplar.train.eval_data
+    import poplar.train.evaluation
+
+    for module in (poplar.train.evaluation, poplar.train.eval_data):
+        result = doctest.testmod(module)
+        assert result.attempted and not result.failed, module.__name__
+
+
 def test_a_partial_batch_is_split_by_the_plan_s_shares_and_a_rank_may_get_none():
     plan = poplar.Plan.from_local_batches(3, [2, 6, 4], 1)
     assert batch_shares(1, plan) == [0, 1, 0] and batch_shares(6, plan) == [1, 3, 2]
