@@ -14,10 +14,12 @@ Which tokens are the assistant's, by one of two methods:
 - otherwise (most templates): the conversation rendered prefix by prefix. For each assistant message ``i``, the
   text of messages ``0..i-1`` with the generation prompt (what the model is given at inference) and the text of
   messages ``0..i``: the assistant's span is what the second adds to the first (its content and its end-of-turn
-  marks). The spans are characters of the whole conversation's text, which is tokenised once; a token overlapping
-  a span is counted (as ``transformers`` builds its mask from the generation marks). Each prefix's text must begin
-  the whole conversation's text; a template that renders earlier turns otherwise once later ones follow is refused
-  in one line (give a template with ``{% generation %}`` marks).
+  marks), as far as the second begins the whole conversation's text (a template that ends a conversation with an
+  end-of-text, Phi-3's, counts it after the last reply only, as TRL's marked variant does). The spans are
+  characters of the whole text, which is tokenised once; a token overlapping a span is counted (as
+  ``transformers`` builds its mask from the generation marks). A template that renders an assistant's turn
+  otherwise once later turns follow (Qwen3's drops an earlier turn's thinking) is refused in one line: give a
+  template with ``{% generation %}`` marks (TRL ships such variants of common models' templates).
 
 In both, a conversation's prompt (TRL's conversational prompt-completion) is not counted: the completion begins
 where the prompt rendered with the generation prompt stops being a prefix of the whole text (as TRL finds it).
@@ -141,23 +143,26 @@ def _spans(hf, chats: list[Conversation], whole: list[str], template: str, sourc
     spans: list[list[tuple]] = [[] for _ in chats]
     for r, i in where:
         head, upto = before.get((r, i), ""), through.get((r, i), whole[r])
-        if not whole[r].startswith(upto):
-            raise ValueError(f"--data {source!r}: row {r + 1}: the chat template renders the turns before message "
-                             f"{i + 1} otherwise once later ones follow, so the assistant's tokens cannot be found by "
+        start, end = _common_prefix(head, upto), _common_prefix(upto, whole[r])
+        if chats[r].messages[i]["content"].strip() not in whole[r][start:end]:
+            raise ValueError(f"--data {source!r}: row {r + 1}: the chat template renders message {i + 1} (the "
+                             "assistant's) otherwise once later turns follow, so its tokens cannot be found by "
                              f"rendering prefixes: give a template with {{% generation %}} marks ({FIX})")
-        spans[r].append((_common_prefix(head, upto), len(upto)))
+        spans[r].append((start, end, end < len(upto)))
     return spans
 
 
-def _overlapping(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """1 for each token whose characters overlap a span (``spans`` in order)."""
+def _overlapping(offsets: list[tuple[int, int]], spans: list[tuple[int, int, bool]]) -> list[int]:
+    """1 for each token whose characters overlap a span (``spans`` in order: start, end, and whether the text past
+    the end differs from what the span's turn rendered alone, so a token across the end is not the turn's)."""
     mask, k = [0] * len(offsets), 0
     for t, (start, end) in enumerate(offsets):
         while k < len(spans) and start >= spans[k][1]:
             k += 1
         if k == len(spans):
             break
-        mask[t] = int(end > spans[k][0])
+        begin, stop, diverges = spans[k]
+        mask[t] = int(end > begin and not (diverges and end > stop))
     return mask
 
 

@@ -97,13 +97,13 @@ def test_the_assistant_s_turns_and_nothing_else_are_counted_over_a_space_of_conv
 def test_the_labels_are_those_trl_s_assistant_only_loss_gives(tmp_path):
     """TRL's SFTTrainer (``assistant_only_loss=True``, offline, on the same model directory and rows, cut to the
     same length): its ``input_ids`` and ``labels`` beside ours, shifted as the loss reads them. On Llama 3's
-    template (TRL swaps in its marked training variant; ours renders prefixes) and on marked templates (both take
-    the marks): equal. On Qwen2.5's, TRL's training variant also marks the new line after
+    and Phi-3's templates (TRL swaps in its marked training variant; ours renders prefixes) and on marked
+    templates (both take the marks): equal. On Qwen2.5's, TRL's training variant also marks the new line after
     ``<|im_start|>assistant``, which ends the generation prompt (given at inference, not generated): ours leaves
     that one token a turn out, and equals TRL's own completion mask of conversational prompt-completion rows,
     which leaves it out too."""
     pytest.importorskip("trl")
-    for name in ("llama3", "llama3_training", "qwen2_5_training", "qwen2_5"):
+    for name in ("llama3", "llama3_training", "phi3", "qwen2_5_training", "qwen2_5"):
         model = str(save_chat_model(tmp_path / name, trl_template(name)))
         for fmt in ("messages", "prompt-completion"):
             given = rows(fmt, 16, seed=5)
@@ -272,11 +272,11 @@ def test_every_rank_s_share_of_the_loss_sums_to_the_mean_over_the_global_batch_s
     got = prepared(write_rows(tmp_path / "rows.jsonl", rows("messages", 40, seed=6)), models["chatml"])
     plan = poplar.Plan.from_local_batches(1, [7, 2, 3], 1)
     batches = GlobalBatches(got.tokens, plan.global_batch_size, seed=1, targets=got.targets)
-    logits = torch.randn(plan.global_batch_size, SEQ, 310, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(plan.global_batch_size, SEQ, 314, generator=torch.Generator().manual_seed(0))
     one = poplar.Plan(0, [plan.global_batch_size], 1)
     for step in range(3):
         targets = batches.local(step, one, 0)[1]
-        whole = F.cross_entropy(logits.reshape(-1, 310), targets.reshape(-1), ignore_index=IGNORE)
+        whole = F.cross_entropy(logits.reshape(-1, 314), targets.reshape(-1), ignore_index=IGNORE)
         shares = []
         for rank in range(3):
             lo, hi = plan.sample_range(rank)
@@ -284,3 +284,23 @@ def test_every_rank_s_share_of_the_loss_sums_to_the_mean_over_the_global_batch_s
             assert torch.equal(local[1], targets[lo:hi])
             shares.append(next_token_loss(logits[lo:hi], local) * (hi - lo) / plan.global_batch_size)
         torch.testing.assert_close(sum(shares), whole, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["cohere", "gemma", "gemma3", "lfm2", "lfm2_v2", "phi3_5", "qwen2_5_vl",
+                                  "qwen3_instruct_2507", "qwen3_vl"])
+def test_on_more_models_templates_the_labels_are_trl_s(tmp_path, name):
+    """Templates of other models TRL ships a marked training variant of, on multi-turn user/assistant rows (some of
+    these refuse a system or a tool turn): ours by rendering prefixes, TRL's by its variant's marks, equal. (Where
+    TRL's variant also marks what the generation prompt gives, DeepSeek's ``<｜Assistant｜>``, Nemotron's
+    ``<think>``, ours leaves those tokens out, as on Qwen2.5's above.)"""
+    pytest.importorskip("trl")
+    r = random.Random(3)
+    given = [{"messages": [m for m in conversation(r, tools=False) if m["role"] != "system"]} for _ in range(12)]
+    model = str(save_chat_model(tmp_path / name, trl_template(name)))
+    ours = prepared(write_rows(tmp_path / "rows.jsonl", given), model)
+    ids, labels = trl_labels(model, given, tmp_path)
+    counted = [k for k, want in enumerate(labels) if any(t != IGNORE for t in want[1:])]
+    assert len(ours.tokens) == len(counted) >= 10
+    for k, row in enumerate(counted):
+        n = len(ids[row])
+        assert ours.tokens[k, :n].tolist() == ids[row] and ours.targets[k, :n - 1].tolist() == labels[row][1:]
