@@ -14,6 +14,9 @@ The formats (recognised by :mod:`poplar.data.records`, as TRL's ``is_conversatio
   ``human``/``user``, ``gpt``/``assistant``, ``system``, ``tool``/``observation`` (LLaMA-Factory's name), and a
   ``system`` field beside them where given.
 
+A ``tools`` field beside the conversations (a list of tool definitions, or its JSON text, as TRL reads it) is handed
+to the template with its row's conversation.
+
 Every row needs an assistant turn to learn from; an unknown role, a row with none, a message that is not text: one
 line naming the row (counted from 1: a JSONL's line). The conversations are then rendered by the model's chat
 template and counted on the assistant's tokens (:mod:`poplar.data.chat_template`).
@@ -34,6 +37,7 @@ class Conversation:
 
     messages: list[dict]
     counted_from: int = 0
+    tools: list | None = None     # the tools the template describes to the model (a ``tools`` field, as TRL's)
 
     def counted(self) -> list[int]:
         """The indices of the assistant messages the loss is on."""
@@ -58,6 +62,9 @@ def read_chats(table, fmt: str, fields, source: str) -> list[Conversation]:
         for i, (p, c) in enumerate(zip(column(prompt), column(completion))):
             p = _messages(p, ROLES, prompt, i, source)
             chats.append(Conversation(p + _messages(c, ROLES, completion, i, source), len(p)))
+    if "tools" in table.column_names:
+        chats = [Conversation(c.messages, c.counted_from, _tools(t, i, source))
+                 for i, (c, t) in enumerate(zip(chats, column("tools")))]
     for i, chat in enumerate(chats):
         if not chat.counted():
             where = "its completion has" if chat.counted_from else "it has"
@@ -89,6 +96,21 @@ def _messages(value, roles: dict | tuple, field: str, row: int, source: str) -> 
             raise ValueError(f"{where}: a {role} message's content is {type(content).__name__}, not text")
         out.append({"role": roles[role] if sharegpt else role, "content": content or "", **m})
     return out
+
+
+def _tools(value, row: int, source: str) -> list | None:
+    """A row's tool definitions (JSON text, as TRL takes it, or a list), None where it has none."""
+    import json
+
+    try:
+        value = json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        value = "text that is not JSON"
+    if value is not None and not (isinstance(value, list) and all(isinstance(t, dict) for t in value)):
+        what = value if isinstance(value, str) else type(value).__name__
+        raise ValueError(f"--data {source!r}: row {row + 1}: 'tools' is {what}, not a list of tool definitions "
+                         "(JSON schemas)")
+    return value or None
 
 
 def _system(text: str | None) -> list[dict]:

@@ -86,17 +86,17 @@ def no_template(model_source, source: str) -> ValueError:
 def chat_samples(chats: list[Conversation], rendering, source: str) -> list[tuple[list[int], list[int]]]:
     """Each conversation's ``(ids, labels)``: labels the ids on the assistant's counted tokens, IGNORE elsewhere."""
     hf, template = rendering
-    whole = _render(hf, [c.messages for c in chats], template, False, source)
+    whole = _render(hf, [c.messages for c in chats], [c.tools for c in chats], template, False, source)
     for i, (chat, text) in enumerate(zip(chats, whole)):
         _check_content(chat, text, i, source)
     if re.search(r"\{%-?\s*generation\s*-?%\}", template):
-        out = hf.apply_chat_template([c.messages for c in chats], chat_template=template, tokenize=True,
-                                     return_dict=True, return_assistant_tokens_mask=True,
-                                     tokenizer_kwargs={"return_offsets_mapping": True})
-        ids, offsets = out["input_ids"], out["offset_mapping"]
+        out = _apply(hf, [c.messages for c in chats], [c.tools for c in chats], chat_template=template,
+                     tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                     tokenizer_kwargs={"return_offsets_mapping": True})
+        ids, offsets = [o["input_ids"] for o in out], [o["offset_mapping"] for o in out]
         ends = _prompt_ends(hf, chats, whole, template, source)
-        masks = [[m if start >= end else 0 for m, (start, _) in zip(mask, o)]
-                 for mask, o, end in zip(out["assistant_masks"], offsets, ends)]
+        masks = [[m if start >= end else 0 for m, (start, _) in zip(o["assistant_masks"], offs)]
+                 for o, offs, end in zip(out, offsets, ends)]
     else:
         out = hf(whole, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = out["input_ids"], out["offset_mapping"]
@@ -108,21 +108,37 @@ def chat_samples(chats: list[Conversation], rendering, source: str) -> list[tupl
     return samples
 
 
-def _render(hf, conversations: list[list[dict]], template: str, prompt: bool, source: str,
+def _apply(hf, conversations: list[list[dict]], tools: list, **kwargs) -> list:
+    """``apply_chat_template`` of each conversation with its tools (those of like tools at once): each one's text,
+    or (``return_dict``) its fields."""
+    import json
+
+    groups: dict[str, list[int]] = {}
+    for k, t in enumerate(tools):
+        groups.setdefault(json.dumps(t, sort_keys=True) if t else "", []).append(k)
+    out: list = [None] * len(conversations)
+    for ks in groups.values():
+        got = hf.apply_chat_template([conversations[k] for k in ks], tools=tools[ks[0]], **kwargs)
+        for j, k in enumerate(ks):
+            out[k] = {name: values[j] for name, values in got.items()} if kwargs.get("return_dict") else got[j]
+    return out
+
+
+def _render(hf, conversations: list[list[dict]], tools: list, template: str, prompt: bool, source: str,
             rows: list[int] | None = None) -> list[str]:
     """The texts of ``conversations`` (``prompt``: with the generation prompt; ``rows``: the rows they are of, where
     not each its own); a template that refuses one: a line naming the row."""
     if not any(conversations):   # none to render (no prompts), or only empty ones (a reply first): nothing before
         return [""] * len(conversations)
-    render = (lambda chats: hf.apply_chat_template(chats, chat_template=template, tokenize=False,
-                                                   add_generation_prompt=prompt))
+    render = (lambda chats, tools: _apply(hf, chats, tools, chat_template=template, tokenize=False,
+                                          add_generation_prompt=prompt))
     try:
-        return render(conversations)
+        return render(conversations, tools)
     except Exception as e:
         line = next((x for x in str(e).splitlines() if x.strip()), type(e).__name__)
     for k, chat in enumerate(conversations):   # which row: one at a time, now that one is refused
         try:
-            render([chat])
+            render([chat], [tools[k]])
         except Exception:
             row = rows[k] if rows is not None else k
             raise ValueError(f"--data {source!r}: row {row + 1}: the chat template refuses it ({line[:200]}): "
@@ -135,10 +151,12 @@ def _spans(hf, chats: list[Conversation], whole: list[str], template: str, sourc
     """Each conversation's counted assistant spans, in characters of its text, prefix by prefix (see the module)."""
     where = [(r, i) for r, chat in enumerate(chats) for i in chat.counted()]
     first = [(r, i) for r, i in where if i > 0]   # a reply that opens the conversation: counted from its start
-    before = dict(zip(first, _render(hf, [chats[r].messages[:i] for r, i in first], template, True, source,
+    before = dict(zip(first, _render(hf, [chats[r].messages[:i] for r, i in first],
+                                     [chats[r].tools for r, _ in first], template, True, source,
                                      [r for r, _ in first])))
     inner = [(r, i) for r, i in where if i + 1 < len(chats[r].messages)]   # a last message's: the whole text
-    through = dict(zip(inner, _render(hf, [chats[r].messages[:i + 1] for r, i in inner], template, False, source,
+    through = dict(zip(inner, _render(hf, [chats[r].messages[:i + 1] for r, i in inner],
+                                      [chats[r].tools for r, _ in inner], template, False, source,
                                       [r for r, _ in inner])))
     spans: list[list[tuple]] = [[] for _ in chats]
     for r, i in where:
@@ -170,8 +188,8 @@ def _prompt_ends(hf, chats: list[Conversation], whole: list[str], template: str,
     """Where each conversation's completion begins, in characters (0: no prompt): where its prompt rendered for
     generation stops being a prefix of its text (the template's marks counted only past it)."""
     prompted = [r for r, chat in enumerate(chats) if chat.counted_from]
-    heads = _render(hf, [chats[r].messages[:chats[r].counted_from] for r in prompted], template, True, source,
-                    prompted)
+    heads = _render(hf, [chats[r].messages[:chats[r].counted_from] for r in prompted],
+                    [chats[r].tools for r in prompted], template, True, source, prompted)
     ends = [0] * len(chats)
     for r, head in zip(prompted, heads):
         ends[r] = _common_prefix(head, whole[r])

@@ -31,7 +31,7 @@ CHATML_MARKED = ("{% for message in messages %}{% if message['role'] == 'assista
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def save_chat_model(directory: Path, template: str | None = CHATML, seed: int = 7) -> Path:
+def save_chat_model(directory: Path, template: str | None = CHATML, seed: int = 7, positions: int = 128) -> Path:
     """A small Qwen2 causal LM (random, seeded) whose tokenizer (a BPE trained on the embedded text, the chat
     templates' special tokens added) has ``template`` (None: no template), as save_pretrained writes them."""
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -47,7 +47,7 @@ def save_chat_model(directory: Path, template: str | None = CHATML, seed: int = 
         tok.chat_template = template
     tok.save_pretrained(directory)
     config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions)
     torch.manual_seed(seed)
     Qwen2ForCausalLM(config).save_pretrained(directory)
     return directory

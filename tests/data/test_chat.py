@@ -136,15 +136,15 @@ def newline(model: str) -> int:
     return AutoTokenizer.from_pretrained(model).encode("\n", add_special_tokens=False)[0]
 
 
-def trl_labels(model: str, given: list[dict], tmp_path) -> tuple[list, list]:
+def trl_labels(model: str, given: list[dict], tmp_path, seq_len: int = SEQ) -> tuple[list, list]:
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model),
                          processing_class=AutoTokenizer.from_pretrained(model),
-                         args=SFTConfig(output_dir=str(tmp_path / "trl"), assistant_only_loss=True, max_length=SEQ + 1,
-                                        report_to=[], use_cpu=True),
+                         args=SFTConfig(output_dir=str(tmp_path / "trl"), assistant_only_loss=True,
+                                        max_length=seq_len + 1, report_to=[], use_cpu=True),
                          train_dataset=datasets.Dataset.from_list(given))
     return trainer.train_dataset["input_ids"], trainer.train_dataset["labels"]
 
@@ -304,3 +304,26 @@ def test_on_more_models_templates_the_labels_are_trl_s(tmp_path, name):
     for k, row in enumerate(counted):
         n = len(ids[row])
         assert ours.tokens[k, :n].tolist() == ids[row] and ours.targets[k, :n - 1].tolist() == labels[row][1:]
+
+
+def test_a_row_s_tools_are_rendered_with_it_and_not_counted_as_trl_renders_them(tmp_path):
+    pytest.importorskip("trl")
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "city": {"type": "string"}}, "required": ["city"]}}}
+    r = random.Random(4)
+    given = [{"messages": [m for m in conversation(r, tools=False) if m["role"] != "system"],
+              "tools": json.dumps([weather]) if k % 2 else None} for k in range(8)]
+    model = str(save_chat_model(tmp_path / "qwen3", trl_template("qwen3_instruct_2507"), positions=1024))
+    ours = prepared(write_rows(tmp_path / "rows.jsonl", given), model, seq_len=1023)
+    ids, labels = trl_labels(model, given, tmp_path, seq_len=1023)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    for k in range(8):
+        n = len(ids[k])
+        assert ours.tokens[k, :n].tolist() == ids[k] and ours.targets[k, :n - 1].tolist() == labels[k][1:]
+        assert ("get_weather" in tok.decode(ids[k])) == bool(k % 2)
+        assert "get_weather" not in tok.decode([t for t in ours.targets[k].tolist() if t != IGNORE])
+    with pytest.raises(ValueError, match="row 1: 'tools' is text that is not JSON"):
+        read_records(write_rows(tmp_path / "bad.jsonl", [{**given[0], "tools": "[{"}]))
