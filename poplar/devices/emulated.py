@@ -99,6 +99,7 @@ class EmulatedDevice(Device):
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         dilation = self.fixed_dilation or choose_dilation(self, self.probe)
+        self.probe = None     # its copy of the model is not kept beside the engine's
         figures = torch.tensor([dilation, time.time()], dtype=torch.float64)
         if world > 1:
             dilation = figures[:1].clone()
