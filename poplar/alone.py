@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from poplar.cluster.spec import ClusterSpec
 from poplar.planner import make_plan
 from poplar.planner.planner import PlanningError, PlanResult
+from poplar.profile.fits import check_holds_states
 from poplar.profile.options import ProfileOptions
 from poplar.simulate.profile import simulate_profile
 from poplar.workers import Worker, WorkerDied
@@ -57,7 +58,7 @@ def plan_alone(kind: str, workload: Workload, spec: ClusterSpec, global_batch: i
         return Alone(kind=kind, ranks=sub.world_size, why_not=f"a global batch of {global_batch} is smaller than "
                      f"its {sub.world_size} ranks"), None
     try:     # devices that cannot hold the model's states together: no plan, said at once (not a failed run)
-        sub.check_holds_states(workload.name, workload.n_params(), options.precision)
+        check_holds_states(workload, sub, options.precision)
     except ValueError as e:
         return Alone(kind=kind, ranks=sub.world_size, why_not=str(e)), None
     try:

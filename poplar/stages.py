@@ -88,6 +88,16 @@ class ZeroStage:
 OPTIMIZER_BYTES_PER_MASTER_BYTE = 2
 
 
+def frozen_bytes_per_param(precision: str) -> int:
+    """Bytes of each frozen parameter (LoRA's base weights) on every rank, in every stage: its weight alone, in the
+    compute precision (no gradient, no fp32 master, no optimizer state; no unit holds it, so no stage shards it).
+
+    >>> frozen_bytes_per_param("bf16"), frozen_bytes_per_param("fp16"), frozen_bytes_per_param("fp32")
+    (2, 2, 4)
+    """
+    return 4 if precision == "fp32" else 2
+
+
 STAGES: dict[int, ZeroStage] = {s.number: s for s in (
     ZeroStage(0, False, False, False, "replicate everything; all-reduce gradients once per step"),
     ZeroStage(1, True, False, False, "shard optimizer states and fp32 master; reduce-scatter gradients once per step"),

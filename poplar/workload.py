@@ -168,8 +168,12 @@ def model_source(model: str, **fields) -> ModelSource:
 
 def as_workload(x: str | dict | ModelSource) -> ModelSource:
     """A model source: itself, a preset's or a directory's from its name or path, or from its fields (an
-    :meth:`~ModelSource.identity`)."""
+    :meth:`~ModelSource.identity`: a LoRA source's holds its base's)."""
     if isinstance(x, dict):
+        if "lora" in x:
+            from poplar.models.lora import LoraSettings, LoraSource
+
+            return LoraSource(as_workload(x["base"]), LoraSettings(**x["lora"]))
         if "directory" in x:
             from poplar.models.pretrained import ModelDirectory
 

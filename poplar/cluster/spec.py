@@ -161,19 +161,31 @@ class ClusterSpec(BaseModel):
             return kind.cuda.total_memory
         return int(kind.memory_gib * self.memory_scale * 2**30)
 
-    def check_holds_states(self, name: str, n_params: int, precision: str) -> None:
-        """Refuse (one line) a model of ``n_params`` whose states these devices cannot hold together even in ZeRO-3
-        (one copy over the cluster, any shares: the stage's sharded bytes a parameter times the parameters)."""
+    def check_holds_states(self, name: str, n_params: int, precision: str, frozen: int = 0) -> None:
+        """Refuse (one line) a model of ``n_params`` trained parameters whose states these devices cannot hold
+        together even in ZeRO-3 (one copy over the cluster, any shares: the stage's sharded bytes a parameter times
+        the parameters), beside ``frozen`` parameters (LoRA's base weights) that every device holds whole, weights
+        alone (:func:`~poplar.stages.frozen_bytes_per_param`)."""
+        from poplar.stages import frozen_bytes_per_param
         from poplar.stages import stage as zero_stage
 
         per_param = zero_stage(3).sharded_bytes_per_param(precision)
         need = per_param * n_params
-        held = sum(self.memory_bytes(d) for d in self.rank_devices())
+        each = frozen_bytes_per_param(precision) * frozen
+        smallest = min(self.rank_devices(), key=self.memory_bytes)
+        if each > self.memory_bytes(smallest):
+            raise ValueError(f"{name}'s {_count(frozen)} frozen parameters take {_size(each)} on every device "
+                             f"({frozen_bytes_per_param(precision)} bytes a parameter in {precision}), more than "
+                             f"{smallest.kind}'s {_size(self.memory_bytes(smallest))}: use larger devices, a lower "
+                             "precision, or choose a smaller model")
+        held = sum(self.memory_bytes(d) - each for d in self.rank_devices())
         if need > held:
-            raise ValueError(f"{name} has {_count(n_params)} parameters: its model states take at least "
-                             f"{_size(need)} in ZeRO-3 ({per_param} bytes a parameter in {precision}), more than "
-                             f"the {self.world_size} device{'s' * (self.world_size > 1)} of this cluster hold "
-                             f"together ({_size(held)}): add devices or larger ones, or choose a smaller model")
+            beside = f" beside the frozen weights' {_size(each)} on each device" if frozen else ""
+            raise ValueError(f"{name} has {_count(n_params)} {'trained ' if frozen else ''}parameters: its model "
+                             f"states take at least {_size(need)} in ZeRO-3 ({per_param} bytes a parameter "
+                             f"in {precision}){beside}, more than the {self.world_size} device"
+                             f"{'s' * (self.world_size > 1)} of this cluster hold together ({_size(held)}): add "
+                             "devices or larger ones, or choose a smaller model")
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:

@@ -75,6 +75,7 @@ class Engine:
         self.stage = stage(plan.zero_stage)
         self.compute_dtype = config.compute_dtype
 
+        frozen = self._cast_untrained(model)
         empty = values_to_read(model.parameters(), self.device)
         if empty:   # its values are read into the shards (poplar.engine.weights)
             check_empty_model(model, self.device, weights)
@@ -83,11 +84,6 @@ class Engine:
         check_same_everywhere(self.comm, plan, model, self.device)
         self.model = model
         self._broadcast_non_trainable()
-        if self.compute_dtype != torch.float32:   # what the units do not hold computes in bf16 too
-            frozen = [p for p in model.parameters() if not p.requires_grad]
-            for t in list(model.buffers()) + frozen:
-                if t.is_floating_point():
-                    t.data = t.data.to(self.compute_dtype)
         specs = build_units(model, config.unit_classes, config.unit_numel)
         check_shape(plan, self.world_size, [s.params for s in specs])
         self.shard_layout = ShardLayout.build(self.comm, plan.shard_groups, plan.shard_shares)
@@ -113,7 +109,8 @@ class Engine:
         self._update = Update(self.units, self.optimizer, self.stage, self.shard_layout, self.comm, config,
                               self.device)
         self._state = EngineState(model, self.units, self.optimizer, self.device, self.comm)
-        self._memory = ModelStateMemory(self.units, self.optimizer, self.compute_dtype, self._reducer, self._unsharder)
+        self._memory = ModelStateMemory(self.units, self.optimizer, self.compute_dtype, self._reducer, self._unsharder,
+                                        frozen)
         self.global_steps = 0
         self.skipped_steps = 0
         self._loss_sum = torch.zeros(())
@@ -124,6 +121,17 @@ class Engine:
         return self._reducer.on_unit_done
 
     # ------------------------------------------------------------------ set-up checks
+    def _cast_untrained(self, model: nn.Module) -> list[nn.Parameter]:
+        """The frozen parameters (no unit holds them: LoRA's base weights, whole on every rank), returned; they and
+        the buffers in the compute precision (they compute in bf16 too), cast before the model moves to the device,
+        where they are never held in fp32."""
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        if self.compute_dtype != torch.float32:
+            for t in [*model.buffers(), *frozen]:
+                if t.is_floating_point():
+                    t.data = t.data.to(self.compute_dtype)
+        return frozen
+
     def _broadcast_non_trainable(self) -> None:
         with torch.no_grad():
             for t in list(self.model.buffers()) + [p for p in self.model.parameters() if not p.requires_grad]:
@@ -244,9 +252,10 @@ class Engine:
         calls it, between steps."""
         save()
         self.close()
-        with torch.no_grad():   # the model's tensors as built (ZeRO-3 freed their storage): the values come from load
-            for param in self.model.parameters():
-                param.data = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+        with torch.no_grad():   # the units' tensors as built (ZeRO-3 freed their storage): the values come from load
+            for param in self.model.parameters():   # (a frozen one is in no unit and no checkpoint: kept as it is)
+                if param.requires_grad:
+                    param.data = torch.empty(param.shape, dtype=param.dtype, device=param.device)
         self.__init__(self.model, self._optimizer_factory, plan, self.config, comm=self.comm)
         load()
 

@@ -1,6 +1,8 @@
 """What the engine's model state holds in memory: bytes by kind, and the steady level of a step.
 
-:class:`ModelStateMemory` measures the units' and the optimizer's tensors; what a step
+:class:`ModelStateMemory` measures the units' and the optimizer's tensors, and the frozen
+parameters (LoRA's base weights: no unit holds them, every rank keeps them whole in the
+compute precision, with no gradient, no master and no optimizer state); what a step
 allocates on the way it reads from the schedule the engine's parts publish (the
 gradient buckets alive at once, :attr:`GradReducer.full_buckets_alive`; the parameters
 gathered at once, :attr:`Unsharder.gathered_numel`), so the two cannot drift apart.
@@ -37,16 +39,18 @@ class ModelStateMemory:
     """The bytes of the units' buffers and the optimizer's states, now and through a step."""
 
     def __init__(self, units: list[FlatUnit], optimizer: torch.optim.Optimizer, compute_dtype: torch.dtype,
-                 reducer: GradReducer, unsharder: Unsharder | None):
+                 reducer: GradReducer, unsharder: Unsharder | None, frozen: list[torch.Tensor] = ()):
         self.units, self.optimizer, self.compute_dtype = units, optimizer, compute_dtype
         self.reducer, self.unsharder = reducer, unsharder
+        self.frozen = list(frozen)    # the parameters no unit holds (read at each count: cast after the engine's start)
 
     def report(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind, measured from the tensors themselves.
 
         ``parameters``: the model's parameter storage (full or shard); ``master``: fp32
         master weights not shared with it; ``gradients``: gradient accumulators;
-        ``optimizer``: optimizer states. Storages shared by views are counted once.
+        ``optimizer``: optimizer states; ``frozen``: the frozen parameters, weights alone. Storages shared by views
+        are counted once.
         """
         seen: set[int] = set()
         units = self.units
@@ -56,6 +60,7 @@ class ModelStateMemory:
             "gradients": _storage_bytes([u.grad_full for u in units] + [u.grad_shard for u in units], seen),
             "optimizer": _storage_bytes((t for st in self.optimizer.state.values() for t in st.values()
                                          if isinstance(t, torch.Tensor) and t.dim() > 0), seen),
+            "frozen": _storage_bytes(self.frozen, seen),
         }
         report["total"] = sum(report.values())
         return report
@@ -86,5 +91,5 @@ class ModelStateMemory:
         The storages are the engine's own buffers that autograd saves by reference
         (``untyped_storage()._cdata``), so a device's accounting of saved activations skips them.
         """
-        tensors = [u.full_param for u in self.units] + [u.master.data for u in self.units]
+        tensors = [u.full_param for u in self.units] + [u.master.data for u in self.units] + self.frozen
         return self.model_state_bytes(), {t.untyped_storage()._cdata for t in tensors}

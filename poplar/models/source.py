@@ -57,6 +57,15 @@ def build_for_rank(source: ModelSource, seed: int, device: torch.device | str = 
     return found if found is not None else (source.build(seed=seed), None)
 
 
+def trained_and_frozen(source: ModelSource) -> tuple[int, int]:
+    """The parameters of ``source``'s model the engine trains (its units: sharded, reduced, updated) and those it
+    keeps frozen (weights alone, whole on every rank): a source's own count where it keeps one
+    (``frozen_params()``, a LoRA source's), else every parameter trained."""
+    frozen = getattr(source, "frozen_params", None)
+    frozen = frozen() if callable(frozen) else 0
+    return source.n_params() - frozen, frozen
+
+
 def check_scalar_loss(loss: Callable, model: torch.nn.Module, batch, what: str, fix: str) -> None:
     """``loss(model, batch)`` (no gradients) is a finite scalar, or a ``ValueError`` in one line: ``what`` the
     source is, what the loss raised or gave, and ``fix``, what to give instead (before anything is profiled)."""

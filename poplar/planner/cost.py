@@ -177,14 +177,14 @@ class CostModel:
         full = dev.stages.get(0)
         full = full if full is not None and full.points else None
         if self.fraction is not None:
-            return stage_at_share(sp, stage=self.stage, precision=model.dtype, n_params=model.n_params,
+            return stage_at_share(sp, stage=self.stage, precision=model.dtype, n_params=model.trained_params,
                                   world=self.profile.world_size, capacity=dev.memory_gb * 2**30,
                                   fraction=self.fraction[self._first[kind]], full=full,
                                   buffers=self._buffers, uneven=len(set(self.fraction)) > 1)
         if self.shape is None:
             return sp
         sizes = [len(g) for g in self.shape.groups if any(self.profile.ranks[self.ranks[i]] == kind for i in g)]
-        return shaped_stage(sp, stage=self.stage, n_params=model.n_params, world=self.profile.world_size,
+        return shaped_stage(sp, stage=self.stage, n_params=model.trained_params, world=self.profile.world_size,
                             group=min(sizes), capacity=dev.memory_gb * 2**30, precision=model.dtype,
                             full=full)
 
@@ -199,7 +199,7 @@ class CostModel:
         """Communication of a step of ``accum`` micro-steps that nothing can hide, however the compute falls:
         the root's collectives (a lower bound of what :meth:`predict` finds exposed)."""
         model = self.profile.model
-        full = float(model.n_params)
+        full = float(model.trained_params)
         last = float(model.unit_numels[0]) if model.unit_numels else full
         if self.stage == 0:
             return self._coll("all_reduce", last)

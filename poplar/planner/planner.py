@@ -209,8 +209,9 @@ def _limits_at(profile: Profile, stage: int, kinds: list[str], shares: list[floa
     total, model = sum(shares), profile.model
     first = {k: s for k, s in zip(kinds, shares)}
     buffers = gather_buffer_bytes(fractions(shares), stage, model.unit_numels, model.dtype)
-    return tuple(stage_at_share(profile.stage(k, stage), stage=stage, precision=model.dtype, n_params=model.n_params,
-                                world=profile.world_size, fraction=w / total, buffers=buffers,
+    return tuple(stage_at_share(profile.stage(k, stage), stage=stage, precision=model.dtype,
+                                n_params=model.trained_params, world=profile.world_size, fraction=w / total,
+                                buffers=buffers,
                                 capacity=profile.devices[k].memory_gb * 2**30).max_micro_batch
                  for k, w in first.items())
 

@@ -156,7 +156,7 @@ class StepSchedule:
 
     def __init__(self, profile, stage: int, shape: Shape | None = None, gather_scale: float = 1.0):
         model = profile.model
-        self.numels = list(model.unit_numels) or [model.n_params]
+        self.numels = list(model.unit_numels) or [model.trained_params]
         weights = model.unit_flops if len(model.unit_flops) == len(self.numels) and sum(model.unit_flops) > 0 \
             else self.numels
         self.shares = [w / sum(weights) for w in weights]

@@ -119,7 +119,7 @@ def room_shares(profile: Profile, stage: int, kinds: list[str]) -> dict[int, lis
     """``{m: each rank's weight}``: in proportion to the sharded states its kind holds at most beside ``m`` samples
     (as :func:`stage_at_share` reads the memory points), for each ``m`` = 1, 2, 4, ... the cluster has room for."""
     model = profile.model
-    whole = zero_stage(stage).sharded_bytes_per_param(model.dtype) * model.n_params
+    whole = zero_stage(stage).sharded_bytes_per_param(model.dtype) * model.trained_params
     out = {}
     for m in (2 ** i for i in range(ROOM_TRIES)):
         shares, buffers = None, 0.0

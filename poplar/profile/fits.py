@@ -21,6 +21,15 @@ if TYPE_CHECKING:
 
 def check_states_fit(wl: Workload, spec: ClusterSpec, precision: str) -> None:
     """Raise a one-line ``ValueError`` where a device has no hardware for ``precision`` (bf16 on a V100), or the
-    cluster's devices together cannot hold the model's states (:meth:`ClusterSpec.check_holds_states`)."""
+    cluster's devices together cannot hold the model's states (:meth:`ClusterSpec.check_holds_states`: its frozen
+    weights, LoRA's base, whole on every device)."""
     spec.check_precision(precision)
-    spec.check_holds_states(wl.name, wl.n_params(), precision)
+    check_holds_states(wl, spec, precision)
+
+
+def check_holds_states(wl: Workload, spec: ClusterSpec, precision: str) -> None:
+    """:meth:`ClusterSpec.check_holds_states` for ``wl``'s trained and frozen parameters."""
+    from poplar.models.source import trained_and_frozen
+
+    trained, frozen = trained_and_frozen(wl)
+    spec.check_holds_states(wl.name, trained, precision, frozen=frozen)

@@ -241,6 +241,9 @@ class ModelInfo(BaseModel):
 
     name: str
     n_params: int
+    frozen_params: int = Field(0, ge=0, description="of them, those not trained (LoRA's base weights): held whole "
+                               "on every rank in the compute precision, with no gradient, master or optimizer "
+                               "state, never sharded nor communicated (in state_bytes as they are)")
     seq_len: int
     unit_numels: list[int] = Field(default_factory=list, description="parameters of each engine unit (the root "
                                    "first); each is one gradient bucket")
@@ -248,6 +251,11 @@ class ModelInfo(BaseModel):
                                     "(the root first), each unit's own: its share of the compute, in the schedule "
                                     "(poplar.planner.schedule); empty in profiles written before it was recorded")
     dtype: str = "fp32"
+
+    @property
+    def trained_params(self) -> int:
+        """The parameters the engine trains: what its stages shard and its collectives move."""
+        return self.n_params - self.frozen_params
 
 
 _ENGINE = EngineConfig.model_fields   # the engine's defaults, not a copy of them

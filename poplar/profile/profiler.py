@@ -196,5 +196,6 @@ def model_info(wl: Workload, precision: str, config: EngineConfig) -> ModelInfo:
     built: on fake tensors, where made inside them)."""
     model = wl.build()
     return ModelInfo(name=wl.name, n_params=sum(p.numel() for p in model.parameters()),
+                     frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
                      unit_numels=unit_numels(model, config), unit_flops=unit_flops(wl, config, model),
                      seq_len=wl.seq_len, dtype=precision)

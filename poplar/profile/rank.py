@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 import poplar
 from poplar.cluster.spec import parse_cluster
 from poplar.engine.config import EngineConfig
+from poplar.models.source import trained_and_frozen
 from poplar.profile.anatomy import marked_step, measure_anatomy
 from poplar.profile.options import ProfileOptions
 from poplar.profile.probe import largest_micro_batch
@@ -62,12 +63,12 @@ def profile_rank(rank: int, world_size: int, workload: str | Workload | dict, cl
     wl = as_workload(workload)
     kind = spec.device(rank).kind
     reports = [d.kind for d in spec.rank_devices()].index(kind) == rank   # the first rank of each kind
-    with rank_device(spec, rank, wl, config.mixed_precision) as device:
+    with rank_device(spec, rank, wl, config.mixed_precision, most=options.max_micro_batch) as device:
         device.check_cluster(spec, rank)
         run = RankRun(device, rank, world_size, wl, config, options.warmup, options.repeats or device.timing_repeats,
                       kind, progress if reports else None)
         stages = {s: profile_stage(run, s, options) for s in options.stages}
-        comm = time_collectives(device, wl.n_params(), spec.node_groups(), repeats=run.repeats,
+        comm = time_collectives(device, trained_and_frozen(wl)[0], spec.node_groups(), repeats=run.repeats,
                                 units=bucket_numels(wl, config))
         return RankProfile(kind=kind, stages=stages, comm=comm, dilation=device.dilation, overruns=device.overruns)
 

@@ -296,7 +296,8 @@ def simulate_profile(workload: str | Workload, cluster, options: ProfileOptions 
         info = _INFO.get_or((model_key(wl), options.precision, config.model_dump_json()),
                             lambda: model_info(wl, options.precision, config))
     profile = assemble(wl, spec, options.precision, config, stages, None, info.model_copy(deep=True))
-    return profile.model_copy(update={"comm": simulated_comm(spec, wl.n_params(), tuple(profile.model.unit_numels))})
+    comm = simulated_comm(spec, profile.model.trained_params, tuple(profile.model.unit_numels))
+    return profile.model_copy(update={"comm": comm})
 
 
 def _resolved(options: ProfileOptions | None, config: EngineConfig | None) -> tuple[ProfileOptions, EngineConfig]:
