@@ -233,6 +233,7 @@ def export(
 
     The run trained a Hugging Face model (a model directory or a preset such as llama-tiny); the
     directory written holds its config, weights (safetensors) and tokenizer, and from_pretrained loads it.
+    A LoRA run's is its adapter, as PEFT saves one (with lora.merge, the merged model in merged/).
 
     Example:
       poplar export runs/mine --out mine-model
@@ -251,6 +252,11 @@ def export(
     except RankFailed as e:
         _error(console, e.line)
         raise typer.Exit(1) from None
+    if (written / "adapter_config.json").is_file():    # a LoRA run's adapters (and, merged, the model beside them)
+        merged = f"; the merged model in {written / 'merged'}" if (written / "merged").is_dir() else ""
+        say(console, f"exported {run}'s adapter to {written} (peft.PeftModel.from_pretrained loads it onto the base "
+                     f"model){merged}")
+        return
     say(console, f"exported {run} to {written} (from_pretrained loads it)")
 
 

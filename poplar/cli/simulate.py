@@ -42,6 +42,8 @@ def simulate(
     max_micro_batch: int = typer.Option(256, min=1, help="largest micro-batch the memory search tries"),
     mixed_precision: str = typer.Option("none", help="none (fp32), bf16 or fp16 (the engine's mixed precisions)"),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help=CHECKPOINTING_HELP),
+    lora: str | None = typer.Option(None, help="LoRA adapters trained beside the frozen model: "
+                                    "r=16,alpha=32,targets=q_proj,v_proj (or on for the defaults)"),
     alone: bool = typer.Option(True, help="also plan each kind's homogeneous cluster (the paper's baselines)"),
     workers: int | None = typer.Option(None, min=0, help="processes that simulate the kinds alone beside this one "
                                        "(default: the cores to spare; 0: all here)"),
@@ -58,30 +60,27 @@ def simulate(
       poplar simulate --cluster two-node-10gbe --model tiny --global-batch 256
       poplar simulate --cluster examples/clusters/memory-differs-4+4.yaml --model llama-7b \
         --seq-len 2048 --mixed-precision bf16 --global-batch 512
+      poplar simulate --cluster compute-differs --model llama-tiny --global-batch 64 \
+        --lora r=8,targets=q_proj,v_proj
     """
-    from pydantic import ValidationError
-
     from poplar.cli.inputs import BAD_INPUT_ERRORS, _error
     from poplar.cli.output import console as _console
 
-    console = _console()
-    stage_list, spec, tokens = _options(console, cluster, model, mixed_precision, stages, global_batch,
-                                        global_batch_tokens, [(out, "--out"), (profile_out, "--profile-out"),
-                                                              (json_out, "--json"), (plot, "--plot")])
+    console = _console()   # a preset's states are held to the cluster by arithmetic at once; with LoRA, as made
+    stage_list, spec, tokens = _options(console, cluster, None if lora else model, mixed_precision, stages,
+                                        global_batch, global_batch_tokens,
+                                        [(out, "--out"), (profile_out, "--profile-out"), (json_out, "--json"),
+                                         (plot, "--plot")])
     from poplar.evaluate import evaluate
     from poplar.lazy import imported_for_good, no_last_collection
     from poplar.profile.options import ProfileOptions
-    from poplar.workload import model_source
 
     imported_for_good()     # this command's process: the simulator's collections scan only what it makes
     no_last_collection()    # (its files are written whole, each closed)
     try:   # what needs the model, before anything is simulated; then a PlanningError: no stage can run it
         options = ProfileOptions(stages=stage_list, n_points=points, max_micro_batch=max_micro_batch,
                                  precision=mixed_precision)
-        try:
-            workload = model_source(model, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
-        except ValidationError as e:
-            raise ValueError(f"--model/--seq-len: {e.errors()[0]['msg']}") from None
+        workload = _workload(model, seq_len, activation_checkpointing, lora)
         batch = global_batch if tokens is None else _samples(global_batch_tokens, tokens, workload.seq_len)
         spec.check_global_batch(batch)
         evaluation, result = evaluate(workload, spec, batch, options, alone=alone, workers=workers)
@@ -89,6 +88,25 @@ def simulate(
         _error(console, e)
         raise typer.Exit(2) from None
     _report(console, evaluation, result, [(out, "plan"), (profile_out, "profile"), (json_out, "json"), (plot, "plot")])
+
+
+def _workload(model: str, seq_len: int | None, activation_checkpointing: bool, lora: str | None):
+    """The model the options name, with LoRA adapters where ``--lora`` gives them (their targets checked against
+    the model: one line, before anything is simulated)."""
+    from pydantic import ValidationError
+
+    from poplar.workload import model_source
+
+    try:
+        workload = model_source(model, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
+    except ValidationError as e:
+        raise ValueError(f"--model/--seq-len: {e.errors()[0]['msg']}") from None
+    if lora is None:
+        return workload
+    from poplar.cli.train import lora_option
+    from poplar.models.lora import LoraSettings, LoraSource
+
+    return LoraSource(workload, LoraSettings(**lora_option(lora)))
 
 
 def _report(console, evaluation, result, writes: list[tuple[Path | None, str]]) -> None:
@@ -100,7 +118,9 @@ def _report(console, evaluation, result, writes: list[tuple[Path | None, str]]) 
                   _kinds_table(evaluation)):
         console.print(table)
     say(console, f"chosen: {evaluation.reason}")
-    say(console, f"simulated {result.profile.model.n_params:,} parameters on {evaluation.world_size} ranks in "
+    model = result.profile.model
+    trained = f" ({model.trained_params:,} trained, the rest frozen)" if model.frozen_params else ""
+    say(console, f"simulated {model.n_params:,} parameters{trained} on {evaluation.world_size} ranks in "
                  f"{evaluation.simulated_s:.1f} s, planned in {evaluation.planned_s:.1f} s")
     write = {"plan": result.save, "profile": result.profile.save, "plot": lambda p: _plot(evaluation, p),
              "json": lambda p: p.write_text(evaluation.model_dump_json(indent=1))}

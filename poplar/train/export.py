@@ -7,12 +7,21 @@ its own under an index, as ``save_pretrained`` writes a sharded model, with the 
 beside them the tokenizer the run trained with: the model directory's own, or the one
 trained on the run's text, saved as a fast tokenizer. No process holds the whole model.
 Nothing is overwritten: the output directory must be new or empty.
+
+A LoRA run (:mod:`poplar.models.lora`) is written as PEFT writes an adapter
+(``adapter_config.json``, ``adapter_model.safetensors``: what
+``peft.PeftModel.from_pretrained(base, directory)`` loads), its values read from the
+checkpoint as above, with the tokenizer; with ``lora.merge`` also the merged model
+(the adapters folded into the base's weights by PEFT's ``merge_and_unload``) in
+``merged/`` beside it, a directory ``from_pretrained`` loads. The merge builds the whole
+model once in this process.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from poplar.models.lora import LoraSource
 from poplar.train.checkpoint import CheckpointError, find_resumable, read_meta
 from poplar.train.config import TrainConfig
 
@@ -30,9 +39,13 @@ def check_export_dir(out: str | Path) -> Path:
 
 def check_exportable(model_source) -> None:
     """Only a Hugging Face model can be written as one: a model directory or a Hugging Face preset (the built-in
-    presets and a factory's modules are the user's or Poplar's own)."""
+    presets and a factory's modules are the user's or Poplar's own); a LoRA adapter, of one."""
+    from poplar.models.lora import LoraSource
     from poplar.models.pretrained import ModelDirectory
     from poplar.workload import Workload
+
+    if isinstance(model_source, LoraSource):
+        model_source = model_source.base
 
     hf = isinstance(model_source, ModelDirectory) or (isinstance(model_source, Workload) and
                                                        model_source.family != "tiny")
@@ -60,36 +73,49 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
     wl = as_workload(meta["workload"])
     check_exportable(wl)
     out.mkdir(exist_ok=True)
-    _write_weights(wl, cfg.seed, cfg.engine, checkpoint, meta, out)
+    if isinstance(wl, LoraSource):
+        _write_adapter(wl, cfg, checkpoint, meta, out)
+    else:
+        _write_weights(wl, cfg.seed, cfg.engine, checkpoint, meta, out)
     _save_tokenizer(cfg.model_data, wl, out)
     return out
 
 
-def _write_weights(wl, seed: int, engine, checkpoint: Path, meta: dict, out: Path) -> None:
-    """The model's config, and its weights unit by unit: each unit's fp32 master read from the checkpoint whole
-    (any stage, world size and plan wrote it), cut into its parameters and written as a safetensors file of its
-    own, under an index; then the saved buffers. One unit in memory at a time, never the whole model.
-    ``seed``: the run's; ``engine``: its engine options (how its units were cut)."""
-    import json
-
+def _write_adapter(wl, cfg: TrainConfig, checkpoint: Path, meta: dict, out: Path) -> None:
+    """The trained adapters as PEFT saves them, read from the checkpoint (frozen weights are in none: they are the
+    base's); with ``lora.merge``, the merged model in ``out/merged`` with the tokenizer."""
     import torch
-    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        model = wl.build(seed=cfg.seed)
+    adapters = {name: t for unit in _unit_tensors(wl, model, cfg.engine, checkpoint, meta) for name, t in unit.items()}
+    model.peft_config["default"].base_model_name_or_path = getattr(wl.base, "directory", None) or wl.base.name
+    model.save_pretrained(out, state_dict=adapters, save_embedding_layers=False)
+    if cfg.lora is not None and cfg.lora.merge:
+        trained = wl.build(seed=cfg.seed)     # the base's own weights (or its seeded ones), and the adapters
+        missing = set(adapters) - set(trained.state_dict())
+        if missing:
+            raise CheckpointError(f"checkpoint {checkpoint}: {sorted(missing)[0]} is no adapter of {wl.name}")
+        trained.load_state_dict(adapters, strict=False)
+        merged = trained.merge_and_unload()
+        merged.save_pretrained(out / "merged")
+        _save_tokenizer(cfg.model_data, wl, out / "merged")
+
+
+def _unit_tensors(wl, model, engine, checkpoint: Path, meta: dict):
+    """Each unit's parameters (``{name: tensor}``, a unit at a time): its fp32 master read from the checkpoint whole
+    (any stage, world size and plan wrote it) and cut as ``model`` (``wl``'s, built on the meta device) lays them
+    out. ``engine``: the run's engine options (how its units were cut)."""
+    import torch
 
     from poplar.engine.units import build_units, names_of
     from poplar.train.checkpoint import read_tensors
 
-    with torch.device("meta"):
-        model = wl.build(seed=seed)
     specs = build_units(model, engine.unit_classes, engine.unit_numel)
     if [{"name": s.name, "numel": sum(p.numel() for p in s.params)} for s in specs] != meta.get("layout"):
         raise CheckpointError(f"checkpoint {checkpoint} holds other units than {wl.name} is cut into: export it "
                               "with the engine options it was trained with")
     names = names_of(model)
-    params = {n for ns in names.values() for n in ns}
-    buffers = {f"buffer.{k}": torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()
-               if k not in params}
-    n = len(specs) + bool(buffers)
-    files, weight_map, total = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)], {}, 0
     for i, spec in enumerate(specs):
         flat = {f"unit{i}.master": torch.empty(sum(p.numel() for p in spec.params))}
         read_tensors(checkpoint, flat)
@@ -97,6 +123,30 @@ def _write_weights(wl, seed: int, engine, checkpoint: Path, meta: dict, out: Pat
         for p in spec.params:   # a tied parameter once, under its first name (from_pretrained ties the rest)
             tensors[names[id(p)][0]] = flat[f"unit{i}.master"][offset:offset + p.numel()].view(p.shape).clone()
             offset += p.numel()
+        yield tensors
+
+
+def _write_weights(wl, seed: int, engine, checkpoint: Path, meta: dict, out: Path) -> None:
+    """The model's config, and its weights unit by unit (:func:`_unit_tensors`), each unit a safetensors file of
+    its own, under an index; then the saved buffers. One unit in memory at a time, never the whole model.
+    ``seed``: the run's; ``engine``: its engine options (how its units were cut)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from poplar.engine.units import names_of
+    from poplar.train.checkpoint import read_tensors
+
+    with torch.device("meta"):
+        model = wl.build(seed=seed)
+    params = {n for ns in names_of(model).values() for n in ns}
+    buffers = {f"buffer.{k}": torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()
+               if k not in params}
+    units = _unit_tensors(wl, model, engine, checkpoint, meta)
+    n = len(meta.get("layout") or []) + bool(buffers)
+    files, weight_map, total = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)], {}, 0
+    for i, tensors in enumerate(units):
         total += _save(tensors, out / files[i], weight_map, save_file)
     if buffers:
         read_tensors(checkpoint, buffers)
