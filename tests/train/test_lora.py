@@ -9,8 +9,6 @@ the frozen weights than beside a full fine-tune's states; bad input is one line.
 
 from __future__ import annotations
 
-import hashlib
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from poplar.cli.train import lora_option
 from poplar.train.config import load_config
 from poplar.train.dataset import workload_of
 from poplar.train.run import run_training
+from tests.test_bad_input import _files, run_case
 from tests.train.test_your_model import write_pairs
 
 
@@ -248,23 +247,11 @@ def test_the_profiler_measures_more_samples_beside_frozen_weights_than_beside_a_
 
 
 # -- bad input: one line, exit 2, nothing written, in under 10 s ---------------------------------------------------
-def _files(tmp: Path) -> dict:
-    return {str(p.relative_to(tmp)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(tmp.rglob("*")) if p.is_file()}
-
-
 def _refused(tmp: Path, args: list[str]) -> str:
-    """The one line ``poplar`` refuses ``args`` with, having written nothing, within 10 s."""
-    from typer.testing import CliRunner
-
-    from poplar.cli.main import app
-
+    """The one line ``poplar`` refuses ``args`` with (exit 2), having written nothing, within 10 s."""
     before = _files(tmp)
-    start = time.perf_counter()
-    result = CliRunner().invoke(app, args)
-    seconds = time.perf_counter() - start
-    output = result.output.strip()
-    assert result.exit_code == 2, output
+    code, output, seconds = run_case(args, tmp)
+    assert code == 2, output
     assert seconds < 10, f"refused after {seconds:.1f} s: {output}"
     assert len(output.splitlines()) == 1 and output.startswith("error: ") and "Traceback" not in output, output
     assert _files(tmp) == before and not (tmp / "run").exists() and not (tmp / "exported").exists()
