@@ -42,7 +42,7 @@ class ModelStateMemory:
                  reducer: GradReducer, unsharder: Unsharder | None, frozen: list[torch.Tensor] = ()):
         self.units, self.optimizer, self.compute_dtype = units, optimizer, compute_dtype
         self.reducer, self.unsharder = reducer, unsharder
-        self.frozen = list(frozen)    # the parameters no unit holds (read at each count: cast after the engine's start)
+        self.frozen = list(frozen)    # the parameters no unit holds (their storage read at each count)
 
     def report(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind, measured from the tensors themselves.
