@@ -92,6 +92,9 @@ def _write_adapter(wl, cfg: TrainConfig, checkpoint: Path, meta: dict, out: Path
     model.peft_config["default"].base_model_name_or_path = getattr(wl.base, "directory", None) or wl.base.name
     model.save_pretrained(out, state_dict=adapters, save_embedding_layers=False)
     if cfg.lora is not None and cfg.lora.merge:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()     # the command's output is its own lines
         trained = wl.build(seed=cfg.seed)     # the base's own weights (or its seeded ones), and the adapters
         missing = set(adapters) - set(trained.state_dict())
         if missing:
