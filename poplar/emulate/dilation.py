@@ -24,7 +24,8 @@ small probes of each kind of work on this host against their declared time:
   host-bound one it never will. Nor does a small model run the millions of samples a
   large card would hold: its step costs about the same at 1 and at 8 samples on both,
   and their difference (the host's noise) taken out that far would set a pace
-  thousands of times slower than the work needs;
+  thousands of times slower than the work needs. Where a step at the largest is cheap
+  on the host (under ``DIRECT_S``), it is timed there instead of taken out from 8;
 - all-reduces, reduce-scatters and all-gathers of a few bytes, 64 KiB and 1 MiB a rank,
   none larger than the probe's model (``model_bytes``: no collective of its step carries
   more): the real collectives against the declared links (the median of several rounds:
@@ -58,6 +59,7 @@ COMM_REPEATS = 9
 # largest micro-batch, is its ratio; of 3 runs each, one after the other, the host's noise set that anywhere
 # from 12 to 270 for a 6-17-9-2 MLP
 PROBE_BUDGET_S = 0.2
+DIRECT_S = 0.05   # host seconds of a step at the largest micro-batch below which it is timed there itself
 MAX_ROUNDS = 100
 COMM_NUMELS = (1, 16 * 1024, 256 * 1024)   # fp32 elements a rank of the probed collectives: a few bytes, 64 KiB, 1 MiB
 
@@ -162,8 +164,20 @@ def model_bytes(probe) -> int | None:
 def probe_ratio(device, probe) -> float:
     """The worst ratio of host to device time over the micro-batches ``probe``'s work can run on ``device``
     (:func:`largest_samples`): what the work the rank will run asks of the dilation."""
+    most = largest_samples(device, probe)
     one, eight = _timed(device, [lambda: probe(1), lambda: probe(8)], 3, PROBE_BUDGET_S)
-    return worst_ratio((1, *one), (8, *eight), largest_samples(device, probe))
+    if most is not None and 8 < most and _at(most, (1, *one), (8, *eight)) <= DIRECT_S:
+        # cheap to run: timed where it will run rather than taken out from 8 samples (a host's threads, or a cut
+        # in its kernels, makes the cost of a sample more at 8 no guide to it at the largest)
+        one, top = _timed(device, [lambda: probe(1), lambda: probe(most)], 3, PROBE_BUDGET_S)
+        return worst_ratio((1, *one), (most, *top), most)
+    return worst_ratio((1, *one), (8, *eight), most)
+
+
+def _at(m: int, small: tuple[int, float, float], large: tuple[int, float, float]) -> float:
+    """Host seconds at ``m`` samples, on the line through two measured ``(micro_batch, host s, device s)``."""
+    (m1, real_1, _), (m2, real_2, _) = small, large
+    return real_2 + max(real_2 - real_1, 0.0) / (m2 - m1) * (m - m2)
 
 
 def worst_ratio(small: tuple[int, float, float], large: tuple[int, float, float], most: int | None) -> float:

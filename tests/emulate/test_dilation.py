@@ -60,3 +60,29 @@ def test_the_most_samples_is_what_the_memory_probe_finds_beside_no_states(wl, sc
 def test_a_probe_that_names_no_model_is_not_bounded():
     spec = parse_cluster({"memory_scale": 0.001, "devices": [{"kind": "t4", "gpu": "T4-16GB"}]})
     assert largest_samples(EmulatedDevice(spec, 0), lambda m: None) is None
+
+
+@pytest.mark.paced
+def test_a_cheap_probe_is_timed_at_its_largest_micro_batch_not_taken_out_from_8_samples():
+    # a step whose cost jumps past 8 samples (a host's threads, a kernel's cut): the line through 1 and 8 samples
+    # says nothing of it; timed at the largest micro-batch the run takes (cheap here), its ratio is what it runs at
+    import time
+
+    import torch
+
+    from poplar.emulate.dilation import probe_ratio
+
+    a = torch.ones(32, 32)
+
+    class Jump:
+        model = None
+
+        def __init__(self, most):
+            self.most = most
+
+        def __call__(self, m):
+            a @ a           # a declared time, the same at every size
+            time.sleep(0.001 if m <= 8 else 0.004)
+
+    device = EmulatedDevice(parse_cluster({"devices": [{"kind": "a100", "gpu": "A100-80GB"}]}), 0)
+    assert probe_ratio(device, Jump(48)) > 2.5 * probe_ratio(device, Jump(8))
