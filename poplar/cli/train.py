@@ -40,7 +40,8 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in --out"),
     nproc: int | None = typer.Option(None, min=1, help="without --cluster: this many plain CPU ranks (with --plan)"),
     data: str | None = typer.Option(None, help="'embedded', a .txt file, or a table: .jsonl/.csv/.parquet/.arrow "
-                                               "(fields text; prompt + completion; input_ids), a saved dataset"),
+                                               "(text; prompt + completion; messages; alpaca; ShareGPT "
+                                               "conversations; input_ids), a saved dataset"),
     export: str | None = typer.Option(None, help="at the end, write the model here as a directory from_pretrained "
                                                  "loads (new or empty)"),
     eval_data: str | None = typer.Option(None, help="held-out data (a file or table as --data), or a fraction of "
@@ -183,6 +184,8 @@ def _say_trained(console, cfg, result: dict) -> None:
                      f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; steady steps (median): "
                      f"{s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:,.0f} tokens/s, "
                      f"{s['tflops']:.2f} TFLOP/s" + (f", MFU {100 * s['mfu']:.1f}%" if "mfu" in s else "")
+                     + (f"; evaluation loss {s['eval_loss']:.4f} (perplexity {s['eval_perplexity']:,.2f})"
+                        if s.get("eval_loss") is not None else "")
                      + _replanned(s.get("replans", []))
                      + f"; log {cfg.out}/log.jsonl, report {result['report']}")
     if result.get("exported") and cfg.lora is not None:

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from poplar.data.records import DataFields
 from poplar.engine.config import EngineConfig
+from poplar.models.lora import LoraSettings
 
 # engine options accepted at the top level of a training config, as earlier configs wrote them
 FLAT_ENGINE_FIELDS = ("clip_grad_norm", "mixed_precision", "on_nonfinite")
@@ -54,30 +55,6 @@ class ReplanConfig(BaseModel):
 
 
 REPORTERS = ("tensorboard", "wandb")   # report_to's names, as the HF Trainer's
-
-
-class LoraSettings(BaseModel):
-    """LoRA adapters (PEFT's) trained beside the model's frozen weights (:mod:`poplar.models.lora`).
-
-    On the command line: ``--lora r=16,alpha=32,targets=q_proj,v_proj`` (or ``--lora on`` for these defaults)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    r: int = Field(16, gt=0, description="the adapters' rank")
-    alpha: float = Field(32.0, gt=0, description="their updates are scaled by alpha / r")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
-    targets: list[str] | str | None = Field(None, description="module names (or name endings) that get adapters, "
-                                            "'all-linear', or none: PEFT's default for the model's family")
-    merge: bool = Field(False, description="--export also writes the merged model (adapters folded into the "
-                        "weights) beside the adapter")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _on(cls, data: Any) -> Any:
-        """``lora: true`` / ``--lora on`` for the defaults."""
-        if data is True or (isinstance(data, str) and data.strip().lower() in ("on", "true", "yes", "default")):
-            return {}
-        return data
 
 
 @dataclass(frozen=True)
@@ -126,17 +103,22 @@ class ModelData:
     data_fields: DataFields
     global_batch: int
     seed: int
+    eval_data: str | float | None = None   # a file read as `data` is, or a fraction of its samples held out
+    lora: LoraSettings | None = None       # adapters trained beside the frozen model (poplar.models.lora)
+    chat_template: str | None = None       # renders conversations in place of the tokenizer's (poplar.data.chat_template)
 
 
 @dataclass(frozen=True)
 class LogSettings:
-    """The step log's section: where, how often, the run's length and tokens a sample, its learning rates."""
+    """The step log's section: where, how often, the run's length and tokens a sample, its learning rates; where
+    else its figures go (``report_to``: :mod:`poplar.train.reporters`)."""
 
     out: Path
     every: int
     steps: int
     seq_len: int
     schedule: LrSchedule
+    report_to: tuple[str, ...] = ()
 
 
 class TrainConfig(BaseModel):
@@ -157,8 +139,10 @@ class TrainConfig(BaseModel):
     vocab_size: int = Field(1024, ge=260, description="tokenizer vocabulary trained on the data")
     data: str = Field("embedded", description="'embedded', 'wikitext', a .txt file / directory, or a table: "
                       ".jsonl/.json/.csv/.parquet/.arrow, a directory of them, a dataset saved to disk")
-    data_fields: DataFields = Field(default_factory=DataFields, description="the table's fields (default: 'text'; "
-                                    "'prompt' + 'completion'; 'input_ids' (+ 'labels'), recognised by name)")
+    data_fields: DataFields = Field(default_factory=DataFields, description="the table's fields and format "
+                                    "(recognised by name: 'text'; 'prompt' + 'completion'; 'messages'; alpaca's "
+                                    "'instruction' + 'output'; ShareGPT's 'conversations'; 'input_ids' (+ "
+                                    "'labels'); format= names it where ambiguous)")
     global_batch: int = Field(32, gt=0, description="samples per optimizer step, over all ranks")
     steps: int = Field(20, gt=0, description="optimizer steps in all (a resumed run continues to this)")
     stop_at: int | None = Field(None, gt=0, description="stop (with a checkpoint) after this step, e.g. to fit a "
@@ -236,6 +220,20 @@ class TrainConfig(BaseModel):
             return []
         return list(REPORTERS) if names == ["all"] else names
 
+    @field_validator("eval_data", mode="before")
+    @classmethod
+    def _eval_fraction(cls, v):
+        """A number (``--eval-data 0.05`` too) is a fraction of the training samples held out, in (0, 1)."""
+        if isinstance(v, str):
+            try:
+                v = float(v) if not Path(v).exists() else v
+            except ValueError:
+                return v   # a path
+        if isinstance(v, bool) or (isinstance(v, (int, float)) and not 0 < v < 1):
+            raise ValueError(f"a fraction of the training samples to hold out is between 0 and 1 (e.g. 0.05), "
+                             f"got {v}: give one in (0, 1), or a file of evaluation data")
+        return float(v) if isinstance(v, int) else v
+
     @field_validator("cluster", mode="before")
     @classmethod
     def _no_cluster(cls, v):
@@ -247,6 +245,9 @@ class TrainConfig(BaseModel):
             raise ValueError(f"stop_at ({self.stop_at}) is past steps ({self.steps}): stop at or before the last step")
         if self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps}): shorten the warm-up")
+        if self.eval_every and self.eval_data is None:
+            raise ValueError(f"eval_every ({self.eval_every}) evaluates nothing without eval_data: give eval_data "
+                             "(a file, or a fraction held out such as 0.05)")
         return self
 
     @property
@@ -261,11 +262,13 @@ class TrainConfig(BaseModel):
     @property
     def model_data(self) -> ModelData:
         return ModelData(self.model, self.pretrained, self.seq_len, self.activation_checkpointing, self.vocab_size,
-                         self.data, self.data_fields, self.global_batch, self.seed)
+                         self.data, self.data_fields, self.global_batch, self.seed, eval_data=self.eval_data,
+                         lora=self.lora, chat_template=self.chat_template)
 
     @property
     def logging(self) -> LogSettings:
-        return LogSettings(Path(self.out), self.log_every, self.steps, self.seq_len, self.schedule)
+        return LogSettings(Path(self.out), self.log_every, self.steps, self.seq_len, self.schedule,
+                           report_to=tuple(self.report_to))
 
     @field_validator("model")
     @classmethod

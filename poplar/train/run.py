@@ -23,10 +23,12 @@ import poplar
 from poplar.train.checkpointer import check_resume
 from poplar.train.config import TrainConfig
 from poplar.train.dataset import named_model, prepare_data, workload_of
+from poplar.train.evaluation import check_eval_data, say_evaluation
 from poplar.train.export import check_export_dir, check_exportable, export_run
 from poplar.plan import check_global_batch
 from poplar.train.launching import Launch, cluster_of, on_planned_ranks, precision_of, resolve_launch
 from poplar.train.planning import get_plan, given_plan, plan_basis
+from poplar.train.reporters import check_reporters
 from poplar.train.run_dir import check_out, write_run_files
 from poplar.workload import ModelSource
 
@@ -66,6 +68,8 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
         check_export_dir(cfg.export)
     if not cfg.plan:   # everything the command line tells is checked before data, profile or processes
         check_global_batch(cfg.global_batch, launch.world_size)
+    check_reporters(cfg.report_to)
+    check_eval_data(cfg)
     if launch.restarted:   # torchrun restarted the group after a failure: continue from the newest checkpoint
         cfg = cfg.model_copy(update={"resume": True})
     if launch.in_process:
@@ -74,9 +78,11 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
         print(chosen, flush=True)
     from poplar.launch import spawn
 
-    out_dir = check_out(cfg.out, cfg.resume)
+    out_dir = check_out(cfg.out, cfg.resume, steps=cfg.steps)
     given = given_plan(cfg, named_model(cfg.model_data), launch.world_size, cluster)   # before the data: a wrong plan, at once
-    wl = workload_of(cfg.model_data, prepare_data(cfg.model_data, progress))     # prepared once, shown: the ranks read it back
+    prepared = prepare_data(cfg.model_data, progress)     # prepared once, shown: the ranks read it back
+    say_evaluation(cfg, prepared)                         # so are the evaluation samples
+    wl = workload_of(cfg.model_data, prepared)
     if cfg.export:
         check_exportable(wl)
     plan, result = _plan(cfg, wl, given, launch.world_size, cluster, False, progress)
@@ -104,7 +110,7 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
 
     from poplar.engine.dist import init_distributed, shutdown
 
-    out_dir = check_out(cfg.out, cfg.resume, launch.restarted)    # every rank sees the same directory: all refuse alike
+    out_dir = check_out(cfg.out, cfg.resume, launch.restarted, cfg.steps)    # every rank sees the same directory: all refuse alike
     given = given_plan(cfg, named_model(cfg.model_data), launch.world_size, cluster)
     init_distributed()
     rank = dist.get_rank()
@@ -113,8 +119,9 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
         if rank == 0:
             if say:
                 print(say, flush=True)
-            out_dir.mkdir(parents=True, exist_ok=True)
             prepared = prepare_data(cfg.model_data, progress)   # trains and caches the tokenizer once
+            say_evaluation(cfg, prepared)
+            out_dir.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         wl = workload_of(cfg.model_data, prepared)
         if cfg.export:
