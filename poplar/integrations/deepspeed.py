@@ -77,8 +77,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     opt = _optimizer(optimizer, settings)
     if plan is None and cluster is not None:
         init_distributed()     # the ranks profile together; a plan given or the even split needs no group yet
+    profiled = workload if plan is None else None   # planned from it: its step paces the ranks
     plan, basis = _plan(world, settings, engine_config, plan, cluster, workload, model)
-    runtime = Runtime(model, opt, plan, engine_config, cluster=cluster, basis=basis, replan=poplar.get("replan"))
+    runtime = Runtime(model, opt, plan, engine_config, cluster=cluster, basis=basis, replan=poplar.get("replan"),
+                      workload=profiled)
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(runtime.engine.optimizer)
     engine = DeepSpeedStyleEngine(runtime, lr_scheduler)

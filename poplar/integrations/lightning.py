@@ -234,7 +234,7 @@ class PoplarStrategy(ParallelStrategy):
         self.runtime = Runtime(module, self.optimizers[0], self._plan, self._config, cluster=self._cluster,
                                basis=self._basis, replan=self._replan, workload=self._profiled,
                                scratch=os.path.join(trainer.default_root_dir, "poplar-restage"))
-        self._live, self._trained = True, False
+        self._live, self._trained, self._profiled = True, False, self._workload   # not the module's copy profiled
         self.model = module
         self.optimizers = [self.runtime.engine.optimizer]
 

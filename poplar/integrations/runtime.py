@@ -5,7 +5,9 @@ Every integration does the same four things, here once:
 1. join the process group (torchrun's environment; a plain ``python`` run is one rank);
 2. decide the plan (:func:`resolve_plan`): one given (a :class:`~poplar.Plan`, its dict or a
    ``plan.json``), or profiled and planned on a cluster (a cluster file or preset, and the
-   :class:`~poplar.workload.Workload` that names the model, as ``poplar train`` does);
+   :class:`~poplar.workload.Workload` that names the model, as ``poplar train`` does), or with
+   neither the even split of the front end's own batch settings
+   (:mod:`~poplar.integrations.batch_settings`, as DeepSpeed and DDP split them);
 3. take the rank's device (:func:`poplar.devices.rank_device_of`, as ``poplar train``'s ranks): the
    emulated GPU of a cluster file, the GPU it runs on, or this host's CPU, which times (and,
    emulated, paces) every step;
@@ -26,6 +28,7 @@ import torch
 
 from poplar.devices import rank_device_of
 from poplar.engine.config import EngineConfig
+from poplar.integrations.batch_settings import BatchSettings, even_plan
 from poplar.integrations.schedule import FollowedPlan, PlanSchedule
 from poplar.plan import Plan
 from poplar.train.rank import RankRuntime
@@ -55,9 +58,11 @@ def resolve_plan(world_size: int, plan=None, **planning) -> Plan:
 
 
 def resolve_planning(world_size: int, plan=None, *, cluster=None, workload=None, global_batch: int | None = None,
-                     stages=(0, 1, 2, 3), config: EngineConfig | None = None, model: torch.nn.Module | None = None):
+                     stages=(0, 1, 2, 3), config: EngineConfig | None = None, model: torch.nn.Module | None = None,
+                     batch: BatchSettings | None = None):
     """``(plan, basis)``: ``plan`` (basis None), or profiled and planned on ``cluster`` for ``workload`` with the
-    :class:`~poplar.planner.replan.PlanBasis` it came from (to plan again as the steps measure).
+    :class:`~poplar.planner.replan.PlanBasis` it came from (to plan again as the steps measure), or with neither
+    the even split of the front end's own ``batch`` settings in the lowest of ``stages`` (basis None).
 
     Every rank calls it (profiling is collective). Checked against the launched
     ``world_size``, ``global_batch`` (when given) and ``model`` (the workload profiled
@@ -71,6 +76,8 @@ def resolve_planning(world_size: int, plan=None, *, cluster=None, workload=None,
                              f"configuration asks for {global_batch}: make them agree (or leave the plan out to "
                              f"plan {global_batch})")
         return plan, None
+    if cluster is None and workload is None and batch is not None:   # as the front end's framework splits it
+        return even_plan(world_size, batch, stages), None
     if cluster is None or workload is None or global_batch is None:
         raise ValueError("Poplar needs a plan: give plan= (a poplar.Plan or a plan.json from `poplar plan`), or "
                          "cluster= (a cluster file or preset) with workload= (the model preset to profile) and "
@@ -133,7 +140,7 @@ def profiling_title(name: str, model: str, spec, stages) -> str:
     >>> print(profiling_title("memory-bound", "LitTiny", load_cluster("memory-bound"), (0, 1, 2, 3)))
     ... # doctest: +NORMALIZE_WHITESPACE
     memory-bound: profiling LitTiny on 1 x a100-80gb, 1 x t4-16gb in ZeRO stages 0-3
-    (cached after the first run): this takes minutes on an emulated cluster
+    (cached after the first run): each stage is shown as it ends
     """
     stages = sorted(stages)
     if len(stages) == 1:
@@ -143,8 +150,8 @@ def profiling_title(name: str, model: str, spec, stages) -> str:
     else:
         which = "stages " + ", ".join(map(str, stages))
     kinds = ", ".join(f"{d.count} x {d.kind}" for d in spec.devices)
-    takes = "a few minutes on the GPUs" if spec.is_real else "minutes on an emulated cluster"
-    return f"{name}: profiling {model} on {kinds} in ZeRO {which} (cached after the first run): this takes {takes}"
+    takes = "this takes a few minutes on the GPUs" if spec.is_real else "each stage is shown as it ends"
+    return f"{name}: profiling {model} on {kinds} in ZeRO {which} (cached after the first run): {takes}"
 
 
 def replan_config(replan):
@@ -223,12 +230,15 @@ class Runtime(RankRuntime):
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, plan: Plan, config: EngineConfig | dict | None = None,
-                 cluster=None, basis=None, replan=None, scratch: str | Path | None = None):
+                 cluster=None, basis=None, replan=None, scratch: str | Path | None = None, workload=None):
         """``basis``: the planning ``plan`` came from (:func:`resolve_planning`), to plan again as the steps measure
         once the data follow the schedule (:meth:`follow`); ``replan``: when (:func:`replan_config`);
         ``scratch``: a folder every rank reads where a re-plan may change the ZeRO stage through a checkpoint
-        (None: the stage is kept)."""
+        (None: the stage is kept); ``workload``: what the plan was profiled from (the module given as a
+        :class:`~poplar.integrations.module_source.ModuleSource`, or a preset), whose step an emulated
+        cluster's pace is probed with as the profiler's is (None: the host's own probes alone)."""
         from poplar.engine.dist import init_distributed
+        from poplar.workload import as_workload
 
         ctx = init_distributed()
         self.rank, self.world_size = ctx.rank, ctx.world_size
@@ -236,7 +246,9 @@ class Runtime(RankRuntime):
         cluster = cluster_spec(cluster)
         if cluster is not None:
             cluster.check_world_size(self.world_size)
-        device = rank_device_of(cluster, self.rank)
+        precision = (EngineConfig(**config) if isinstance(config, dict) else config or EngineConfig()).mixed_precision
+        device = rank_device_of(cluster, self.rank, None if workload is None else as_workload(workload),
+                                precision=precision, most=plan.global_batch_size)   # no micro-batch is larger
         device.__enter__()
         super().__init__(device, model, optimizer_factory(optimizer), plan, config)
         self.schedule, self.scratch = PlanSchedule(plan), scratch
