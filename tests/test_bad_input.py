@@ -224,6 +224,9 @@ CASES = [
     ("--out that is a file", _train("--out", "{tmp}/a-file"), "is a file", 2),
     ("--resume from a checkpoint of another model", _train("--model", "bert-tiny", "--resume", "--steps", "4",
                                                            "--out", "{tmp}/earlier"), "resume with the same workload", 2),
+    ("--resume holding out another fraction than the run did",
+     _train("--resume", "--steps", "4", "--global-batch", "12", "--eval-data", "0.1", "--out", "{tmp}/earlier"),
+     "was written with data = 'embedded', this run has 'embedded (0.1 held out)'", 2),
     ("--resume where every checkpoint is corrupted", _train("--resume", "--steps", "4", "--out", "{tmp}/corrupted"),
      "no intact checkpoint", 2),
     ("--resume of a run that has trained its steps (read from its config.yaml)", ["train", "--resume", "--out",
@@ -276,7 +279,8 @@ def _earlier_run(run: Path) -> None:
     from poplar.launch import spawn
     from tests.train.checkpoint_workers import write_checkpoint
 
-    meta = {"workload": {"model": "llama-tiny", "seq_len": 32, "vocab_size": 512}, "global_batch": 12, "seed": 0,
+    meta = {"workload": {"model": "llama-tiny", "seq_len": 32, "vocab_size": 512, "activation_checkpointing": False},
+            "global_batch": 12, "seed": 0,
             "data": "embedded"}
     spawn(write_checkpoint, 1, str(run / "checkpoints"), meta, timeout_s=120)
     (run / "log.jsonl").write_text("".join(json.dumps({"step": i, "loss": 6.0}) + "\n" for i in range(2)))

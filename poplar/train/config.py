@@ -256,8 +256,9 @@ class TrainConfig(BaseModel):
 
     @property
     def checkpointing(self) -> CheckpointSettings:
+        trained = self.data if not isinstance(self.eval_data, float) else f"{self.data} ({self.eval_data} held out)"
         return CheckpointSettings(Path(self.out), self.checkpoint_every, self.keep_checkpoints, self.resume,
-                                  self.seed, self.data)
+                                  self.seed, trained)   # what the steps draw from: a resume must draw the same
 
     @property
     def model_data(self) -> ModelData:

@@ -81,8 +81,9 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
     out_dir = check_out(cfg.out, cfg.resume, steps=cfg.steps)
     given = given_plan(cfg, named_model(cfg.model_data), launch.world_size, cluster)   # before the data: a wrong plan, at once
     prepared = prepare_data(cfg.model_data, progress)     # prepared once, shown: the ranks read it back
-    say_evaluation(cfg, prepared)                         # so are the evaluation samples
     wl = workload_of(cfg.model_data, prepared)
+    _check_resume(cfg, wl, given)
+    say_evaluation(cfg, prepared)                         # so are the evaluation samples
     if cfg.export:
         check_exportable(wl)
     plan, result = _plan(cfg, wl, given, launch.world_size, cluster, False, progress)
@@ -120,10 +121,13 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
             if say:
                 print(say, flush=True)
             prepared = prepare_data(cfg.model_data, progress)   # trains and caches the tokenizer once
-            say_evaluation(cfg, prepared)
-            out_dir.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         wl = workload_of(cfg.model_data, prepared)
+        _check_resume(cfg, wl, given)
+        if rank == 0:
+            say_evaluation(cfg, prepared)                       # the evaluation samples prepared, once
+            out_dir.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
         if cfg.export:
             check_exportable(wl)
         plan, result = _plan(cfg, wl, given, launch.world_size, cluster, True, progress)
@@ -138,10 +142,13 @@ def _run_in_process(cfg: TrainConfig, launch: Launch, cluster, return_state: boo
         shutdown()
 
 
-def _plan(cfg: TrainConfig, wl: ModelSource, given, world_size: int, cluster, distributed: bool, progress):
-    """The plan ``given`` (:func:`given_plan`, read once) or made, after a resume that would fail is refused; and
-    the planner's result."""
+def _check_resume(cfg: TrainConfig, wl: ModelSource, given) -> None:
+    """A resume that would fail (damaged checkpoints, another run's), refused before anything is said or profiled."""
     check_resume(cfg.checkpointing, wl, cfg.global_batch if given is None else given.global_batch_size)
+
+
+def _plan(cfg: TrainConfig, wl: ModelSource, given, world_size: int, cluster, distributed: bool, progress):
+    """The plan ``given`` (:func:`given_plan`, read once) or made; and the planner's result."""
     return get_plan(cfg, wl, world_size, given, cluster, distributed=distributed, progress=progress)
 
 
