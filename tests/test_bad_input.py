@@ -19,6 +19,8 @@ from typer.testing import CliRunner
 import poplar
 from poplar.cli.main import app
 
+from tests.caches import own_caches
+
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER3 = str(ROOT / "examples" / "cluster-3.yaml")
 TINY = ["--set", "seq_len=32", "--set", "vocab_size=512"]
@@ -299,11 +301,7 @@ def cases_dir(starts_processes, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def caches(tmp_path_factory, monkeypatch):
-    shared = tmp_path_factory.getbasetemp() / "bad-input-caches"
-    monkeypatch.setenv("POPLAR_DATA_CACHE", str(shared / "data"))
-    monkeypatch.setenv("POPLAR_CACHE_DIR", str(shared / "profiles"))
-    monkeypatch.setenv("POPLAR_DILATION", "3")
-    monkeypatch.setenv("COLUMNS", "300")
+    own_caches(monkeypatch, tmp_path_factory.getbasetemp() / "bad-input-caches")
 
 
 def run_case(args: list[str], tmp: Path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.caches import own_caches
 from tests.data.chat_models import CHATML, rows, save_chat_model, write_rows
 from tests.test_bad_input import CLUSTER3, LIMIT_S, _files, run_case
 
@@ -63,11 +64,7 @@ def cases_dir(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def caches(tmp_path_factory, monkeypatch):
-    shared = tmp_path_factory.getbasetemp() / "chat-bad-input-caches"
-    monkeypatch.setenv("POPLAR_DATA_CACHE", str(shared / "data"))
-    monkeypatch.setenv("POPLAR_CACHE_DIR", str(shared / "profiles"))
-    monkeypatch.setenv("POPLAR_DILATION", "3")
-    monkeypatch.setenv("COLUMNS", "300")
+    own_caches(monkeypatch, tmp_path_factory.getbasetemp() / "chat-bad-input-caches")
 
 
 @pytest.mark.parametrize("what, args, words", CASES, ids=[c[0] for c in CASES])

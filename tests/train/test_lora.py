@@ -19,16 +19,14 @@ from poplar.cli.train import lora_option
 from poplar.train.config import load_config
 from poplar.train.dataset import workload_of
 from poplar.train.run import run_training
+from tests.caches import own_caches
 from tests.test_bad_input import _files, run_case
 from tests.train.test_your_model import write_pairs
 
 
 @pytest.fixture(autouse=True)
 def caches(tmp_path, monkeypatch):
-    monkeypatch.setenv("POPLAR_DATA_CACHE", str(tmp_path / "data-cache"))
-    monkeypatch.setenv("POPLAR_CACHE_DIR", str(tmp_path / "profile-cache"))
-    monkeypatch.setenv("POPLAR_DILATION", "3")
-    monkeypatch.setenv("COLUMNS", "300")
+    own_caches(monkeypatch, tmp_path / "caches")
 
 
 def save_llama(directory: Path, seed: int = 7, hidden: int = 32, layers: int = 2) -> Path:

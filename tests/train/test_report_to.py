@@ -17,6 +17,7 @@ from poplar.cli.main import app
 from poplar.train.config import load_config
 from poplar.train.report import read_log
 from poplar.train.reporters import Reporters, scalars
+from tests.caches import own_caches
 from tests.test_bad_input import _files
 from tests.train.test_evaluation import text_file
 from tests.train.test_your_model import write_pairs
@@ -24,10 +25,7 @@ from tests.train.test_your_model import write_pairs
 
 @pytest.fixture(autouse=True)
 def caches(tmp_path, monkeypatch):
-    monkeypatch.setenv("POPLAR_DATA_CACHE", str(tmp_path / "data-cache"))
-    monkeypatch.setenv("POPLAR_CACHE_DIR", str(tmp_path / "profile-cache"))
-    monkeypatch.setenv("POPLAR_DILATION", "3")
-    monkeypatch.setenv("COLUMNS", "300")
+    own_caches(monkeypatch, tmp_path / "caches")
     for name in ("WANDB_MODE", "WANDB_API_KEY"):   # offline: no server
         monkeypatch.delenv(name, raising=False)
 
