@@ -132,21 +132,18 @@ def assert_planned_and_trained(ranks: list[dict], model: str) -> None:
         assert probed == [(model, GLOBAL_BATCH)] * 2, rank["probes"]
 
 
-@pytest.mark.slow
-@pytest.mark.paced
+@pytest.mark.slow   # exactness and what is said, not time: beside other tests
 def test_a_lightning_module_is_profiled_planned_and_trained_on_an_emulated_pair_as_one_device():
     pytest.importorskip("lightning.pytorch")
     assert_planned_and_trained(spawn(lightning_fit, 2, timeout_s=300), "LitMLP")
 
 
-@pytest.mark.slow
-@pytest.mark.paced
+@pytest.mark.slow   # exactness and what is said, not time: beside other tests
 def test_the_hf_trainer_profiles_plans_and_trains_the_model_given_on_an_emulated_pair_as_one_device(tmp_path):
     pytest.importorskip("transformers")
     assert_planned_and_trained(spawn(hf_fit, 2, str(tmp_path / "out"), timeout_s=300), "_MLPWithLoss")
 
 
-@pytest.mark.slow
-@pytest.mark.paced
+@pytest.mark.slow   # exactness and what is said, not time: beside other tests
 def test_the_deepspeed_form_profiles_plans_and_trains_the_model_given_on_an_emulated_pair_as_one_device():
     assert_planned_and_trained(spawn(deepspeed_fit, 2, timeout_s=300), "Sequential")
