@@ -24,6 +24,8 @@ from poplar.profile.timing import RankRun, warm_up
 
 SMALL_BYTES = 8     # the loss and the squared norm: one fp32 (or fp64) number
 
+CLOCK_RESOLUTION_S = 1e-12   # instants closer than this on a device's clock are one
+
 
 class Marks:
     """Busy seconds (the device's clock less its waits) at each mark of one step."""
@@ -114,8 +116,8 @@ class Marks:
                            before_loss_s=max(0.0, loss_t - end),
                            before_norm_s=0.0 if norm is None else max(0.0, self.launches[norm][2] - loss_t),
                            gather_issue_s=issue, gather_copy_s=copy,
-                           before_waits_s=waits[0] - end if waits else 0.0,
-                           between_waits_s=waits[-1] - waits[0] if waits else 0.0)
+                           before_waits_s=_span(end, waits[0]) if waits else 0.0,
+                           between_waits_s=_span(waits[0], waits[-1]) if waits else 0.0)
 
     def gather_phase(self) -> tuple[float, float]:
         """Busy seconds of the parameter all-gathers after the update (stages 1-2): between the first's launch and
@@ -179,3 +181,10 @@ def marked_step(run: RankRun, plan: poplar.Plan) -> tuple[Marks, int]:
     n_units = len(engine.units)
     engine.close()
     return marks, n_units
+
+
+def _span(start: float, end: float) -> float:
+    """Seconds from ``start`` to ``end`` on the device clock; instants apart by rounding alone (the same time reached
+    by two sums, ~1e-19 s) are one."""
+    gap = end - start
+    return gap if gap > CLOCK_RESOLUTION_S else 0.0

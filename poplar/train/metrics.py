@@ -153,7 +153,8 @@ class StepLog:
                 + (f"  loss scale {r['loss_scale']:g}" if "loss_scale" in r else "")
                 + ("  SKIPPED (non-finite)" if "skipped" in r else ""))
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """``failed``: the run raised (a reporter that records how a run ended says so)."""
         if self._sink is not None:
-            self._sink.close()
+            self._sink.close(failed)
             self._sink = None

@@ -73,7 +73,7 @@ class JsonLines:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self._file.close()
 
 
@@ -94,7 +94,7 @@ class TensorBoard:
             self.writer.add_text(name, value, step)
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -113,8 +113,9 @@ class Wandb:
     def write(self, record: dict) -> None:
         self.run.log({**scalars(record), **texts(record)}, step=record["step"] + 1)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        """The run ended, marked failed where training raised (W&B shows it crashed, not finished)."""
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 class Reporters:
@@ -127,14 +128,14 @@ class Reporters:
             for name in report_to:
                 self.reporters.append(TensorBoard(out, start) if name == "tensorboard" else Wandb(out, config))
         except BaseException:
-            self.close()
+            self.close(failed=True)
             raise
 
     def write(self, record: dict) -> None:
         for r in self.reporters:
             r.write(record)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         for r in self.reporters:
-            r.close()
+            r.close(failed)
         self.reporters = []

@@ -93,18 +93,20 @@ class Trainer:
         """Steps from the checkpoint resumed (or 0) to the last; what rank 0's caller reports."""
         if self.watchdog is not None:
             self.watchdog.start()
+        failed = True
         try:
             with self.preemption:
                 self.comm.barrier()                     # the ranks start together
                 for step in range(self.start, self.last):
                     if self._one_step(step):
                         break
+            failed = False
         except BaseException as e:
             if self.watchdog is not None:
                 self.watchdog.fail(str(e).splitlines()[0] if str(e) else type(e).__name__, lost_peer=lost_peer(e))
             raise
         finally:
-            self.log.close()
+            self.log.close(failed)
         return {"losses": self.losses, "start": self.start, "preempted": self.preempted}
 
     def _one_step(self, step: int) -> bool:

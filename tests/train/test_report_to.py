@@ -39,14 +39,14 @@ def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
-def wandb_history(run_dir: Path) -> list[dict]:
-    """The history rows of an offline W&B run, read from its ``run-<id>.wandb`` file: LevelDB's log format (32 KiB
-    blocks of checksummed chunks, after W&B's 7-byte header) of W&B's protobuf records."""
+def wandb_records(run_dir: Path) -> list:
+    """The protobuf records of an offline W&B run, read from its ``run-<id>.wandb`` file: LevelDB's log format
+    (32 KiB blocks of checksummed chunks, after W&B's 7-byte header)."""
     from wandb.proto import wandb_internal_pb2
 
     data = next(run_dir.glob("run-*.wandb")).read_bytes()
     assert data[:4] == b":W&B"
-    pos, buf, rows = 7, b"", []
+    pos, buf, records = 7, b"", []
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:      # a block's tail too short for a chunk's header is padding
             pos += 32768 - pos % 32768
@@ -59,9 +59,27 @@ def wandb_history(run_dir: Path) -> list[dict]:
             record = wandb_internal_pb2.Record()
             record.ParseFromString(buf)
             buf = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-    return rows
+            records.append(record)
+    return records
+
+
+def wandb_history(run_dir: Path) -> list[dict]:
+    """The history rows of an offline W&B run (:func:`wandb_records`)."""
+    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in wandb_records(run_dir) if r.WhichOneof("record_type") == "history"]
+
+
+@pytest.mark.slow     # W&B starts its own service process
+@pytest.mark.parametrize("failed", [False, True], ids=["finished", "failed"])
+def test_a_wandb_run_ends_as_the_training_did(tmp_path, failed):
+    from poplar.train.reporters import Wandb
+
+    sink = Wandb(tmp_path)
+    sink.write({"step": 0, "loss": 1.0})
+    sink.close(failed)
+    run = next((tmp_path / "wandb").glob("offline-run-*"))
+    exits = [r.exit.exit_code for r in wandb_records(run) if r.WhichOneof("record_type") == "exit"]
+    assert exits == [1 if failed else 0]
 
 
 def test_the_figures_of_a_record_as_tensorboard_reads_them(tmp_path):
