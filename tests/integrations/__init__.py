@@ -46,3 +46,18 @@ def assert_profiling_shown(first: str, second: str, cluster: str, model: str, st
 def ours(text: str, cluster: str) -> list[str]:
     """The lines of ``text`` that planning on ``cluster`` printed (each begins with its name)."""
     return [line for line in text.splitlines() if line.startswith(f"{cluster}: ")]
+
+
+def one_device_batches(tensors, n_samples: int, global_batch: int, seed: int, n_steps: int) -> list[tuple]:
+    """The global batches a run over ``tensors`` draws, in order, as one rank taking them whole: the plan's sampler
+    (:class:`poplar.integrations.data.PlanBatchSampler`, shuffled with ``seed``), epoch after epoch."""
+    import poplar
+    from poplar.integrations.data import PlanBatchSampler
+
+    sampler = PlanBatchSampler(n_samples, poplar.Plan(0, [global_batch]), 0, shuffle=True, seed=seed)
+    out, epoch = [], 0
+    while len(out) < n_steps:
+        sampler.set_epoch(epoch)
+        out += [tuple(t[idx] for t in tensors) for idx in sampler]
+        epoch += 1
+    return out[:n_steps]

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import poplar
-from poplar.integrations.data import PlanBatchSampler
 from poplar.integrations.lightning import PoplarStrategy
+from tests.integrations import one_device_batches
 from tests.models import lm_loss, make_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,14 +66,7 @@ def val_set() -> TensorDataset:
 
 def global_batches(n_steps: int = N_STEPS, global_batch: int = GLOBAL_BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batches every run must train on, in order (one rank taking them whole)."""
-    tokens, targets = dataset().tensors
-    sampler = PlanBatchSampler(N_SAMPLES, poplar.Plan(0, [global_batch]), 0, shuffle=True, seed=SEED)
-    out, epoch = [], 0
-    while len(out) < n_steps:
-        sampler.set_epoch(epoch)
-        out += [(tokens[idx], targets[idx]) for idx in sampler]
-        epoch += 1
-    return out[:n_steps]
+    return one_device_batches(dataset().tensors, N_SAMPLES, global_batch, SEED, n_steps)
 
 
 # the checkpoints a saving run writes: after epoch 0's last step, at its end, and in the middle of epoch 1

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import poplar
+from tests.integrations import one_device_batches
 
 PAIR = str(Path(__file__).resolve().parents[2] / "bench" / "clusters" / "both-differ-0.01.yaml")
 GLOBAL_BATCH, N_STEPS, SEED = 48, 3, 3
@@ -46,16 +47,7 @@ def mlp_loss(model, batch) -> torch.Tensor:
 
 def global_batches(n_steps: int = N_STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batches every front end trains on, in order: the plan's sampler over the dataset (``SEED``)."""
-    from poplar.integrations.data import PlanBatchSampler
-
-    x, y = features().tensors
-    sampler = PlanBatchSampler(N_SAMPLES, poplar.Plan(0, [GLOBAL_BATCH]), 0, shuffle=True, seed=SEED)
-    out, epoch = [], 0
-    while len(out) < n_steps:
-        sampler.set_epoch(epoch)
-        out += [(x[idx], y[idx]) for idx in sampler]
-        epoch += 1
-    return out[:n_steps]
+    return one_device_batches(features().tensors, N_SAMPLES, GLOBAL_BATCH, SEED, n_steps)
 
 
 def reference(n_steps: int = N_STEPS) -> dict[str, torch.Tensor]:
