@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from poplar.plan import Plan
+from poplar.plan import Plan, apportion
 from poplar.planner.cost import CostModel, KindCost
 
 EXTRA_ACCUM = 2        # accumulation counts tried above the fewest memory allows
@@ -258,11 +258,8 @@ def _split_by_speed(cost: CostModel, global_batch: int, peak: dict[str, float]) 
     any rank needs).
     """
     n = _require_feasible(cost, global_batch)
-    speed = np.array([peak[k] for k in cost.rank_kinds])
-    share = 1 + (global_batch - n) * speed / speed.sum()            # at least one sample each
-    samples = np.floor(share).astype(int)
-    for i in np.argsort(-(share - samples), kind="stable")[: global_batch - samples.sum()]:
-        samples[i] += 1                                                 # largest remainders
+    speed = [peak[k] for k in cost.rank_kinds]
+    samples = 1 + np.array(apportion(global_batch - n, speed))          # at least one sample each
     limits = np.array([cost.kinds[k].max_micro_batch for k in cost.rank_kinds])
     accum = [int(a) for a in -(-samples // limits)]
     if cost.stage >= 2:

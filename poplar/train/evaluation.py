@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from poplar.models.loss import IGNORE
-from poplar.plan import near_equal
+from poplar.plan import apportion, near_equal
 
 if TYPE_CHECKING:
     from poplar.data.prepare import Prepared
@@ -108,14 +108,8 @@ def batch_shares(n: int, plan) -> list[int]:
     >>> batch_shares(5, Plan(0, [6, 2, 4]))
     [2, 1, 2]
     """
-    local, whole = plan.local_batch_sizes, plan.global_batch_size
-    if n == whole:
-        return list(local)
-    exact = [n * b / whole for b in local]
-    out = [math.floor(x) for x in exact]
-    for r in sorted(range(len(out)), key=lambda r: (out[r] - exact[r], r))[:n - sum(out)]:
-        out[r] += 1
-    return out
+    local = plan.local_batch_sizes
+    return list(local) if n == plan.global_batch_size else apportion(n, local)
 
 
 def micro_batches(samples: int, plan, rank: int) -> list[tuple[int, int]]:
