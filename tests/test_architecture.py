@@ -44,7 +44,8 @@ FORBIDDEN["poplar.progress"] = {"poplar.cluster", "poplar.engine", "poplar.emula
                                 "poplar.planner", "poplar.train", "poplar.simulate", "poplar.integrations",
                                 "poplar.bench", "poplar.demo", "poplar.measure", "poplar.peers", "poplar.cli"}
 # the values every part reads: they import nothing of poplar but these
-LEAVES = {"poplar.stages": set(), "poplar.precision": set(), "poplar.plan": {"poplar.stages"}}
+LEAVES = {"poplar.stages": set(), "poplar.precision": set(), "poplar.split": set(),
+          "poplar.plan": {"poplar.stages", "poplar.split"}}
 
 
 def _module(path: Path) -> str:

@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from poplar.plan import near_equal
+from poplar.split import near_equal
 from poplar.planner.events import Compute, Issue, Wait, follow_ranks, repeated, run_ranks
 
 

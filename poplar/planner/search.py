@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from poplar.plan import Plan, apportion
+from poplar.plan import Plan
+from poplar.split import apportion
 from poplar.planner.cost import CostModel, KindCost
 
 EXTRA_ACCUM = 2        # accumulation counts tried above the fewest memory allows

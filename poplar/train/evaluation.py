@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from poplar.models.loss import IGNORE
-from poplar.plan import apportion, near_equal
+from poplar.split import apportion, near_equal
 
 if TYPE_CHECKING:
     from poplar.data.prepare import Prepared

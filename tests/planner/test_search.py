@@ -295,7 +295,7 @@ def test_the_busiest_link_is_every_rank_s_collectives_on_it():
     """The links' part of the floor, drawn once a group, against every rank's step written out in full: each
     link's collectives (every issuer's, each counted once at its least seconds) summed, the most of the links;
     every stage, flat and shaped, ranks of unlike micro-batches and (ZeRO-0/1) accumulations up to 6."""
-    from poplar.plan import near_equal
+    from poplar.split import near_equal
     from poplar.planner.events import Issue
 
     rng, checked = random.Random(12), 0
