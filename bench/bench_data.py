@@ -53,7 +53,7 @@ def timed_prepare(tmp: Path, args, attempt: str) -> None:
 
 
 def write_model(tmp: Path, vocab: int) -> None:
-    from tests.pretrained import save_qwen2, save_tokenizer
+    from tests.helpers.pretrained import save_qwen2, save_tokenizer
 
     save_qwen2(tmp / "model", tokenizer=False)
     save_tokenizer(tmp / "model", vocab)

@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 from poplar.devices.fidelity import collective_times, micro_steps, overlapped_collective
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 
 TWO = {"memory_scale": 0.001, "devices": [{"kind": "a100-80gb", "gpu": "A100-80GB"},
                                           {"kind": "t4-16gb", "gpu": "T4-16GB"}]}

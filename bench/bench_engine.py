@@ -1,15 +1,15 @@
 #!/usr/bin/env python
 """Step-time benchmark: Poplar's ZeRO stages against their peers, on CPU with gloo.
 
-Every system trains the same model (a :class:`poplar.workload.Workload` preset, same
+Every system trains the same model (a :class:`poplar.models.workload.Workload` preset, same
 seed, so identical initial weights) on the same batches with the same optimizer
 (``torch.optim.AdamW``, lr 1e-3, fp32). Each (round, system) pair runs in its own
-launch of ``--world-size`` ranks (:func:`poplar.launch.spawn`: gloo, one torch thread
+launch of ``--world-size`` ranks (:func:`poplar.processes.spawn.spawn`: gloo, one torch thread
 per rank). Systems run round-robin ``--rounds`` times; a system's number is the median
 over its rounds of the wall time of its timed steps between two barriers, per step
 (the JSON also keeps every step's slowest-rank time).
 
-Groups (what each one shards), the peers from :mod:`poplar.peers`:
+Groups (what each one shards), the peers from :mod:`poplar.compare.peers`:
 
     stage 0 / replicas            torch DDP, Poplar stage 0
     stage 1 / optimizer states    ZeroRedundancyOptimizer + DDP, DeepSpeed ZeRO-1, Poplar stage 1
@@ -47,11 +47,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import poplar  # noqa: E402
-from poplar.launch import RankFailed, spawn  # noqa: E402
-from poplar.peers import deepspeed  # noqa: E402
-from poplar.peers.torch_peers import NAMES as TORCH_NAMES  # noqa: E402
-from poplar.peers.torch_peers import TorchSetup  # noqa: E402
-from poplar.workload import Workload  # noqa: E402
+from poplar.processes.spawn import RankFailed, spawn  # noqa: E402
+from poplar.compare.peers import deepspeed  # noqa: E402
+from poplar.compare.peers.torch_peers import NAMES as TORCH_NAMES  # noqa: E402
+from poplar.compare.peers.torch_peers import TorchSetup  # noqa: E402
+from poplar.models.workload import Workload  # noqa: E402
 
 GROUP_NAMES = {0: "stage 0 / replicas", 1: "stage 1 / optimizer states", 2: "stage 2 / + gradients",
                3: "stage 3 / + parameters"}
@@ -310,7 +310,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     p.add_argument("--accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--micro-batch", type=int, default=2, help="samples per micro-batch per rank")
-    p.add_argument("--model", default="small", help="a poplar.workload.Workload model preset (default: small)")
+    p.add_argument("--model", default="small", help="a poplar.models.workload.Workload model preset (default: small)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (Hugging Face presets only)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (Hugging Face presets only)")
     p.add_argument("--seed", type=int, default=1234, help="initial weights and batches")

@@ -3,7 +3,7 @@
 For each set of engine options (the defaults, then fewer reductions in flight and no
 ZeRO-3 prefetch): profile the model on the emulated cluster with them (the profile
 records them: ``Profile.engine``), plan the global batch in one stage, and train that
-plan with the same options on the same cluster (``poplar.measure``, as ``poplar bench``
+plan with the same options on the same cluster (``poplar.compare.measure``, as ``poplar bench``
 and ``poplar train`` run it). Printed side by side: the plan's predicted step, the
 measured one, their ratio, and the other options' profile's prediction of the same plan
 (what a profile that did not record the options would have predicted).
@@ -17,12 +17,12 @@ import argparse
 
 from poplar.cluster.spec import load_cluster
 from poplar.engine.config import EngineConfig
-from poplar.measure import measure_plans
+from poplar.compare.measure import measure_plans
 from poplar.planner import make_plan
 from poplar.planner.cost import CostModel
 from poplar.profile.options import ProfileOptions
 from poplar.profile.profiler import profile_cluster
-from poplar.workload import as_workload
+from poplar.models.workload import as_workload
 
 OPTIONS = {"defaults": EngineConfig(), "1 in flight, no prefetch": EngineConfig(max_inflight_reduces=1, prefetch=False)}
 

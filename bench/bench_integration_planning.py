@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from poplar.launch import spawn  # noqa: E402
+from poplar.processes.spawn import spawn  # noqa: E402
 from tests.integrations.pace_workers import PAIR, deepspeed_fit, hf_fit, lightning_fit, reference  # noqa: E402
 
 SYSTEMS = ("lightning", "hf", "deepspeed")

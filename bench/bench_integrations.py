@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Throughput through each integration against `poplar train`, on one plan and one emulated cluster.
 
-Every system trains the same model (a :class:`poplar.workload.Workload` preset, same
+Every system trains the same model (a :class:`poplar.models.workload.Workload` preset, same
 seed) with the same plan on the same emulated cluster, at one fixed time dilation:
 
     poplar-train   `poplar train --plan` (poplar.train.run.run_training), the reference
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import poplar  # noqa: E402
-from poplar.launch import spawn  # noqa: E402
-from poplar.workload import Workload  # noqa: E402
+from poplar.processes.spawn import spawn  # noqa: E402
+from poplar.models.workload import Workload  # noqa: E402
 
 LR = 1e-3
 
@@ -74,7 +74,7 @@ def lightning_rank(rank, world_size, wl_dict, plan_dict, cluster, steps) -> dict
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
-    from poplar.integrations.lightning import PoplarStrategy
+    from poplar.integrations.lightning.strategy import PoplarStrategy
 
     wl, plan = Workload(**wl_dict), poplar.Plan.from_dict(plan_dict)
 
@@ -99,7 +99,7 @@ def lightning_rank(rank, world_size, wl_dict, plan_dict, cluster, steps) -> dict
 def hf_rank(rank, world_size, wl_dict, plan_dict, cluster, steps) -> dict:
     from transformers import TrainingArguments
 
-    from poplar.integrations.hf import PoplarTrainer
+    from poplar.integrations.hf.trainer import PoplarTrainer
 
     wl, plan = Workload(**wl_dict), poplar.Plan.from_dict(plan_dict)
     if plan.global_batch_size % world_size:

@@ -92,7 +92,7 @@ def save_model(directory: Path, layers: int, hidden: int, vocab: int) -> None:
 
 
 def main() -> None:
-    from poplar.launch import spawn
+    from poplar.processes.spawn import spawn
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)

@@ -9,7 +9,7 @@ paper trained those clusters in fp16), Llama-7B and 13B with activation checkpoi
 on a 2M-token global batch (2^21 tokens: 1,024 Llama samples of 2,048, 4,096 BERT
 samples of 512). For each: Poplar's plan (stage, shape, allocation) against
 DeepSpeed-style uniform, Whale-style proportional and each kind alone (its own plan on
-its own GPUs), as `poplar simulate` reports them (poplar.evaluate).
+its own GPUs), as `poplar simulate` reports them (poplar.compare.evaluate).
 
     python bench/bench_paper.py --out docs/paper-eval.json
 """
@@ -24,8 +24,8 @@ from poplar.cluster.spec import parse_cluster
 from poplar.planner.planner import PlanningError
 from poplar.precision import fastest
 from poplar.profile.options import ProfileOptions
-from poplar.evaluate import evaluate
-from poplar.workload import Workload
+from poplar.compare.evaluate import evaluate
+from poplar.models.workload import Workload
 
 TOKENS = 2**21
 NETWORK = {"inter_node": {"bandwidth_gbs": 12.5, "latency_us": 5}, "intra_node": {"bandwidth_gbs": 16, "latency_us": 10}}

@@ -18,10 +18,10 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from poplar.bench import plan_and_measure
+from poplar.compare.bench import plan_and_measure
 from poplar.cluster.spec import presets
 from poplar.stages import parse_stages
-from poplar.workload import as_workload
+from poplar.models.workload import as_workload
 
 
 def bench_preset(name: str, model: str, global_batch: int, steps: int, rounds: int, use_cache: bool,

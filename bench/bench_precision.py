@@ -2,7 +2,7 @@
 
 For each precision, on one emulated cluster, in one run: profile the model (or read the
 cache), plan the global batch, and train Poplar's plan and the uniform split side by
-side (``poplar bench``'s measurement, :func:`poplar.bench.bench_cluster`). Printed: each
+side (``poplar bench``'s measurement, :func:`poplar.compare.bench.bench_cluster`). Printed: each
 kind's time per sample at its largest micro-batch in stage 0 (compute-bound: the ratio
 there is the one to hold against the cards' tensor-core ratio, fp16 over fp32 peak); its fp32 /
 fp16 step time at fractions of that micro-batch (a step's fixed part gains nothing); where
@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 
-from poplar.bench import bench_cluster
+from poplar.compare.bench import bench_cluster
 from poplar.cluster.spec import load_cluster
 from poplar.emulate.model import GpuModel, WorkCounter
 from poplar.precision import torch_dtype
 from poplar.profile.profiler import profile_cluster
-from poplar.workload import model_source
+from poplar.models.workload import model_source
 
 PRECISIONS = ("fp32", "fp16")
 

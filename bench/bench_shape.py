@@ -20,10 +20,10 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from poplar.bench import plan_and_measure
+from poplar.compare.bench import plan_and_measure
 from poplar.cluster.spec import load_cluster
 from poplar.stages import parse_stages
-from poplar.workload import as_workload
+from poplar.models.workload import as_workload
 
 
 def bench(cluster: str, model: str, global_batch: int, steps: int, rounds: int, warmup: int,

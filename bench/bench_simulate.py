@@ -17,13 +17,13 @@ import argparse
 import time
 
 from poplar.cluster.spec import load_cluster, presets
-from poplar.measure import measure_plans
+from poplar.compare.measure import measure_plans
 from poplar.planner import make_plan
 from poplar.profile.options import ProfileOptions
 from poplar.profile.profiler import profile_cluster
 from poplar.simulate import simulate_profile
 from poplar.stages import parse_stages
-from poplar.workload import as_workload
+from poplar.models.workload import as_workload
 
 
 def compare(measured, simulated) -> dict:

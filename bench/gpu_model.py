@@ -38,7 +38,7 @@ from poplar.cluster.spec import DeviceGroup
 from poplar.emulate.model import GpuModel, WorkCounter
 from poplar.engine.dist import init_distributed
 from poplar.precision import cast_model, torch_dtype
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 GPU_CASES = {"declared": [("llama-125m", 1024, [1, 4, 16, 32]), ("llama-1b", 1024, [1, 2, 4, 8])],
              "engine": [("llama-1b", 2048, [4])]}

@@ -22,7 +22,7 @@ from poplar.simulate.fake import fake_tensors
 from poplar.simulate.layers import Shallow
 from poplar.simulate.recording import Recording
 from poplar.simulate.trace import CountingDevice, operator_name
-from poplar.workload import as_workload
+from poplar.models.workload import as_workload
 
 
 def step_at(workload, world: int, stage: int):

@@ -26,11 +26,11 @@ def initialize(*args, **kwargs):
       :class:`Engine` (see :func:`poplar.engine.engine.initialize`);
     - ``initialize(model=..., optimizer=..., config="ds_config.json", ...)``: DeepSpeed's
       ``initialize``, its arguments and its ``(engine, optimizer, dataloader, lr_scheduler)``
-      (see :mod:`poplar.integrations.deepspeed`). A config that is a file, or a dict with
+      (see :mod:`poplar.integrations.deepspeed.initialize`). A config that is a file, or a dict with
       DeepSpeed's fields, or DeepSpeed's own arguments choose this form.
     """
     if _deepspeed_style(args, kwargs):
-        from poplar.integrations.deepspeed import initialize as deepspeed_initialize
+        from poplar.integrations.deepspeed.initialize import initialize as deepspeed_initialize
 
         return deepspeed_initialize(*args, **kwargs)
     from poplar.engine import initialize as engine_initialize

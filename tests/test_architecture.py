@@ -17,32 +17,32 @@ ROOT = Path(__file__).resolve().parent.parent / "poplar"
 # what each part may never import (downstream of it, or beside it where it must not know)
 FORBIDDEN = {
     "poplar.cluster": {"poplar.engine", "poplar.devices", "poplar.emulate", "poplar.profile", "poplar.planner",
-                       "poplar.train", "poplar.measure", "poplar.peers"},
+                       "poplar.train", "poplar.compare.measure", "poplar.compare.peers"},
     "poplar.engine": {"poplar.cluster", "poplar.devices", "poplar.emulate", "poplar.profile", "poplar.planner",
-                      "poplar.train", "poplar.measure", "poplar.peers", "poplar.launch", "poplar.workload"},
-    "poplar.emulate": {"poplar.profile", "poplar.planner", "poplar.train", "poplar.measure", "poplar.peers"},
-    "poplar.devices": {"poplar.profile", "poplar.planner", "poplar.train", "poplar.measure", "poplar.peers"},
-    "poplar.profile": {"poplar.planner", "poplar.train", "poplar.measure", "poplar.peers", "poplar.bench",
-                       "poplar.demo"},
-    "poplar.planner": {"poplar.engine", "poplar.devices", "poplar.emulate", "poplar.train", "poplar.measure",
-                       "poplar.peers", "poplar.launch", "poplar.bench", "poplar.demo"},
-    "poplar.train": {"poplar.bench", "poplar.demo", "poplar.measure", "poplar.peers", "poplar.cli"},
+                      "poplar.train", "poplar.compare.measure", "poplar.compare.peers", "poplar.processes.spawn", "poplar.models.workload"},
+    "poplar.emulate": {"poplar.profile", "poplar.planner", "poplar.train", "poplar.compare.measure", "poplar.compare.peers"},
+    "poplar.devices": {"poplar.profile", "poplar.planner", "poplar.train", "poplar.compare.measure", "poplar.compare.peers"},
+    "poplar.profile": {"poplar.planner", "poplar.train", "poplar.compare.measure", "poplar.compare.peers", "poplar.compare.bench",
+                       "poplar.compare.demo"},
+    "poplar.planner": {"poplar.engine", "poplar.devices", "poplar.emulate", "poplar.train", "poplar.compare.measure",
+                       "poplar.compare.peers", "poplar.processes.spawn", "poplar.compare.bench", "poplar.compare.demo"},
+    "poplar.train": {"poplar.compare.bench", "poplar.compare.demo", "poplar.compare.measure", "poplar.compare.peers", "poplar.cli"},
     # the simulator writes a profile beside the profiler: upstream of planning, the profiler knows nothing of it
-    "poplar.simulate": {"poplar.planner", "poplar.train", "poplar.measure", "poplar.peers", "poplar.bench",
-                        "poplar.demo", "poplar.cli"},
+    "poplar.simulate": {"poplar.planner", "poplar.train", "poplar.compare.measure", "poplar.compare.peers", "poplar.compare.bench",
+                        "poplar.compare.demo", "poplar.cli"},
 }
 for _part_name in ("poplar.cluster", "poplar.engine", "poplar.emulate", "poplar.devices", "poplar.profile",
                    "poplar.planner"):
     FORBIDDEN[_part_name] = FORBIDDEN[_part_name] | {"poplar.simulate"}
 # the integrations drive the engine from other loops: downstream of everything they use, used by nothing
-FORBIDDEN["poplar.integrations"] = {"poplar.bench", "poplar.demo", "poplar.measure", "poplar.peers", "poplar.cli"}
+FORBIDDEN["poplar.integrations"] = {"poplar.compare.bench", "poplar.compare.demo", "poplar.compare.measure", "poplar.compare.peers", "poplar.cli"}
 for _part_name in ("poplar.cluster", "poplar.engine", "poplar.emulate", "poplar.devices", "poplar.profile",
                    "poplar.planner", "poplar.train", "poplar.simulate"):
     FORBIDDEN[_part_name] = FORBIDDEN[_part_name] | {"poplar.integrations"}
 # how a long wait is shown, by the commands and the integrations alike: it knows nothing of what waits
 FORBIDDEN["poplar.progress"] = {"poplar.cluster", "poplar.engine", "poplar.emulate", "poplar.devices", "poplar.profile",
                                 "poplar.planner", "poplar.train", "poplar.simulate", "poplar.integrations",
-                                "poplar.bench", "poplar.demo", "poplar.measure", "poplar.peers", "poplar.cli"}
+                                "poplar.compare.bench", "poplar.compare.demo", "poplar.compare.measure", "poplar.compare.peers", "poplar.cli"}
 # the values every part reads: they import nothing of poplar but these
 LEAVES = {"poplar.stages": set(), "poplar.precision": set(), "poplar.split": set(),
           "poplar.plan": {"poplar.stages", "poplar.split"}}

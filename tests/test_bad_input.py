@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 import poplar
 from poplar.cli.main import app
 
-from tests.caches import own_caches
+from tests.helpers.caches import own_caches
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER3 = str(ROOT / "examples" / "cluster-3.yaml")
@@ -77,8 +77,8 @@ def _setup(tmp: Path, earlier_run: Path) -> None:
 
 
 def _your_model(tmp: Path) -> None:
-    """A user's model directories and data files, each wrong in one way (:mod:`tests.pretrained`)."""
-    from tests.pretrained import save_classifier, save_qwen2
+    """A user's model directories and data files, each wrong in one way (:mod:`tests.helpers.pretrained`)."""
+    from tests.helpers.pretrained import save_classifier, save_qwen2
 
     save_qwen2(tmp / "qwen")
     save_classifier(tmp / "cls")
@@ -239,9 +239,9 @@ CASES = [
     ("a model directory with no config", _yours("no-config"), "has no config.json", 2),
     ("a factory that cannot be imported", _train("--model", "nopkg.models:make", "--out", "{tmp}/r"),
      "module 'nopkg.models' cannot be imported", 2),
-    ("a factory that returns no module", _train("--model", "tests.pretrained:factory_not_a_module", "--out",
+    ("a factory that returns no module", _train("--model", "tests.helpers.pretrained:factory_not_a_module", "--out",
                                                 "{tmp}/r"), "returned str, not an nn.Module", 2),
-    ("a factory's module whose output is no logits", _train("--model", "tests.pretrained:factory_no_logits",
+    ("a factory's module whose output is no logits", _train("--model", "tests.helpers.pretrained:factory_no_logits",
                                                             "--out", "{tmp}/r"), "read as logits", 2),
     ("a model directory that does not exist", ["simulate", "--cluster", "both-differ", "--model", "{tmp}/nope/",
                                                "--global-batch", "8"], "no such directory", 2),
@@ -278,7 +278,7 @@ CASES = [
 
 def _earlier_run(run: Path) -> None:
     """A run directory as `poplar train` leaves it (llama-tiny, 12 samples a step, checkpointed at step 2)."""
-    from poplar.launch import spawn
+    from poplar.processes.spawn import spawn
     from tests.train.checkpoint_workers import write_checkpoint
 
     meta = {"workload": {"model": "llama-tiny", "seq_len": 32, "vocab_size": 512, "activation_checkpointing": False},

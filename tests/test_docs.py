@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.poplar_commands import cli_problems, command_lines
+from tests.helpers.poplar_commands import cli_problems, command_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -31,7 +31,7 @@ MAX_README_LINES = 165
 
 def poplar_commands(markdown: str) -> list[list[str]]:
     """Every ``poplar`` command line of the text's fenced ``bash`` blocks, as its tokens after ``poplar``
-    (:func:`tests.poplar_commands.command_lines` of each block)."""
+    (:func:`tests.helpers.poplar_commands.command_lines` of each block)."""
     return [command for block in BASH_BLOCK.findall(markdown) for command in command_lines(block)]
 
 

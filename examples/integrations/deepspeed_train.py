@@ -14,14 +14,14 @@ import torch
 from torch.utils.data import TensorDataset
 
 import poplar as deepspeed          # was: import deepspeed
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 CONFIG = Path(__file__).with_name("ds_config.json")
 
 
 def main() -> None:
     torch.set_num_threads(1)
-    workload = Workload(model="tiny")                     # the model the config's poplar.workload names
+    workload = Workload(model="tiny")                     # the model the config's poplar.models.workload names
     model = workload.build(seed=0)
     data = TensorDataset(*workload.random_batch(32 * 8))  # 8 global batches of 32 samples
     engine, optimizer, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),

@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 import poplar
 from poplar.data.synthetic import bigram_batches
 from poplar.integrations.hf import PoplarTrainer
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 HERE = Path(__file__).resolve().parents[1]
 SEQ_LEN, VOCAB = 32, 256

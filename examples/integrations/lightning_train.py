@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import poplar
 from poplar.data.synthetic import bigram_batches
 from poplar.integrations.lightning import PoplarStrategy
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 CLUSTER = Path(__file__).resolve().parents[1] / "cluster-3.yaml"
 PLAN = poplar.Plan.from_local_batches(1, [10, 4, 3], [2, 1, 1])   # ZeRO-1: 17 samples, the A100 the most

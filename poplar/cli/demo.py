@@ -1,4 +1,4 @@
-"""`poplar demo`: the main job, on an emulated heterogeneous cluster (:mod:`poplar.demo`)."""
+"""`poplar demo`: the main job, on an emulated heterogeneous cluster (:mod:`poplar.compare.demo`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from poplar.cli.inputs import BAD_INPUT_ERRORS, _error
+from poplar.cli.inputs import BAD_INPUT_ERRORS, print_error
 from poplar.cli.output import console as _console
 from poplar.lazy import imported_for_good
 
@@ -33,7 +33,7 @@ def demo(
     Example: poplar demo --out runs/demo
     """
     from poplar.cli.output import Progress
-    from poplar.demo import run_demo
+    from poplar.compare.demo import run_demo
 
     imported_for_good()     # this command's process: the simulator's collections scan only what it makes
     console = _console()
@@ -42,5 +42,5 @@ def demo(
                  progress=lambda title, **kw: Progress(console, title, **kw),
                  real_model=None if real_model.strip().lower() == "none" else real_model)
     except BAD_INPUT_ERRORS as e:
-        _error(console, e)
+        print_error(console, e)
         raise typer.Exit(2) from None

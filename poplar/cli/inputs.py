@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _error(console, message) -> None:
+def print_error(console, message) -> None:
     """One line on what went wrong; the message printed as it is (no markup read in it)."""
     from pydantic import ValidationError
     from rich.markup import escape
@@ -31,7 +31,7 @@ def is_bad_input_in_rank(error: str | None) -> bool:
     """
     # the subclasses ranks raise, defined here so their names are known (both are ValueErrors)
     from poplar.planner import PlanningError  # noqa: F401
-    from poplar.train.checkpoint import CheckpointError  # noqa: F401
+    from poplar.runtime.checkpoint import CheckpointError  # noqa: F401
 
     def names(cls: type) -> set[str]:
         return {cls.__name__}.union(*(names(sub) for sub in cls.__subclasses__()))
@@ -49,7 +49,7 @@ def stages_option(stages: str) -> list[int]:
         raise ValueError(f"--stages: {e}") from None
 
 
-def _check_writable(path: Path | None, option: str) -> None:
+def check_writable(path: Path | None, option: str) -> None:
     """A file a command writes at its end: its directory is there, and it is no directory itself."""
     if path is not None and (path.is_dir() or not path.parent.is_dir()):
         raise ValueError(f"{option} {path}: " + ("is a directory: give a file name" if path.is_dir() else
@@ -86,5 +86,5 @@ def refused_early(console, clusters: list[str | None], model: str | None = None,
         for cluster in clusters:
             refuse_early(cluster, model, precision)
     except BAD_INPUT_ERRORS as e:
-        _error(console, e)
+        print_error(console, e)
         raise typer.Exit(2) from None

@@ -63,7 +63,7 @@ def simulate(
       poplar simulate --cluster compute-differs --model llama-tiny --global-batch 64 \
         --lora r=8,targets=q_proj,v_proj
     """
-    from poplar.cli.inputs import BAD_INPUT_ERRORS, _error
+    from poplar.cli.inputs import BAD_INPUT_ERRORS, print_error
     from poplar.cli.output import console as _console
 
     console = _console()   # a preset's states are held to the cluster by arithmetic at once; with LoRA, as made
@@ -71,7 +71,7 @@ def simulate(
                                         global_batch, global_batch_tokens,
                                         [(out, "--out"), (profile_out, "--profile-out"), (json_out, "--json"),
                                          (plot, "--plot")])
-    from poplar.evaluate import evaluate
+    from poplar.compare.evaluate import evaluate
     from poplar.lazy import imported_for_good, no_last_collection
     from poplar.profile.options import ProfileOptions
 
@@ -85,7 +85,7 @@ def simulate(
         spec.check_global_batch(batch)
         evaluation, result = evaluate(workload, spec, batch, options, alone=alone, workers=workers)
     except BAD_INPUT_ERRORS as e:
-        _error(console, e)
+        print_error(console, e)
         raise typer.Exit(2) from None
     _report(console, evaluation, result, [(out, "plan"), (profile_out, "profile"), (json_out, "json"), (plot, "plot")])
 
@@ -95,7 +95,7 @@ def _workload(model: str, seq_len: int | None, activation_checkpointing: bool, l
     the model: one line, before anything is simulated)."""
     from pydantic import ValidationError
 
-    from poplar.workload import model_source
+    from poplar.models.workload import model_source
 
     try:
         workload = model_source(model, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
@@ -134,7 +134,7 @@ def _options(console, cluster: str, model: str, precision: str, stages: str, sam
              tokens: str | None, writes: list[tuple[Path | None, str]]):
     """What the options say without the model, refused in one line before torch is imported: the stages, the
     cluster, the global batch's tokens (None: given in samples, checked against the ranks), the files to write."""
-    from poplar.cli.inputs import BAD_INPUT_ERRORS, _check_writable, _error, refused_early, stages_option
+    from poplar.cli.inputs import BAD_INPUT_ERRORS, check_writable, print_error, refused_early, stages_option
     from poplar.cluster.spec import load_cluster
 
     refused_early(console, [cluster], model, precision)   # what arithmetic refuses
@@ -144,9 +144,9 @@ def _options(console, cluster: str, model: str, precision: str, stages: str, sam
         if samples is not None:
             spec.check_global_batch(samples)
         for path, option in writes:
-            _check_writable(path, option)
+            check_writable(path, option)
     except BAD_INPUT_ERRORS as e:
-        _error(console, e)
+        print_error(console, e)
         raise typer.Exit(2) from None
     return stage_list, spec, n_tokens
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from poplar.cli.inputs import BAD_INPUT_ERRORS, _error, is_bad_input_in_rank, refused_early
+from poplar.cli.inputs import BAD_INPUT_ERRORS, print_error, is_bad_input_in_rank, refused_early
 from poplar.cli.output import Progress, say
 from poplar.cli.output import console as _console
 from poplar.lazy import imported_for_good
@@ -17,7 +17,7 @@ TRAIN_OUT_DEFAULT = "runs/poplar"   # TrainConfig.out's default (read here befor
 
 
 def _where_run_stands(cfg) -> str:
-    from poplar.train.checkpoint import latest_checkpoint
+    from poplar.runtime.checkpoint import latest_checkpoint
 
     if cfg is None:
         return ""
@@ -77,7 +77,7 @@ def train(
 def _train(console, config: Path | None, given: dict, set_: list[str], nproc: int | None) -> None:
     """The command's work: the config (the file, or a resumed run's own, then ``given`` and ``--set``), the run, its
     end said in one line (or its failure)."""
-    from poplar.launch import RankFailed
+    from poplar.processes.spawn import RankFailed
     from poplar.train.config import load_config
     from poplar.train.run import run_training
 
@@ -90,14 +90,14 @@ def _train(console, config: Path | None, given: dict, set_: list[str], nproc: in
         shows = (lambda title, **kw: Progress(console, title, **kw)) if shown else None
         result = run_training(cfg, nproc=nproc, progress=shows)
     except BAD_INPUT_ERRORS as e:
-        _error(console, e)
+        print_error(console, e)
         raise typer.Exit(2) from None
     except RankFailed as e:
-        _error(console, f"{e.line}{_where_run_stands(cfg)}")
+        print_error(console, f"{e.line}{_where_run_stands(cfg)}")
         raise typer.Exit(2 if is_bad_input_in_rank(e.error) else 1) from None
     except (TimeoutError, RuntimeError, FloatingPointError) as e:   # this process is a rank (torchrun's)
         line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        _error(console, f"{line}{_where_run_stands(cfg)}")
+        print_error(console, f"{line}{_where_run_stands(cfg)}")
         raise typer.Exit(1) from None
     _say_trained(console, cfg, result)
 

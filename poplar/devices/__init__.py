@@ -11,7 +11,7 @@ from poplar.devices.base import Device
 def rank_device(cluster, rank: int, workload=None, precision: str = "fp32", most: int | None = None) -> Device:
     """Rank ``rank``'s device in ``cluster`` (a :class:`~poplar.cluster.spec.ClusterSpec`): its GPU, or an emulated one.
 
-    ``workload`` (a :class:`~poplar.workload.ModelSource`: a preset, or an integration's
+    ``workload`` (a :class:`~poplar.models.workload.ModelSource`: a preset, or an integration's
     :class:`~poplar.integrations.module_source.ModuleSource`, the user's own module and data),
     ``precision`` and ``most``: what the rank will train, in which dtype it computes and its
     largest micro-batch (None: what the card's memory holds), so an emulated cluster's time

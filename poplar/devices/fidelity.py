@@ -2,7 +2,7 @@
 
 Used by ``bench/bench_emulation.py`` (the figures in docs/devices.md) and by
 ``tests/devices/test_emulated.py``: each compares a wall-clock measurement over the dilation with the
-declared time of the same work. Run them on every rank (``poplar.launch.spawn``).
+declared time of the same work. Run them on every rank (``poplar.processes.spawn.spawn``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from poplar.cluster.spec import parse_cluster
 from poplar.devices.emulated import EmulatedDevice
 from poplar.emulate.model import WorkCounter
 from poplar.engine import initialize
-from poplar.workload import as_workload
+from poplar.models.workload import as_workload
 
 _OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-4)
 

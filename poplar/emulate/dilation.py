@@ -72,7 +72,7 @@ def _cores() -> int:
 
 
 def ranks_per_core() -> float:
-    """Ranks of this host per core it has (torchrun and poplar.launch set LOCAL_WORLD_SIZE)."""
+    """Ranks of this host per core it has (torchrun and poplar.processes.spawn set LOCAL_WORLD_SIZE)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1.0, local / _cores())
 

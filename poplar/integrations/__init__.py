@@ -1,8 +1,8 @@
 """Poplar inside the loops people already train with.
 
-- :mod:`poplar.integrations.lightning`: ``PoplarStrategy`` (``Trainer(strategy="poplar")``);
-- :mod:`poplar.integrations.hf`: ``PoplarTrainer``, a ``transformers.Trainer``;
-- :mod:`poplar.integrations.deepspeed`: ``initialize`` from a DeepSpeed ZeRO config, with
+- :mod:`poplar.integrations.lightning.strategy`: ``PoplarStrategy`` (``Trainer(strategy="poplar")``);
+- :mod:`poplar.integrations.hf.trainer`: ``PoplarTrainer``, a ``transformers.Trainer``;
+- :mod:`poplar.integrations.deepspeed.initialize`: ``initialize`` from a DeepSpeed ZeRO config, with
   DeepSpeed's ``forward``/``backward``/``step`` engine calls.
 
 What they share is here: :mod:`~poplar.integrations.runtime` (one rank's process group,

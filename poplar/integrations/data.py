@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from poplar.integrations.schedule import PlanSchedule
+from poplar.integrations.step_plans import PlanSchedule
 from poplar.plan import Plan
 
 
@@ -28,7 +28,7 @@ class PlanBatchSampler(Sampler[list[int]]):
     micro-step). Incomplete global batches at an epoch's end are left out, as ``drop_last`` does.
 
     Each step is cut with the plan its ``schedule`` puts in force there (a re-planned run's runtime
-    shares it: :mod:`poplar.integrations.schedule`); the global batches stay the same."""
+    shares it: :mod:`poplar.integrations.step_plans`); the global batches stay the same."""
 
     def __init__(self, n_samples: int, plan: Plan, rank: int, shuffle: bool = True, seed: int = 0,
                  micro_batches: bool = False):

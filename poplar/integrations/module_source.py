@@ -1,4 +1,4 @@
-"""A user's own module as a :class:`~poplar.workload.ModelSource`: what an integration holds, profiled as it is.
+"""A user's own module as a :class:`~poplar.models.workload.ModelSource`: what an integration holds, profiled as it is.
 
 An integration given a cluster and no plan profiles the user's actual module on samples
 of the user's actual dataset, collated as the framework collates them, and plans from

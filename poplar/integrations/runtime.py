@@ -5,7 +5,7 @@ Every integration does the same four things, here once:
 1. join the process group (torchrun's environment; a plain ``python`` run is one rank);
 2. decide the plan (:func:`resolve_plan`): one given (a :class:`~poplar.Plan`, its dict or a
    ``plan.json``), or profiled and planned on a cluster (a cluster file or preset, and the
-   :class:`~poplar.workload.Workload` that names the model, as ``poplar train`` does), or with
+   :class:`~poplar.models.workload.Workload` that names the model, as ``poplar train`` does), or with
    neither the even split of the front end's own batch settings
    (:mod:`~poplar.integrations.batch_settings`, as DeepSpeed and DDP split them);
 3. take the rank's device (:func:`poplar.devices.rank_device_of`, as ``poplar train``'s ranks): the
@@ -29,10 +29,10 @@ import torch
 from poplar.devices import rank_device_of
 from poplar.engine.config import EngineConfig
 from poplar.integrations.batch_settings import BatchSettings, even_plan
-from poplar.integrations.schedule import FollowedPlan, PlanSchedule
+from poplar.integrations.step_plans import FollowedPlan, PlanSchedule
 from poplar.plan import Plan
-from poplar.train.rank import RankRuntime
-from poplar.train.replan import replanner_for
+from poplar.runtime.rank import RankRuntime
+from poplar.runtime.replanner import replanner_for
 
 
 def load_plan(plan: Plan | dict | str | Path) -> Plan:
@@ -89,7 +89,7 @@ def resolve_planning(world_size: int, plan=None, *, cluster=None, workload=None,
 
 def _check_workload_is(model: torch.nn.Module, workload) -> None:
     """The workload profiled must be the model trained: refuse another size before minutes of profiling."""
-    from poplar.workload import as_workload
+    from poplar.models.workload import as_workload
 
     wl = as_workload(workload)
     n = sum(p.numel() for p in model.parameters())
@@ -109,7 +109,7 @@ def _profile_and_plan(world_size: int, cluster, workload, global_batch: int, sta
     from poplar.planner.replan import PlanBasis
     from poplar.progress import Progress, console, say
     from poplar.train.planning import profile_and_plan
-    from poplar.workload import as_workload
+    from poplar.models.workload import as_workload
 
     name = str(cluster) if isinstance(cluster, (str, Path)) and ":" not in str(cluster) else "the cluster"
     spec, wl = cluster_spec(cluster), as_workload(workload)
@@ -223,7 +223,7 @@ def optimizer_factory(optimizer):
 
 
 class Runtime(RankRuntime):
-    """This rank's process group, device and engine (:class:`~poplar.train.rank.RankRuntime`, as ``poplar train``'s
+    """This rank's process group, device and engine (:class:`~poplar.runtime.rank.RankRuntime`, as ``poplar train``'s
     ranks); steps timed (and paced) by the device.
 
     Enter nothing by hand: the device starts here (on every rank at once) and stops in :meth:`close`.
@@ -238,7 +238,7 @@ class Runtime(RankRuntime):
         :class:`~poplar.integrations.module_source.ModuleSource`, or a preset), whose step an emulated
         cluster's pace is probed with as the profiler's is (None: the host's own probes alone)."""
         from poplar.engine.dist import init_distributed
-        from poplar.workload import as_workload
+        from poplar.models.workload import as_workload
 
         ctx = init_distributed()
         self.rank, self.world_size = ctx.rank, ctx.world_size
@@ -258,7 +258,7 @@ class Runtime(RankRuntime):
 
     @property
     def replans(self) -> list:
-        """Each re-plan taken (:class:`~poplar.train.replan.Replan`), in order."""
+        """Each re-plan taken (:class:`~poplar.runtime.replanner.Replan`), in order."""
         return self.following.replans
 
     def follow(self, sampler) -> None:
@@ -285,7 +285,7 @@ class Runtime(RankRuntime):
         ``meta``: JSON values a resume checks; ``extras``: rank 0's picklable loop state;
         ``keep``: how many checkpoints under ``path`` are kept (0: all).
         """
-        from poplar.train.checkpoint import save_checkpoint
+        from poplar.runtime.checkpoint import save_checkpoint
 
         steps = self.engine.global_steps + self.engine.skipped_steps   # every step taken, applied or skipped
         meta = {**meta, "plan": self.engine.plan.to_dict()}           # a resume continues with it
@@ -294,7 +294,7 @@ class Runtime(RankRuntime):
     def load(self, path: str | Path, expect: dict[str, Any]) -> dict:
         """Every rank: restore from the newest checkpoint under ``path`` (written by :meth:`save`, on any world
         size); its meta, with its ``extras`` and its ``path``."""
-        from poplar.train.checkpoint import CheckpointError, find_resumable, load_checkpoint, read_extras
+        from poplar.runtime.checkpoint import CheckpointError, find_resumable, load_checkpoint, read_extras
 
         found = find_resumable(path, report=lambda *_: None)
         if found is None:

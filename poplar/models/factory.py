@@ -1,7 +1,7 @@
 """A user's own module on the command line: ``--model package.module:factory``.
 
 The factory is imported and called with no argument. It returns either a
-:class:`~poplar.workload.ModelSource` (the whole interface: build, loss, samples; used as
+:class:`~poplar.models.workload.ModelSource` (the whole interface: build, loss, samples; used as
 it is), or an ``nn.Module`` that maps token ids ``[n, seq]`` to logits ``[n, seq, vocab]``
 (or an output with ``.logits``): a causal LM, trained on the next-token loss of the run's
 text (:class:`FactorySource`). Each process imports and calls the factory itself (the
@@ -44,7 +44,7 @@ def load_factory(spec: str):
 
 
 def as_source(spec: str, seq_len: int | None = None, activation_checkpointing: bool = False):
-    """The factory's own :class:`~poplar.workload.ModelSource`, or a :class:`FactorySource` of its module."""
+    """The factory's own :class:`~poplar.models.workload.ModelSource`, or a :class:`FactorySource` of its module."""
     from poplar.models.source import ModelSource
 
     made = load_factory(spec)
@@ -52,12 +52,12 @@ def as_source(spec: str, seq_len: int | None = None, activation_checkpointing: b
         return made
     if not isinstance(made, torch.nn.Module):
         raise ValueError(f"--model {spec}: the factory returned {type(made).__name__}, not an nn.Module or a "
-                         "poplar.workload.ModelSource")
+                         "poplar.models.workload.ModelSource")
     return FactorySource(factory=spec, seq_len=seq_len or 128, activation_checkpointing=activation_checkpointing)
 
 
 class FactorySource(BaseModel):
-    """A factory's causal LM as a :class:`~poplar.workload.ModelSource` (see the module)."""
+    """A factory's causal LM as a :class:`~poplar.models.workload.ModelSource` (see the module)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

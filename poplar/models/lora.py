@@ -2,7 +2,7 @@
 
 :class:`LoraSettings` is the training config's ``lora:`` section (``--lora
 r=16,alpha=32,targets=q_proj,v_proj``). :class:`LoraSource` is a
-:class:`~poplar.workload.ModelSource`: another source's model (a model directory, a
+:class:`~poplar.models.workload.ModelSource`: another source's model (a model directory, a
 preset, a factory's module) wrapped by ``peft.get_peft_model``, the same way in every
 process: the adapters' initial values are drawn from the run's seed (PEFT draws them
 from torch's global generator, which differs between processes), so every rank and a
@@ -145,7 +145,7 @@ def _no_target_line(settings: LoraSettings, model, name: str, error: str) -> str
 
 @dataclass(frozen=True)
 class LoraSource:
-    """``base`` (a :class:`~poplar.workload.ModelSource`) with LoRA adapters of ``lora``: itself a model source
+    """``base`` (a :class:`~poplar.models.workload.ModelSource`) with LoRA adapters of ``lora``: itself a model source
     (see the module). What it does not say itself (a directory, a vocabulary, a task), its base says."""
 
     base: Any

@@ -2,7 +2,7 @@
 
 A command refuses a model too large for its cluster before it imports torch (seconds) or
 builds anything: :func:`param_count` is each family's count, checked against the built
-models' (tests/test_workload.py).
+models' (tests/models/test_workload.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A user's own model: a Hugging Face model directory (or its ``config.json``), with its weights where present.
 
-:class:`ModelDirectory` is the :class:`~poplar.workload.ModelSource` of a directory that
+:class:`ModelDirectory` is the :class:`~poplar.models.workload.ModelSource` of a directory that
 ``save_pretrained`` wrote (or of a ``config.json`` alone): any causal-LM, masked-LM or
 sequence-classification architecture the installed ``transformers`` builds (Llama, Qwen2,
 Mistral, GPT-2, GPT-NeoX, BERT, ...; :mod:`poplar.models.classify` for the last). Built
@@ -52,7 +52,7 @@ def looks_like_directory(model: str) -> bool:
 
 
 class ModelDirectory(BaseModel):
-    """A Hugging Face model directory as a :class:`~poplar.workload.ModelSource` (see the module)."""
+    """A Hugging Face model directory as a :class:`~poplar.models.workload.ModelSource` (see the module)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

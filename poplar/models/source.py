@@ -1,4 +1,4 @@
-"""What Poplar needs of a model: :class:`ModelSource` (re-exported as ``poplar.workload.ModelSource``).
+"""What Poplar needs of a model: :class:`ModelSource` (re-exported as ``poplar.models.workload.ModelSource``).
 
 The profiler, the simulator, the planner, the measurements and training all need the
 same things of a model, and nothing else: build it (seeded; on real, meta or fake

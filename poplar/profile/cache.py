@@ -21,7 +21,7 @@ import poplar
 from poplar.cluster.spec import ClusterSpec, DeviceGroup
 from poplar.engine.config import EngineConfig
 from poplar.profile.profile import CommProfile, StageProfile
-from poplar.workload import Workload, as_workload
+from poplar.models.workload import Workload, as_workload
 
 # engine options that change what a profile measures: the units (gradient buckets, gathers), the
 # buckets in flight (memory), ZeRO-3's prefetch (time). The precision is keyed on its own; the

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from poplar.cluster.spec import ClusterSpec
 
 if TYPE_CHECKING:
-    from poplar.workload import Workload
+    from poplar.models.workload import Workload
 
 
 def check_states_fit(wl: Workload, spec: ClusterSpec, precision: str) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from poplar.devices.base import Device
 from poplar.engine.batch import split_batch
 from poplar.precision import cast_model, torch_dtype
-from poplar.workload import Workload, as_workload
+from poplar.models.workload import Workload, as_workload
 
 
 def largest_micro_batch(device: Device, workload: str | Workload, state_bytes: int, limit: int = 4096,

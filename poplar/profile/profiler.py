@@ -31,7 +31,7 @@ from poplar.profile.rank import RankProfile, profile_rank
 from poplar.profile.timing import point_sizes
 from poplar.profile.units import unit_flops, unit_numels
 from poplar.progress.relay import relayed
-from poplar.workload import Workload, as_workload
+from poplar.models.workload import Workload, as_workload
 
 __all__ = ["ProfileOptions", "cache_key", "default_cache_dir", "largest_micro_batch", "merge_stage",
            "point_sizes", "profile_cluster", "profile_rank", "unit_numels"]
@@ -118,7 +118,7 @@ def _run_ranks(wl: Workload, spec: ClusterSpec, options: ProfileOptions, config:
             ranks: list = [None] * spec.world_size
             dist.all_gather_object(ranks, mine)
         return ranks
-    from poplar.launch import spawn
+    from poplar.processes.spawn import spawn
 
     queue = None if progress is None else mp.get_context("spawn").Queue()
 

@@ -35,7 +35,7 @@ from poplar.profile.timing import (RankRun, _time_group, fractions_held, skewed_
 from poplar.profile.units import bucket_numels
 from poplar.stages import OPTIMIZER_BYTES_PER_MASTER_BYTE
 from poplar.stages import stage as zero_stage
-from poplar.workload import Workload, as_workload
+from poplar.models.workload import Workload, as_workload
 
 
 class RankProfile(BaseModel):

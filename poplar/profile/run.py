@@ -16,7 +16,7 @@ from poplar.engine.config import EngineConfig
 from poplar.profile.options import ProfileOptions
 from poplar.profile.profile import Profile
 from poplar.profile.profiler import profile_cluster
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 
 def cluster_to_profile(cluster: str | None, command: str = "profile") -> ClusterSpec:

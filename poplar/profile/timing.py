@@ -23,7 +23,7 @@ from poplar.engine import initialize
 from poplar.engine.config import EngineConfig
 from poplar.engine.loss_scale import LossScaleConfig
 from poplar.profile.profile import CommProfile
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 PER_STEP_SIZES = 3   # the smallest sizes also timed with two micro-batches, for the once-per-step part
 BETWEEN_MOST = 3    # collective sizes timed between a tiny buffer and the model's

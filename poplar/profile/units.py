@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from poplar.emulate.model import op_cost
 from poplar.engine.config import EngineConfig
 from poplar.engine.units import build_units
-from poplar.workload import Workload, as_workload
+from poplar.models.workload import Workload, as_workload
 
 
 # a training step's model FLOPs are the forward's and the backward's, twice the forward's: the one count of model

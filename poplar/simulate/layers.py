@@ -39,7 +39,7 @@ def shallowest(stage: int) -> int:
 
 @dataclass(frozen=True)
 class Shallow:
-    """``source`` with ``layers`` of its alike layers: a model source (:class:`~poplar.workload.ModelSource`)."""
+    """``source`` with ``layers`` of its alike layers: a model source (:class:`~poplar.models.workload.ModelSource`)."""
 
     source: object
     layers: int

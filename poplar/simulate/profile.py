@@ -41,7 +41,7 @@ from poplar.simulate.fake import fake_tensors
 from poplar.simulate.layers import DEEP, SHALLOW, Shallow, layers_of
 from poplar.simulate.recording import Kept, Recording, counted, model_key, shared
 from poplar.simulate.trace import Activations, CountingDevice, Steps
-from poplar.workload import ModelSource, Workload, as_workload
+from poplar.models.workload import ModelSource, Workload, as_workload
 
 
 def simulate_stages(workload: str | Workload, cluster, options: ProfileOptions | None = None,

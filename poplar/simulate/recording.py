@@ -18,7 +18,7 @@ from poplar.profile.rank import optimizer_states_to_come, shard_bytes
 from poplar.profile.timing import RankRun, timed_step
 from poplar.simulate.layers import DEEP, SHALLOW, DeepRecording, Shallow, layers_of, shallowest
 from poplar.simulate.trace import CountedMarks, Steps, Trace
-from poplar.workload import ModelSource
+from poplar.models.workload import ModelSource
 
 
 class Kept(OrderedDict):

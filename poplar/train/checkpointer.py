@@ -1,7 +1,7 @@
 """The trainer's checkpointing: when to save, what a checkpoint must share with the run, where to resume.
 
 The format and its guarantees (sharded, atomic, checked, reshardable) are
-:mod:`poplar.train.checkpoint`'s; this component decides when and with what.
+:mod:`poplar.runtime.checkpoint`'s; this component decides when and with what.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from poplar.train.checkpoint import (CheckpointError, check_resumable, complete_checkpoints, find_resumable,
+from poplar.runtime.checkpoint import (CheckpointError, check_resumable, complete_checkpoints, find_resumable,
                                      latest_checkpoint, load_checkpoint, save_checkpoint)
 from poplar.train.config import CheckpointSettings
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 
 EXPECTED_KEYS = ("workload", "global_batch", "seed", "data")   # what expected_meta holds

@@ -33,7 +33,7 @@ ENGINE_DEFAULTS = {"clip_grad_norm": 1.0}   # where training's default differs f
 
 
 class ReplanConfig(BaseModel):
-    """When a run plans again while it trains (:mod:`poplar.train.replan`)."""
+    """When a run plans again while it trains (:mod:`poplar.runtime.replanner`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -126,7 +126,7 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field("llama-tiny", description="model preset (poplar.workload), a Hugging Face model "
+    model: str = Field("llama-tiny", description="model preset (poplar.models.workload), a Hugging Face model "
                        "directory or its config.json (poplar.models.pretrained), or package.module:factory "
                        "(poplar.models.factory)")
     pretrained: bool = Field(True, description="a model directory's training starts from its weights (false: "
@@ -276,7 +276,7 @@ class TrainConfig(BaseModel):
     def _model(cls, v: str) -> str:
         from poplar.models.factory import looks_like_factory
         from poplar.models.pretrained import looks_like_directory
-        from poplar.workload import MODEL_PRESETS, HF_PRESETS
+        from poplar.models.workload import MODEL_PRESETS, HF_PRESETS
 
         if looks_like_directory(v) or looks_like_factory(v):
             return v    # checked whole (config, weights; the factory) when the run starts, before anything is profiled

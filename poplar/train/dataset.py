@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 
 from poplar.train.config import ModelData
-from poplar.workload import ModelSource, Workload
+from poplar.models.workload import ModelSource, Workload
 
 
 SHOWN_AFTER_S = 2.0   # data tokenised quicker than this are not shown
@@ -38,7 +38,7 @@ def own_model(cfg: ModelData):
 
 @functools.lru_cache(maxsize=4)
 def _own(model: str, seq_len: int, checkpointing: bool, **fields):
-    from poplar.workload import model_source
+    from poplar.models.workload import model_source
 
     return model_source(model, seq_len=seq_len, activation_checkpointing=checkpointing, **fields)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from poplar.models.lora import LoraSource
-from poplar.train.checkpoint import CheckpointError, find_resumable, read_meta
+from poplar.runtime.checkpoint import CheckpointError, find_resumable, read_meta
 from poplar.train.config import TrainConfig
 
 
@@ -42,7 +42,7 @@ def check_exportable(model_source) -> None:
     presets and a factory's modules are the user's or Poplar's own); a LoRA adapter, of one."""
     from poplar.models.lora import LoraSource
     from poplar.models.pretrained import ModelDirectory
-    from poplar.workload import Workload
+    from poplar.models.workload import Workload
 
     if isinstance(model_source, LoraSource):
         model_source = model_source.base
@@ -58,7 +58,7 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
     """Write the run's newest intact checkpoint to ``out`` as a Hugging Face model directory; returns ``out``."""
     import yaml
 
-    from poplar.workload import as_workload
+    from poplar.models.workload import as_workload
 
     run_dir, out = Path(run_dir), check_export_dir(out)
     checkpoint = find_resumable(run_dir / "checkpoints", report=lambda line: None)
@@ -112,7 +112,7 @@ def _unit_tensors(wl, model, engine, checkpoint: Path, meta: dict):
     import torch
 
     from poplar.engine.units import build_units, names_of
-    from poplar.train.checkpoint import read_tensors
+    from poplar.runtime.checkpoint import read_tensors
 
     specs = build_units(model, engine.unit_classes, engine.unit_numel)
     if [{"name": s.name, "numel": sum(p.numel() for p in s.params)} for s in specs] != meta.get("layout"):
@@ -139,7 +139,7 @@ def _write_weights(wl, seed: int, engine, checkpoint: Path, meta: dict, out: Pat
     from safetensors.torch import save_file
 
     from poplar.engine.units import names_of
-    from poplar.train.checkpoint import read_tensors
+    from poplar.runtime.checkpoint import read_tensors
 
     with torch.device("meta"):
         model = wl.build(seed=seed)

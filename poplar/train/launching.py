@@ -6,7 +6,7 @@ and nowhere else:
 
 - under ``torchrun`` (``WORLD_SIZE`` is set): this process is one rank of the group;
 - one GPU here and no cluster file: this process is the one rank, on its GPU;
-- otherwise the launcher starts the ranks itself (:func:`poplar.launch.spawn`): one per
+- otherwise the launcher starts the ranks itself (:func:`poplar.processes.spawn.spawn`): one per
   device of the emulated cluster, or ``--nproc`` plain CPU ranks (which need a plan).
 
 >>> from poplar.train.config import TrainConfig

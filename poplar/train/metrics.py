@@ -25,7 +25,7 @@ import torch
 
 from poplar.engine.config import EngineConfig
 from poplar.train.config import LogSettings
-from poplar.workload import ModelSource
+from poplar.models.workload import ModelSource
 
 
 def flops_per_token(wl: ModelSource, config: EngineConfig | None = None) -> float:
@@ -111,7 +111,7 @@ class StepLog:
     def write(self, step: int, loss: float, figures: StepFigures, skipped: bool, loss_scale: float | None = None,
               replan: dict | None = None) -> None:
         """Rank 0: the step's record and line. ``loss_scale``: fp16's, after the step (None in bf16 and fp32);
-        ``replan``: the plan changed after this step (:class:`poplar.train.replan.Replan`'s record)."""
+        ``replan``: the plan changed after this step (:class:`poplar.runtime.replanner.Replan`'s record)."""
         if self._sink is None:
             return
         record = self.record(step, loss, figures, skipped)

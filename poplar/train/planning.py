@@ -10,7 +10,7 @@ import poplar
 from poplar.plan import check_global_batch
 from poplar.train.config import TrainConfig
 from poplar.train.run_dir import same_cluster
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 
 def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, given, cluster, distributed: bool = False,

@@ -32,7 +32,7 @@ def summarize(records: list[dict], skip: int = 1) -> dict:
     Steady: after the first ``skip`` (warm-up). ``steady_steps`` names them (log step numbers).
     A run resumed on another cluster is summarised on the last one (its trailing records), a run
     that re-planned on its last plan (the steps after the last change); ``replans`` lists each
-    change (:class:`poplar.train.replan.Replan`'s record).
+    change (:class:`poplar.runtime.replanner.Replan`'s record).
     """
     evals = eval_records(records)
     last_eval = {"eval_loss": evals[-1]["eval_loss"], "eval_perplexity": evals[-1]["eval_perplexity"]} if evals else {}

@@ -30,7 +30,7 @@ from poplar.train.launching import Launch, cluster_of, on_planned_ranks, precisi
 from poplar.train.planning import get_plan, given_plan, plan_basis
 from poplar.train.reporters import check_reporters
 from poplar.train.run_dir import check_out, write_run_files
-from poplar.workload import ModelSource
+from poplar.models.workload import ModelSource
 
 
 def train_rank(rank: int, world_size: int, cfg: TrainConfig, launch: Launch, plan_dict: dict, wl: ModelSource,
@@ -76,7 +76,7 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
         return _exported(cfg, _run_in_process(cfg, launch, cluster, return_state, progress, chosen))
     if chosen:
         print(chosen, flush=True)
-    from poplar.launch import spawn
+    from poplar.processes.spawn import spawn
 
     out_dir = check_out(cfg.out, cfg.resume, steps=cfg.steps)
     given = given_plan(cfg, named_model(cfg.model_data), launch.world_size, cluster)   # before the data: a wrong plan, at once

@@ -37,7 +37,7 @@ def check_out(out: str, resume: bool, restarted: bool = False, steps: int | None
 
 
 def _more_to_train(out_dir: Path, steps: int) -> None:
-    from poplar.train.checkpoint import latest_checkpoint
+    from poplar.runtime.checkpoint import latest_checkpoint
 
     last = latest_checkpoint(out_dir / "checkpoints")
     done = int(last.name.split("-")[1]) if last is not None else 0

@@ -7,10 +7,10 @@ optimizer step; ``train`` is the loop. Everything else is a component with one j
 - :class:`~poplar.train.metrics.StepLog`: every step's figures, gathered, logged, printed (rank 0's records go to
   :class:`~poplar.train.reporters.Reporters`: ``log.jsonl``, TensorBoard, W&B);
 - :class:`~poplar.train.evaluation.Evaluator`: the loss of the evaluation data, every rank its share, when due;
-- :class:`~poplar.train.recovery.StepRecovery`: a rank out of memory mid-step, recovered;
-- :class:`~poplar.train.replan.Replanner`: the steps held to the plan's prediction, a better plan taken;
-- :class:`~poplar.train.preemption.Preemption`: SIGTERM, a checkpoint and a clean exit;
-- :class:`~poplar.train.watchdog.Watchdog`: a dead rank stops every rank, with one line;
+- :class:`~poplar.runtime.recovery.StepRecovery`: a rank out of memory mid-step, recovered;
+- :class:`~poplar.runtime.replanner.Replanner`: the steps held to the plan's prediction, a better plan taken;
+- :class:`~poplar.runtime.preemption.Preemption`: SIGTERM, a checkpoint and a clean exit;
+- :class:`~poplar.runtime.watchdog.Watchdog`: a dead rank stops every rank, with one line;
 - :class:`~poplar.train.faults.FaultInjector`: a fault armed by a test (``POPLAR_FAULT``).
 
 Components that follow the steps (``on_step_start(step)``, ``on_step_end(step)``, steps
@@ -31,14 +31,14 @@ from poplar.train.dataset import prepare_data
 from poplar.train.evaluation import evaluator_for
 from poplar.train.faults import FaultInjector
 from poplar.train.metrics import StepLog, flops_per_token, peak_tflops
-from poplar.train.preemption import Preemption
-from poplar.train.rank import RankRuntime
-from poplar.train.recovery import StepRecovery
+from poplar.runtime.preemption import Preemption
+from poplar.runtime.rank import RankRuntime
+from poplar.runtime.recovery import StepRecovery
 from poplar.train.reporters import Reporters
-from poplar.train.replan import replanner_for
+from poplar.runtime.replanner import replanner_for
 from poplar.train.run_dir import keep_log_before, write_plan
-from poplar.train.watchdog import Watchdog, lost_peer, store_address
-from poplar.workload import Workload
+from poplar.runtime.watchdog import Watchdog, lost_peer, store_address
+from poplar.models.workload import Workload
 
 
 class Trainer:

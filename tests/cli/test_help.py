@@ -1,7 +1,7 @@
 """`poplar --help` and every command's `--help` say in one line what it does and show an example that parses.
 
 The help is rendered in this process (typer's CliRunner, at 100 columns, no process started); each example's
-command line is read from the rendering, checked against the CLI's own click objects (tests/poplar_commands.py,
+command line is read from the rendering, checked against the CLI's own click objects (tests/helpers/poplar_commands.py,
 as the docs' commands are), parsed by its command (types, ranges, required options) and put to the checks the
 command makes before importing torch (the cluster exists, holds the model, has the precision). An example that
 names a renamed command, a dropped option or a preset that is gone fails here.
@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from poplar.cli.inputs import refuse_early
 from poplar.cli.main import app, unwrapped
-from tests.poplar_commands import cli_problems, command_lines
+from tests.helpers.poplar_commands import cli_problems, command_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ import pytest
 
 import poplar.cli.output
 import poplar.progress
-from poplar.cli.main import is_bad_input_in_rank
+from poplar.cli.inputs import is_bad_input_in_rank
 
 
 def test_the_commands_print_with_the_progress_packages_console_and_display():

@@ -169,7 +169,7 @@ def test_the_config_s_template_renders_in_place_of_the_tokenizer_s_and_is_in_the
 
 
 def test_a_preset_renders_with_the_config_s_template_over_the_tokenizer_it_trains(tmp_path):
-    from poplar.workload import Workload
+    from poplar.models.workload import Workload
 
     path = write_rows(tmp_path / "rows.jsonl", rows("messages", 40, seed=2))
     preset = Workload(model="llama-tiny", seq_len=48, vocab_size=512)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.caches import own_caches
+from tests.helpers.caches import own_caches
 from tests.data.chat_models import CHATML, rows, save_chat_model, write_rows
 from tests.test_bad_input import CLUSTER3, LIMIT_S, _files, run_case
 

@@ -11,7 +11,7 @@ import torch
 
 import poplar
 from poplar.data.text import EOT, GlobalBatches, embedded_text, load_text, pack, train_tokenizer
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from poplar.models.hf import HF_PRESETS, build_hf_model, masked_positions
 from tests.data.workers import reference, train_hf
 

@@ -12,7 +12,7 @@ import torch
 import poplar
 from poplar.cluster.spec import parse_cluster
 from poplar.devices.emulated import EmulatedDevice
-from poplar.workload import as_workload
+from poplar.models.workload import as_workload
 
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-4)
 

@@ -6,7 +6,7 @@ import pytest
 
 from poplar.devices import Device
 from poplar.engine.collectives import ObservedComm
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from tests.devices.workers import LATE_S, wait_for_a_late_rank
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from poplar.devices.fidelity import (collective_times, micro_steps, overlapped_collective, queued_collectives,
                                     shaped_collectives)
 from tests.devices.emulated_workers import fits
@@ -146,7 +146,7 @@ def test_a_checkpointed_blocks_recomputation_counts_against_memory(monkeypatch):
     import contextlib
 
     import poplar.devices.emulated as emulated
-    from poplar.workload import Workload
+    from poplar.models.workload import Workload
 
     wl = Workload(model="llama-small", seq_len=64, vocab_size=300)
     plain = _peak(wl, 4)
@@ -190,7 +190,7 @@ def test_the_pace_is_probed_with_the_work_in_the_dtype_the_rank_computes_in(prec
     from poplar.cluster.spec import parse_cluster
     from poplar.devices import rank_device
     from poplar.precision import torch_dtype
-    from poplar.workload import Workload
+    from poplar.models.workload import Workload
 
     class Products(TorchDispatchMode):
         def __init__(self):

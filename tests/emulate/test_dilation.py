@@ -13,7 +13,7 @@ from poplar.devices import rank_device
 from poplar.devices.emulated import EmulatedDevice
 from poplar.emulate.dilation import largest_samples, worst_ratio
 from poplar.profile.probe import largest_micro_batch
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 
 def test_its_examples():

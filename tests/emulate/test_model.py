@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from poplar.cluster.spec import DeviceGroup, Link, Network
 from poplar.emulate import GpuModel, NetworkModel, WorkCounter
-from poplar.workload import as_workload
+from poplar.models.workload import as_workload
 
 
 def _declared(gpu: str, m: int, model: str = "tiny") -> float:

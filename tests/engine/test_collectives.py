@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from poplar.engine.layout import ShardLayout
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from tests.engine.workers import collectives_and_states, count_collectives
-from tests.models import make_model
+from tests.helpers.models import make_model
 
 WORLD = 2
 MODEL = {"layers": 3}

@@ -13,9 +13,9 @@ import functools
 import pytest
 import torch
 
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from tests.engine.workers import run_cases
-from tests.models import make_batches, reference_train
+from tests.helpers.models import make_batches, reference_train
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ import functools
 
 import pytest
 
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from tests.engine.workers import bad_input_scenarios, stalled_rank
 
 pytestmark = pytest.mark.slow

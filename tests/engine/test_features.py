@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from tests.engine.workers import feature_scenarios
-from tests.models import make_batches, make_model, reference_train
+from tests.helpers.models import make_batches, make_model, reference_train
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +68,7 @@ def test_full_state_dict_moves_between_stages_and_plans():
 
 SINGLE = """
 import functools, torch, poplar
-from tests.models import make_model, make_batches, lm_loss, reference_train
+from tests.helpers.models import make_model, make_batches, lm_loss, reference_train
 plan = poplar.Plan(0, [2], [3])
 engine = poplar.initialize(make_model(), functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-6), plan)
 batches = make_batches(3, 6)

@@ -4,7 +4,7 @@ how its peers sized it, and the plan (the flight record, poplar.engine.flight)."
 import pytest
 
 from poplar.engine import flight
-from poplar.launch import RankFailed, spawn
+from poplar.processes.spawn import RankFailed, spawn
 from tests.engine.flight_workers import mismatched_broadcast
 
 

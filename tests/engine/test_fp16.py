@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from poplar import Plan
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from tests.engine.workers import fp16_cases
-from tests.models import make_batches, reference_train_fp16
+from tests.helpers.models import make_batches, reference_train_fp16
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import poplar
-from tests.models import lm_loss, make_batches, make_model, reference_train_fp16
+from tests.helpers.models import lm_loss, make_batches, make_model, reference_train_fp16
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01, eps=1e-6)

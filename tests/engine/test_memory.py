@@ -9,7 +9,7 @@ import functools
 import pytest
 
 from poplar.engine.layout import ShardLayout
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from tests.engine.workers import run_cases
 
 pytestmark = pytest.mark.slow

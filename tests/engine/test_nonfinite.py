@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import poplar
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from tests.engine.workers import nonfinite_step, skip_and_leave_out
 
 pytestmark = pytest.mark.slow

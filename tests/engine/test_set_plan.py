@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from poplar.engine.layout import ShardLayout
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from poplar.plan import Plan
 from tests.engine.workers import plans_in_turn, stages_in_turn
-from tests.models import make_batches, reference_train
+from tests.helpers.models import make_batches, reference_train
 
 MODEL = {"vocab": 17, "d": 11, "hidden": 22, "layers": 3}   # units of 209 and 539 elements: no world size divides
 STEPS = 4

@@ -29,13 +29,13 @@ import pytest
 import torch
 
 from poplar.engine.layout import ShardLayout
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from poplar.plan import Plan
 from poplar.stages import STAGES, stage
 from tests.engine.test_collectives import expected_step, unit_numels
 from tests.engine.test_equivalence import OPTIMIZER
 from tests.engine.workers import shape_cases
-from tests.models import make_batches, reference_train
+from tests.helpers.models import make_batches, reference_train
 
 WORLDS = (2, 3, 4, 5)
 N_STEPS = 2

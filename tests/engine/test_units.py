@@ -1,7 +1,7 @@
 from torch import nn
 
 from poplar.engine.units import build_units
-from tests.models import TinyLM
+from tests.helpers.models import TinyLM
 
 
 def names(model, units):

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import poplar
-from poplar.launch import RankFailed, spawn
-from tests.pretrained import save_qwen2
+from poplar.processes.spawn import RankFailed, spawn
+from tests.helpers.pretrained import save_qwen2
 
 WORLD = 3
 LAYOUTS = {"flat": {}, "shares": {"shard_shares": [0.5, 0.2, 0.3]},

@@ -10,7 +10,7 @@ import torch
 
 import poplar
 from poplar.engine.collectives import Comm
-from tests.models import OPTIMIZER, lm_loss, make_batches, make_model
+from tests.helpers.models import OPTIMIZER, lm_loss, make_batches, make_model
 
 
 class PeakMemory:
@@ -335,7 +335,7 @@ def stages_in_turn(rank, world_size, cases, model_kw, scratch):
     ``change_plan`` between steps (other stages and shapes through a checkpoint under ``scratch``); its full
     state (rank 0's) and the engine's step count."""
     from poplar.devices import rank_device_of
-    from poplar.train.rank import RankRuntime
+    from poplar.runtime.rank import RankRuntime
 
     out = []
     for i, (plans, config) in enumerate(cases):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import poplar
-from tests.models import lm_loss, make_batches, make_model
+from tests.helpers.models import lm_loss, make_batches, make_model
 
 
 def dataset(n_steps: int, global_batch: int) -> TensorDataset:
@@ -65,7 +65,7 @@ def planned_here(rank, world_size, cache: str, config: dict):
     """No plan given: the config's poplar section names the cluster and the workload, and the ranks plan."""
     import os
 
-    from poplar.workload import Workload
+    from poplar.models.workload import Workload
 
     os.environ["POPLAR_CACHE_DIR"] = cache
     wl = Workload(model="tiny")

@@ -44,7 +44,7 @@ def train(rank: int, world_size: int, plan: dict | None, out: str, cluster: str 
           engine_config: dict | None = None, stages=(0, 1, 2, 3), **kw) -> dict:
     """One PoplarTrainer run; rank 0 returns the final full weights, the logged (loss, grad_norm), step times, the
     engine's precision and loss scale, the plan and what it printed as the Trainer was made."""
-    from poplar.integrations.hf import PoplarTrainer
+    from poplar.integrations.hf.trainer import PoplarTrainer
     from tests.integrations import printed
 
     with printed(rank) as shown:
@@ -76,7 +76,7 @@ def train_twice(rank: int, world_size: int, out: str, cluster: str) -> list[dict
     runs = []
     for i in range(2):
         before = cache_files()
-        from poplar.integrations.hf import PoplarTrainer
+        from poplar.integrations.hf.trainer import PoplarTrainer
 
         with printed(rank) as shown:    # the Trainer plans as it is made
             trainer = PoplarTrainer(model=build_model(), args=training_args(f"{out}/run-{i}", world_size),

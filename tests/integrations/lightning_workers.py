@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import poplar
-from poplar.integrations.lightning import PoplarStrategy
+from poplar.integrations.lightning.strategy import PoplarStrategy
 from tests.integrations import one_device_batches
-from tests.models import lm_loss, make_model
+from tests.helpers.models import lm_loss, make_model
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = str(ROOT / "examples" / "cluster-3.yaml")

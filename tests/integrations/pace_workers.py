@@ -88,7 +88,7 @@ def lightning_fit(rank: int, world_size: int, cluster: str = PAIR) -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
-    from poplar.integrations.lightning import PoplarStrategy
+    from poplar.integrations.lightning.strategy import PoplarStrategy
     from tests.integrations import printed
 
     class LitMLP(pl.LightningModule):
@@ -142,7 +142,7 @@ def hf_fit(rank: int, world_size: int, out: str, cluster: str = PAIR) -> dict:
     """``PoplarTrainer(cluster=...)``: the model given profiled on its dataset, planned, trained."""
     from transformers import TrainingArguments
 
-    from poplar.integrations.hf import PoplarTrainer
+    from poplar.integrations.hf.trainer import PoplarTrainer
     from tests.integrations import printed
 
     warnings.filterwarnings("ignore")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import poplar
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 WL = dict(model="llama-tiny", seq_len=128, vocab_size=512)
 GLOBAL_BATCH, STEPS = 16, 7
@@ -78,7 +78,7 @@ def deepspeed(rank, world_size, cluster: str, stage: int, replan, out: str) -> d
 def lightning(rank, world_size, cluster: str, stage: int, replan, out: str) -> dict:
     import lightning.pytorch as pl
 
-    from poplar.integrations.lightning import PoplarStrategy
+    from poplar.integrations.lightning.strategy import PoplarStrategy
 
     class Lit(pl.LightningModule):
         def __init__(self):
@@ -103,7 +103,7 @@ def lightning(rank, world_size, cluster: str, stage: int, replan, out: str) -> d
 def hf(rank, world_size, cluster: str, stage: int, replan, out: str) -> dict:
     from transformers import TrainingArguments
 
-    from poplar.integrations.hf import PoplarTrainer
+    from poplar.integrations.hf.trainer import PoplarTrainer
 
     tokens, _ = samples()
     data = [{"input_ids": row, "labels": row} for row in tokens]

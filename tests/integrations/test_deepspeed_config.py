@@ -14,11 +14,11 @@ import torch
 import poplar
 from poplar.engine.loss_scale import LossScaleConfig
 from poplar.integrations.data import PlanBatchSampler
-from poplar.integrations.ds_config import read_ds_config
+from poplar.integrations.deepspeed.config import read_ds_config
 from poplar.integrations.runtime import load_plan, optimizer_factory, resolve_plan
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from tests.integrations import assert_profiling_shown, ds_workers
-from tests.models import make_model, reference_train, reference_train_fp16
+from tests.helpers.models import make_model, reference_train, reference_train_fp16
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = str(ROOT / "examples" / "cluster-3.yaml")      # an A100-80GB beside two T4-16GB
@@ -130,7 +130,7 @@ def test_with_a_cluster_alone_the_model_given_is_profiled_on_its_data_planned_an
 
 
 def test_a_workload_that_is_not_the_model_is_refused_before_profiling():
-    from poplar.workload import Workload
+    from poplar.models.workload import Workload
 
     with pytest.raises(ValueError, match="workload small has .* the model trained has"):
         resolve_plan(2, None, cluster="both-differ", workload="small", global_batch=16,
@@ -194,7 +194,7 @@ def test_a_plan_for_another_world_or_batch_or_stage_is_refused_in_one_line():
         load_plan({"zero_stage": 2, "micro_batch_sizes": [2, 1], "accum_steps": [1, 2]})
     with pytest.raises(ValueError, match="needs a plan"):
         resolve_plan(2, None, global_batch=8)
-    from poplar.integrations.deepspeed import _plan
+    from poplar.integrations.deepspeed.initialize import _plan
 
     settings = read_ds_config({"train_batch_size": 6, "zero_optimization": {"stage": 3}}, world_size=2)
     with pytest.raises(ValueError, match="the plan is for ZeRO stage 1, the config's zero_optimization.stage is 3"):
@@ -224,7 +224,7 @@ def test_every_rank_takes_its_slice_of_the_same_global_batches_whatever_the_plan
 
 
 # -- a config and nothing else: DeepSpeed's even split ---------------------------------------------
-OPTIMIZER_SECTION = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}   # tests.models.OPTIMIZER's
+OPTIMIZER_SECTION = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}   # tests.helpers.models.OPTIMIZER's
 FIELDS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 

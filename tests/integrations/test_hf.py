@@ -18,7 +18,7 @@ import torch
 
 import poplar
 from poplar.integrations.data import PlanBatchSampler
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from tests.integrations import assert_profiling_shown
 from tests.integrations import hf_workers as W
 
@@ -150,7 +150,7 @@ def args(**kw):
 ], ids=["world-size", "stage2-unequal-accum", "global-batch", "workload-without-cluster", "cluster-without-data",
         "sampling"])
 def test_bad_input_is_one_line_before_any_process_group(given, message):
-    from poplar.integrations.hf import PoplarTrainer
+    from poplar.integrations.hf.trainer import PoplarTrainer
 
     strategy = given.pop("train_sampling_strategy", "random")
     with pytest.raises(ValueError, match=message) as e:
@@ -162,7 +162,7 @@ def test_bad_input_is_one_line_before_any_process_group(given, message):
 def test_the_trainers_optimizer_steps_nothing_and_its_scheduler_sets_the_engines_lr():
     from transformers import get_scheduler
 
-    from poplar.integrations.hf_parts import EngineOptimizer
+    from poplar.integrations.hf.parts import EngineOptimizer
 
     param = torch.nn.Parameter(torch.ones(3))
     param.grad = torch.ones(3)
@@ -216,7 +216,7 @@ def test_no_plan_and_no_cluster_trains_the_arguments_evenly_exactly_as_one_devic
 
 
 def test_no_plan_and_no_cluster_is_the_arguments_even_split_before_any_process_group(capsys):
-    from poplar.integrations.hf import PoplarTrainer
+    from poplar.integrations.hf.trainer import PoplarTrainer
 
     trainer = PoplarTrainer(model=torch.nn.Linear(2, 2), args=args(gradient_accumulation_steps=3), stages=(2, 3))
     assert trainer.plan == poplar.Plan(2, [4], 3) and not torch.distributed.is_initialized()

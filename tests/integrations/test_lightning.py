@@ -1,7 +1,7 @@
 """PyTorch Lightning on Poplar: ``PoplarStrategy`` trains exactly as one device would, resumes on another world size,
 and refuses bad input in one line before anything starts.
 
-Real processes (``poplar.launch.spawn``) on emulated clusters: every ZeRO stage with an uneven
+Real processes (``poplar.processes.spawn.spawn``) on emulated clusters: every ZeRO stage with an uneven
 plan in one process group of 3 ranks (``examples/cluster-3.yaml``), ZeRO-3 validating at each
 epoch's end, ZeRO-2 clipping and saving checkpoints (after an epoch's last step, at the epoch's
 end, mid-epoch), which 2 of the ranks, as a new group on another cluster (``both-differ``) with
@@ -20,16 +20,16 @@ import torch
 import torch.distributed as dist
 
 import poplar
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from poplar.integrations.lightning import PoplarStrategy  # noqa: E402
+from poplar.integrations.lightning.strategy import PoplarStrategy  # noqa: E402
 from tests.integrations import assert_profiling_shown  # noqa: E402
 from tests.integrations.lightning_workers import (  # noqa: E402
     CLUSTER, EPOCH_END, GLOBAL_BATCH, LAST_STEP, MID_EPOCH, N_STEPS, OPTIMIZER, QUIET, LitTiny, dataset, even_runs,
     fit_twice_from_cluster, global_batches, lightning_runs, schedule, val_set)
-from tests.models import lm_loss, reference_train  # noqa: E402
+from tests.helpers.models import lm_loss, reference_train  # noqa: E402
 
 CLIP = 0.05
 # (plan, gradient_clip_val, checkpoints, validation at each epoch's end): a global batch of 10 on 3 ranks
@@ -159,7 +159,7 @@ def test_lightnings_precisions_are_the_engines(precision, engine):
     from types import SimpleNamespace
 
     from poplar.engine.config import EngineConfig
-    from poplar.integrations.lightning_options import engine_config
+    from poplar.integrations.lightning.options import engine_config
 
     trainer = SimpleNamespace(accumulate_grad_batches=1, gradient_clip_val=None, gradient_clip_algorithm=None)
     module = SimpleNamespace(automatic_optimization=True)

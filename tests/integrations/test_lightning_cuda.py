@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from poplar.integrations.lightning import PoplarStrategy  # noqa: E402
+from poplar.integrations.lightning.strategy import PoplarStrategy  # noqa: E402
 from tests.integrations.lightning_workers import GLOBAL_BATCH, N_STEPS, SEED, LitTiny, dataset  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

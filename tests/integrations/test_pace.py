@@ -23,7 +23,7 @@ from poplar.cluster.spec import load_cluster
 from poplar.devices import rank_device
 from poplar.emulate.dilation import comm_numels, largest_samples, model_bytes
 from poplar.integrations.module_source import ModuleSource
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from tests.integrations import ours
 from tests.integrations.pace_workers import (GLOBAL_BATCH, PAIR, deepspeed_fit, features, hf_fit, lightning_fit,
                                              make_mlp, mlp_loss, reference)
@@ -92,7 +92,7 @@ def test_what_the_modules_probe_asks_of_the_pace_is_within_what_a_comparable_pre
     (its cost a sample taken out to the millions the card holds), it asked thousands here, and the pace of the
     whole run with it."""
     from poplar.emulate.dilation import probe_ratio
-    from poplar.workload import Workload
+    from poplar.models.workload import Workload
 
     spec, ratios = load_cluster(PAIR), {"module": [], "preset": []}
     for _ in range(3):    # in turn, the median of each: the host's load weighs on both alike

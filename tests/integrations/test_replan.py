@@ -5,7 +5,7 @@ ends (which trains the very global batches of one device: tests/integrations/tes
 run, saved after its re-plan and resumed in a new run, continues with the re-planned plan and ends as the whole.
 
 The profile is the simulator's of the full-speed cluster, put where the ranks' profiling reads its cache
-(tests/replan_profiles.py).
+(tests/helpers/replan_profiles.py).
 """
 
 import pytest
@@ -14,9 +14,9 @@ import torch
 import poplar
 from poplar.cluster.spec import load_cluster
 from poplar.engine.config import EngineConfig
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from tests.integrations import replan_workers as W
-from tests.replan_profiles import seed_profiles
+from tests.helpers.replan_profiles import seed_profiles
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import pytest
 
 import poplar
 from poplar.integrations.data import PlanBatchSampler
-from poplar.integrations.schedule import PlanSchedule
+from poplar.integrations.step_plans import PlanSchedule
 
 PLANS = [poplar.Plan(1, [3, 1, 2]), poplar.Plan(1, [1, 4, 1]), poplar.Plan(1, [2, 2, 2]), poplar.Plan(1, [1, 1, 4])]
 STEPS, PER_EPOCH = 12, 7

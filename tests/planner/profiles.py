@@ -41,7 +41,7 @@ def memory_skewed() -> Profile:
     from poplar.cluster.spec import load_cluster
     from poplar.profile.options import ProfileOptions
     from poplar.simulate import simulate_profile
-    from poplar.workload import Workload
+    from poplar.models.workload import Workload
 
     wl = Workload(model="llama-small", seq_len=16, vocab_size=1024, activation_checkpointing=True)
     return simulate_profile(wl, load_cluster("memory-skewed"), ProfileOptions(stages=(2,), max_micro_batch=64,

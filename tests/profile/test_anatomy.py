@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from poplar.profile.anatomy import Marks
 from poplar.profile.profile import StageProfile, StepAnatomy
 from tests.profile.workers import anatomy_at

@@ -11,7 +11,7 @@ import yaml
 
 from poplar.cluster.kinds import CudaProperties
 from poplar.cluster.spec import parse_cluster
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from poplar.profile import Profile
 from poplar.cluster.catalogue import peak_tflops
 from poplar.profile.discover import discover_cluster, group_devices

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from poplar.cluster.spec import load_cluster
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from poplar.profile.profiler import profile_cluster
 from tests.profile.workers import declared_step_times
 

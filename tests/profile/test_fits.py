@@ -7,7 +7,7 @@ import pytest
 from poplar.cluster.spec import parse_cluster
 from poplar.profile.fits import check_states_fit
 from poplar.stages import stage
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

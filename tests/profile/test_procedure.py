@@ -2,7 +2,7 @@
 
 import pytest
 
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from poplar.profile import procedure
 from poplar.profile.procedure import States, at_even_share, timed_stage, with_less
 from poplar.profile.profile import AT_LARGER_SHARE, FITS_WITH_LESS, NOT_TIMED, StageProfile, StepAnatomy

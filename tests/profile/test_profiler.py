@@ -11,7 +11,7 @@ import pytest
 import poplar
 from poplar.cluster.spec import Network
 from poplar.emulate import NetworkModel
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from poplar.profile import CommProfile, Profile
 from poplar.profile.profiler import cache_key, point_sizes, profile_cluster
 from tests.profile.workers import train_at

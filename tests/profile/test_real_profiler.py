@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from poplar.workload import as_workload
+from poplar.models.workload import as_workload
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -4,13 +4,13 @@ import pytest
 
 from poplar.cluster.spec import parse_cluster
 from poplar.engine.config import EngineConfig
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from poplar.profile.cache import ProfileCache, cache_key, engine_key
 from poplar.profile.options import ProfileOptions
 from poplar.profile.profile import CommProfile, StageProfile, StepAnatomy
 from poplar.profile.profiler import profile_cluster, unit_numels
 from poplar.profile.units import unit_flops
-from poplar.workload import as_workload
+from poplar.models.workload import as_workload
 from tests.profile.workers import engine_unit_numels
 
 SMALL_UNITS = 20_000   # below the tiny model's block size: its blocks' linear layers become units of their own

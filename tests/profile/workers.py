@@ -31,7 +31,7 @@ def declared_step_times(rank, world_size, cluster: dict, stage: int, sizes: list
     the optimizer's states, as the profiler's warm-up round does.
     """
     from poplar.emulate import WorkCounter
-    from poplar.workload import as_workload
+    from poplar.models.workload import as_workload
 
     wl = as_workload("tiny")
     with EmulatedDevice(parse_cluster(cluster), rank, dilation=1.0) as device:
@@ -91,7 +91,7 @@ def anatomy_at(rank, world_size, cluster: dict, stage: int, sizes: list[int], di
     from poplar.engine.config import EngineConfig
     from poplar.profile.anatomy import measure_anatomy
     from poplar.profile.timing import RankRun
-    from poplar.workload import as_workload
+    from poplar.models.workload import as_workload
 
     from poplar.devices import rank_device
 

@@ -1,10 +1,10 @@
-"""Every rank's progress events reach rank 0's display: real ranks (``poplar.launch.spawn``) and their store."""
+"""Every rank's progress events reach rank 0's display: real ranks (``poplar.processes.spawn.spawn``) and their store."""
 
 import re
 
 import pytest
 
-from poplar.launch import spawn
+from poplar.processes.spawn import spawn
 from tests.progress.relay_workers import KINDS, report_twice
 
 

@@ -13,7 +13,7 @@ from poplar.simulate import recording
 from poplar.simulate.fake import fake_tensors
 from poplar.simulate.layers import SHALLOW, Shallow, deeper, deeper_units, layers_of, shallowest
 from poplar.simulate.trace import CountingDevice
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 CLUSTER = {"network": {"inter_node": {"bandwidth_gbs": 25, "latency_us": 5}},
            "devices": [{"kind": "a", "gpu": "A100-80GB", "count": 4, "gpus_per_node": 2},

@@ -11,7 +11,7 @@ from poplar.models.lora import LoraSettings, LoraSource
 from poplar.profile.options import ProfileOptions
 from poplar.simulate import simulate_profile, simulate_stages
 from poplar.stages import frozen_bytes_per_param, stage
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 PAIR = {"devices": [{"kind": "a100-80gb", "gpu": "A100-80GB"}, {"kind": "a100-40gb", "gpu": "A100-40GB"}]}
 ADAPTERS = LoraSettings(r=4, targets=["q_proj", "v_proj"])

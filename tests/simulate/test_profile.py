@@ -43,7 +43,7 @@ def test_the_largest_micro_batch_and_the_states_are_the_profilers(both):
 def test_the_time_curve_is_the_declared_models(both, stage, within):
     """Against each size's step counted by the declared model on real ranks (unpaced: no host in it). In ZeRO-2
     the emulated rank also counts a copy gloo makes inside each reduce-scatter (16 us a step here)."""
-    from poplar.launch import spawn
+    from poplar.processes.spawn import spawn
     from tests.profile.workers import declared_step_times
 
     _, simulated = both

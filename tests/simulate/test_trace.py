@@ -12,7 +12,7 @@ from poplar.simulate.fake import fake_tensors
 from poplar.simulate.profile import _largest, _saved_bytes
 from poplar.simulate.recording import Recording
 from poplar.simulate.trace import Activations, CountingDevice, Recorder, Steps, Trace, operator_name
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 CLUSTER = parse_cluster({"devices": [{"kind": "big", "gpu": "A100-80GB"}, {"kind": "small", "gpu": "T4-16GB"}]})
 
@@ -117,8 +117,8 @@ def test_the_simulators_tensors_run_the_operators_a_real_step_runs(tmp_path, fam
     """A step of a Hugging Face model on the simulator's meta tensors runs the very operators, in order, with the
     FLOPs and bytes, that a real step runs: transformers takes the real tensors' path for masks (no packed rows,
     no mask built), attention the CPU's fused kernel."""
-    from poplar.workload import model_source
-    from tests.pretrained import save_family, save_qwen2
+    from poplar.models.workload import model_source
+    from tests.helpers.pretrained import save_family, save_qwen2
 
     if family == "llama-tiny":
         wl = Workload(model=family, seq_len=24, vocab_size=300)
@@ -144,7 +144,7 @@ def test_a_mixture_of_experts_is_counted_on_fake_tensors_as_on_real_ones(tmp_pat
     """A mixture of experts' step (transformers' grouped products of the experts' rows, which torch's shape
     function takes only in bf16): on the simulator's fake tensors in fp32, the operators, FLOPs and bytes a real
     step counts, the experts' products with their FLOPs; and a step in each mixed precision is recorded."""
-    from poplar.workload import model_source
+    from poplar.models.workload import model_source
 
     wl = model_source(str(_mixture_of_experts(tmp_path / "m")), seq_len=16)
     real, fake = _real_and_simulated(wl)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 import poplar
-from poplar.train.checkpoint import find_resumable, load_checkpoint, save_checkpoint
-from tests.models import OPTIMIZER, lm_loss, make_batches, make_model
+from poplar.runtime.checkpoint import find_resumable, load_checkpoint, save_checkpoint
+from tests.helpers.models import OPTIMIZER, lm_loss, make_batches, make_model
 
 META = {"workload": "tiny-lm", "global_batch": 12}
 

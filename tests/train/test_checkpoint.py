@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import poplar
-from poplar.launch import spawn
-from poplar.train.checkpoint import find_resumable, verify
+from poplar.processes.spawn import spawn
+from poplar.runtime.checkpoint import find_resumable, verify
 from tests.train.checkpoint_workers import fp16_span, save_nonfinite, train_span
 
 THREE = poplar.Plan.from_local_batches(2, [6, 4, 2], [2, 2, 2])     # 12 samples, ZeRO-2
@@ -101,7 +101,7 @@ def test_a_failure_inside_torch_checkpoint_reads_as_one_line(tmp_path):
     # DCP raises a BaseException holding every rank's traceback: it becomes one CheckpointError line
     import torch.distributed.checkpoint as dcp
 
-    from poplar.train.checkpoint import CheckpointError, _dcp_errors
+    from poplar.runtime.checkpoint import CheckpointError, _dcp_errors
 
     dcp.save({"a": torch.ones(4)}, checkpoint_id=str(tmp_path))
     for shard in tmp_path.glob("*.distcp"):

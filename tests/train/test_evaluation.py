@@ -22,7 +22,7 @@ from poplar.train.eval_data import held_out
 from poplar.train.evaluation import EvalResult, batch_shares, micro_batches
 from poplar.train.report import eval_records, figure, read_log, step_records, summarize
 from poplar.train.run import run_training
-from tests.pretrained import save_qwen2
+from tests.helpers.pretrained import save_qwen2
 from tests.train.test_your_model import WORDS, write_pairs
 
 
@@ -239,7 +239,7 @@ def test_a_held_out_fraction_never_trains_and_is_the_same_split_every_run(tmp_pa
 def test_a_classifier_s_and_a_masked_lm_s_evaluation_is_one_device_s(tmp_path, family, stage, local):
     """A sequence classifier on labelled rows and a masked LM on text: one micro-batch of every evaluation sample
     through the model's own loss, on one device, gives the loss the ranks report (to 1e-5)."""
-    from tests.pretrained import save_classifier, save_family
+    from tests.helpers.pretrained import save_classifier, save_family
     from tests.train.test_your_model import write_labelled
 
     plan = poplar.Plan.from_local_batches(stage, local, 1, shard_shares=[2, 1, 1] if stage == 3 else None)

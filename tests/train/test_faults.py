@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import poplar
-from poplar.launch import RankFailed
-from poplar.train.checkpoint import latest_checkpoint, verify
+from poplar.processes.spawn import RankFailed
+from poplar.runtime.checkpoint import latest_checkpoint, verify
 from poplar.train.config import load_config
 from poplar.train.run import run_training
 

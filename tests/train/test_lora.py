@@ -19,7 +19,7 @@ from poplar.cli.train import lora_option
 from poplar.train.config import load_config
 from poplar.train.dataset import workload_of
 from poplar.train.run import run_training
-from tests.caches import own_caches
+from tests.helpers.caches import own_caches
 from tests.test_bad_input import _files, run_case
 from tests.train.test_your_model import write_pairs
 
@@ -33,7 +33,7 @@ def save_llama(directory: Path, seed: int = 7, hidden: int = 32, layers: int = 2
     """A small Llama causal LM with random (seeded) weights and a tokenizer, as save_pretrained writes them."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.pretrained import save_tokenizer
+    from tests.helpers.pretrained import save_tokenizer
 
     directory = Path(directory)
     vocab = len(save_tokenizer(directory))
@@ -162,7 +162,7 @@ def _stages_in_turn(rank: int, world_size: int, directory: str, plans: list[dict
     from poplar.devices import rank_device_of
     from poplar.models.lora import LoraSettings, LoraSource
     from poplar.models.pretrained import ModelDirectory
-    from poplar.train.rank import RankRuntime
+    from poplar.runtime.rank import RankRuntime
 
     wl = LoraSource(ModelDirectory(directory=directory, seq_len=16),
                     LoraSettings(r=4, alpha=8, targets=["q_proj", "v_proj"]))
@@ -187,7 +187,7 @@ def test_a_change_of_stage_keeps_the_frozen_weights(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from poplar.launch import spawn
+    from poplar.processes.spawn import spawn
     from poplar.models.hf import causal_lm_loss
     from poplar.models.pretrained import ModelDirectory
 

@@ -13,7 +13,7 @@ import poplar
 from poplar.train.config import load_config
 from poplar.train.planning import get_plan
 from poplar.train.run import run_training
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[2]
 

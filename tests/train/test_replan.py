@@ -1,4 +1,4 @@
-"""Re-planning while training (:mod:`poplar.train.replan`): when it happens, what it plans, and that it does not
+"""Re-planning while training (:mod:`poplar.runtime.replanner`): when it happens, what it plans, and that it does not
 when nothing changed. The decisions are walked here on figures a cost model gives (seeded noise); the runs that
 re-plan on real ranks are in tests/train/test_replan_runs.py."""
 
@@ -10,7 +10,7 @@ from poplar.planner.planner import plan_stage
 from poplar.planner.replan import PlanBasis, rescaled
 from poplar.train.config import ReplanConfig, load_config
 from poplar.train.metrics import StepFigures
-from poplar.train.replan import LATE_SHARE, Replanner, replanner_for
+from poplar.runtime.replanner import LATE_SHARE, Replanner, replanner_for
 from tests.planner.profiles import make_profile
 from tests.planner.test_replan import COMM
 

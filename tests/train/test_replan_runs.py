@@ -2,7 +2,7 @@
 the log says what changed, a resume continues from the last plan.
 
 The runs plan from the simulator's profile of the cluster, put where their profiling reads its cache
-(tests/replan_profiles.py).
+(tests/helpers/replan_profiles.py).
 """
 
 import json
@@ -17,7 +17,7 @@ from poplar.train.config import load_config
 from poplar.train.dataset import prepare_data, workload_of
 from poplar.train.report import read_log
 from poplar.train.run import run_training
-from tests.replan_profiles import seed_profiles
+from tests.helpers.replan_profiles import seed_profiles
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from poplar.cli.main import app
 from poplar.train.config import load_config
 from poplar.train.report import read_log
 from poplar.train.reporters import Reporters, scalars
-from tests.caches import own_caches
+from tests.helpers.caches import own_caches
 from tests.test_bad_input import _files
 from tests.train.test_evaluation import text_file
 from tests.train.test_your_model import write_pairs

@@ -15,7 +15,7 @@ from poplar.profile.units import step_flops_per_sample
 from poplar.train.config import load_config
 from poplar.train.report import summarize
 from poplar.train.run import run_training
-from poplar.workload import Workload
+from poplar.models.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = str(ROOT / "examples" / "cluster-3.yaml")      # an A100-80GB beside two T4-16GB

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from poplar.train.watchdog import EXIT_PEER_DIED, EXIT_PEER_FAILED
+from poplar.runtime.watchdog import EXIT_PEER_DIED, EXIT_PEER_FAILED
 from tests.train.watch_workers import watched
 
 pytestmark = [pytest.mark.slow, pytest.mark.paced]

@@ -17,7 +17,7 @@ from poplar.models.loss import IGNORE
 from poplar.train.config import load_config
 from poplar.train.dataset import prepare_data, workload_of
 from poplar.train.run import run_training
-from tests.pretrained import save_classifier, save_family, save_qwen2
+from tests.helpers.pretrained import save_classifier, save_family, save_qwen2
 
 WORDS = "the cat sat on a mat while dogs ran in the park and birds sang over green hills".split()
 
@@ -195,7 +195,7 @@ def test_a_factory_s_module_is_trained_on_the_text_as_one_device(tmp_path):
     (tmp_path / "text.txt").write_text("\n\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))) * 6)
     plan = poplar.Plan.from_local_batches(1, [5, 3], [2, 1])
     plan.save(tmp_path / "plan.json")
-    cfg = load_config(None, {"model": "tests.pretrained:factory_lm", "data": str(tmp_path / "text.txt"),
+    cfg = load_config(None, {"model": "tests.helpers.pretrained:factory_lm", "data": str(tmp_path / "text.txt"),
                              "seq_len": 16, "global_batch": 8, "steps": 2, "lr": 1e-2, "cluster": "none",
                              "plan": str(tmp_path / "plan.json"), "out": str(tmp_path / "run")})
     result = run_training(cfg, return_state=True, nproc=2)

@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 
-from poplar.train.watchdog import Watchdog
+from poplar.runtime.watchdog import Watchdog
 
 
 def watched(rank: int, world_size: int, port: int, fate: str, log: str) -> None:
