@@ -19,14 +19,16 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import functools
 import importlib
 import inspect
+import itertools
 import json
 import os
 import socket
 import sys
 import tempfile
+from contextlib import suppress
+from functools import cached_property
 from pathlib import Path
 
 # Floors, low to high, one a line: `floor[/part] module-prefix...`; the longest prefix decides. Parts of one floor
@@ -64,7 +66,7 @@ TRAIN_ARGS = "train --model llama-tiny --cluster none --plan {plan} --global-bat
 def floor_table(text: str) -> list[tuple[int, str, str]]:
     """(height, part, prefix) rows of one of FLOORS."""
     rows, heights = [], {}
-    for head, *prefixes in (line.split() for line in text.strip().splitlines()):
+    for head, *prefixes in (line.split() for line in text.splitlines() if line.strip()):
         floor, _, part = head.partition("/")
         heights.setdefault(floor, len(heights))
         rows += [(heights[floor], part or floor, p) for p in prefixes]
@@ -182,12 +184,11 @@ def _sections(obj, depth: int = 2) -> set[type]:
     cls, found = type(obj), set()
     names = [*getattr(cls, "model_fields", {}), *getattr(obj, "__dict__", {})]
     names += [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
-    names += [n for k in cls.__mro__ for n, v in vars(k).items() if isinstance(v, (property, functools.cached_property))]
+    names += [n for k in cls.__mro__ for n, v in vars(k).items() if isinstance(v, (property, cached_property))]
     for name in dict.fromkeys(n for n in names if not n.startswith("_")):
-        try:
+        value = None
+        with suppress(AttributeError, TypeError, ValueError, RuntimeError, OSError):  # unreadable here: no section
             value = getattr(obj, name)
-        except Exception:   # a property that cannot be read here is no section
-            continue
         if not isinstance(value, type) and (dataclasses.is_dataclass(value) or hasattr(type(value), "model_fields")):
             found |= {type(value)} | (_sections(value, depth - 1) if depth > 1 else set())
     return found
@@ -267,7 +268,7 @@ def path_report(tracer: ConfigTracer, table: list) -> dict:
             "distinct_modules": len(set(seq)), "entries": len(seq),
             "returns": sum(1 for i, m in enumerate(seq) if m in seq[:i]),
             "train_entries": sum(1 for m in seq if m == "poplar.train" or m.startswith("poplar.train.")),
-            "climbs": sum(1 for a, b in zip(seq, seq[1:]) if runs_up(a, b, table))}
+            "climbs": sum(1 for a, b in itertools.pairwise(seq) if runs_up(a, b, table))}
 
 
 def show(report: dict) -> None:
