@@ -53,7 +53,7 @@ FLOORS = {"before": LOWER + """
     front/compare poplar.bench poplar.measure poplar.evaluate poplar.alone poplar.demo poplar.verify poplar.peers
     cli poplar.cli poplar.__main__
 """, "after": LOWER + """
-    runtime poplar.runtime
+    runtime poplar.runtime poplar.processes
     front/train poplar.train
     front/integrations poplar.integrations
     front/compare poplar.compare
