@@ -29,8 +29,8 @@ from poplar.cluster.spec import ClusterSpec, load_cluster, presets
 from poplar.engine.config import EngineConfig
 from poplar.compare.measure import measure_plans
 from poplar.compare.peers import PeerFailed
-from poplar.planner import PlanResult, make_plan
-from poplar.profile.profiler import profile_cluster
+from poplar.planner import PlanResult
+from poplar.runtime.plans import profile_and_plan
 from poplar.models.workload import Workload
 
 OOM_RETRIES = 2   # smaller micro-batches DeepSpeed is given after it ran out of memory
@@ -61,9 +61,9 @@ def plan_cluster(cluster: str, workload: Workload, global_batch: int, use_cache:
     """
     spec = load_cluster(cluster)
     spec.check_global_batch(global_batch)
-    profile, _ = profile_cluster(workload, spec, use_cache=use_cache, progress=progress,
-                                 max_micro_batch=min(256, global_batch), stages=stages, precision=precision)
-    return spec, make_plan(profile, global_batch, stages)
+    heard = (lambda title: contextlib.nullcontext(progress)) if progress is not None else None
+    return spec, profile_and_plan(workload, spec, global_batch, stages, EngineConfig(mixed_precision=precision),
+                                  use_cache=use_cache, progress=heard)
 
 
 def plan_and_measure(cluster: str, workload: Workload, global_batch: int, pick, steps: int = 12, rounds: int = 3,

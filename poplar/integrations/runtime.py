@@ -31,25 +31,9 @@ from poplar.engine.config import EngineConfig
 from poplar.integrations.batch_settings import BatchSettings, even_plan
 from poplar.integrations.step_plans import FollowedPlan, PlanSchedule
 from poplar.plan import Plan
+from poplar.runtime.plans import basis_of, load_plan, profile_and_plan
 from poplar.runtime.rank import RankRuntime
 from poplar.runtime.replanner import replanner_for
-
-
-def load_plan(plan: Plan | dict | str | Path) -> Plan:
-    """A :class:`Plan` from itself, its dict or a ``plan.json`` file; refused in one line otherwise."""
-    if isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, (str, Path)):
-        from poplar.train.planning import read_json
-
-        plan = read_json(Path(plan), f"plan {plan}", "give a plan.json written by `poplar plan` or `poplar "
-                         "train`, or a poplar.Plan", "write it again with `poplar plan`")
-    if not isinstance(plan, dict):
-        raise TypeError(f"plan must be a poplar.Plan, its dict or a plan.json path, got {type(plan).__name__}")
-    try:
-        return Plan.from_dict(plan)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"plan: {e}") from None
 
 
 def resolve_plan(world_size: int, plan=None, **planning) -> Plan:
@@ -106,9 +90,7 @@ def _profile_and_plan(world_size: int, cluster, workload, global_batch: int, sta
     import torch.distributed as dist
 
     from poplar.plan import check_global_batch
-    from poplar.planner.replan import PlanBasis
     from poplar.progress import Progress, console, say
-    from poplar.train.planning import profile_and_plan
     from poplar.models.workload import as_workload
 
     name = str(cluster) if isinstance(cluster, (str, Path)) and ":" not in str(cluster) else "the cluster"
@@ -130,7 +112,7 @@ def _profile_and_plan(world_size: int, cluster, workload, global_batch: int, sta
         how = "profiled and planned" if any(p.heard for p in shown) else "planned (the profile read from the cache)"
         plan = str(result.plan) if result.plan.world_size <= 8 else result.plan.summary()
         say(out, f"{name}: {how} in {time.monotonic() - start:.0f} s: {plan}; {result.reason}")
-    return result.plan, None if result.profile is None else PlanBasis(result.profile, list(result.ranks))
+    return result.plan, basis_of(result)
 
 
 def profiling_title(name: str, model: str, spec, stages) -> str:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
 import poplar
 from poplar.plan import check_global_batch
 from poplar.train.config import TrainConfig
+from poplar.runtime.plans import basis_of, load_plan, profile_and_plan
 from poplar.train.run_dir import same_cluster
 from poplar.models.workload import Workload
 
@@ -51,10 +51,9 @@ def plan_basis(cfg: TrainConfig, result, world_size: int, cluster) -> dict | Non
     """What the ranks plan again from as they measure (:class:`~poplar.planner.replan.PlanBasis`, as a dict): the
     planner's profile and ranks, or, resuming on the same cluster with the run's own plan, what the run wrote
     (``basis.json``); None where the plan was given."""
-    from poplar.planner.replan import PlanBasis
-
     if result is not None:
-        return PlanBasis(result.profile, list(result.ranks)).to_dict() if result.profile is not None else None
+        basis = basis_of(result)
+        return None if basis is None else basis.to_dict()
     written = Path(cfg.out) / "basis.json"
     if cfg.resume and not cfg.plan and written.is_file() and same_cluster(cfg.out, world_size, cluster):
         return json.loads(written.read_text())
@@ -85,36 +84,11 @@ def plan_on(cfg: TrainConfig, wl: Workload, spec, distributed: bool, progress=No
     return alloc.plan, result
 
 
-def profile_and_plan(wl: Workload, spec, global_batch: int, stages, config, distributed: bool,
-                     use_cache: bool = True, progress=None, title: str = ""):
-    """Profile ``wl`` on ``spec`` (or read the cache) as ``config`` will train it, and plan ``global_batch`` over
-    ``stages``: the planner's result. ``distributed``: this process is one rank of the profiled group."""
-    from poplar.planner import make_plan
-    from poplar.profile.options import ProfileOptions
-    from poplar.profile.profiler import profile_cluster
-
-    options = ProfileOptions(stages=tuple(stages), use_cache=use_cache, max_micro_batch=min(256, global_batch),
-                             precision=config.mixed_precision)
-    with progress(title) if progress is not None else contextlib.nullcontext() as events:
-        profile, _ = profile_cluster(wl, spec, options, config=config, distributed=distributed,
-                                     progress=events)
-    return make_plan(profile, global_batch, list(stages))
-
-
 def load_plan_for(cfg: TrainConfig, wl: Workload):
-    """``cfg.plan``, refused where it was planned for another model or sequence length, or is not a plan."""
+    """``cfg.plan``, refused where it was planned for another model or sequence length, or is not a plan, or splits
+    another global batch than the one asked for."""
     path = Path(cfg.plan)
-    data = read_json(path, f"--plan {path}", "give a plan.json written by `poplar plan` or by hand",
-                     "write it again with `poplar plan`")
-    planned = (data.get("meta") or {}).get("model") if isinstance(data, dict) else None
-    if planned and (planned.get("name"), planned.get("seq_len")) != (wl.name, wl.seq_len):
-        raise ValueError(f"--plan {path} was planned for {planned.get('name')} at {planned.get('seq_len')} tokens "
-                         f"per sample, this run trains {wl.name} at {wl.seq_len}: plan for this model "
-                         "(`poplar profile` then `poplar plan`), or leave --plan out")
-    try:
-        plan = poplar.Plan.from_dict(data)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"--plan {path}: {e}") from None
+    plan = load_plan(path, name=f"--plan {path}", model=(wl.name, wl.seq_len))
     if plan.global_batch_size != cfg.global_batch and "global_batch" in cfg.model_fields_set:
         raise ValueError(f"--plan {path} splits a global batch of {plan.global_batch_size} samples, and "
                          f"--global-batch is {cfg.global_batch}: give one of them (the plan's is used without it)")
@@ -128,14 +102,3 @@ def _on_cuda() -> bool:
     from poplar.engine.dist import context
 
     return dist.is_initialized() and context().device.type == "cuda"
-
-
-def read_json(path: Path, name: str, missing: str, broken: str):
-    """The JSON value in ``path``; a one-line ValueError (``name``: no such file; ``missing`` / not valid JSON;
-    ``broken``) otherwise."""
-    if not path.is_file():
-        raise ValueError(f"{name}: no such file; {missing}")
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{name}: not valid JSON ({e}); {broken}") from None

@@ -6,6 +6,8 @@ import re
 import pytest
 
 import poplar.compare.bench
+import poplar.planner
+import poplar.profile.profiler
 from tests.compare.peers.test_deepspeed import BOTH_DIFFER_PROFILE
 from tests.compare.peers.workers import WORKLOAD
 
@@ -21,7 +23,7 @@ def measured(monkeypatch):
         return [{"step_s": p.global_batch_size / (100.0 * (i + 1)), "busy_s": [0.1] * p.world_size,
                  "samples_per_s": 100.0 * (i + 1), "steps": steps, "overruns": i} for i, p in enumerate(plans)]
 
-    monkeypatch.setattr(poplar.compare.bench, "profile_cluster", lambda *a, **k: (BOTH_DIFFER_PROFILE, {}))
+    monkeypatch.setattr(poplar.profile.profiler, "profile_cluster", lambda *a, **k: (BOTH_DIFFER_PROFILE, {}))
     monkeypatch.setattr(poplar.compare.bench, "measure_plans", measure)
     return seen
 
@@ -38,7 +40,7 @@ def test_every_distinct_plan_is_measured(measured):
 
 
 def test_an_allocation_with_another_ones_plan_is_measured_once_and_says_so(measured, monkeypatch):
-    make_plan = poplar.compare.bench.make_plan
+    make_plan = poplar.planner.make_plan
 
     def poplar_keeps_proportional(profile, global_batch, stages=(0, 1, 2, 3)):
         result = make_plan(profile, global_batch, stages)
@@ -46,7 +48,7 @@ def test_an_allocation_with_another_ones_plan_is_measured_once_and_says_so(measu
         allocs["poplar"] = dataclasses.replace(allocs["poplar"], plan=allocs["proportional"].plan)
         return result
 
-    monkeypatch.setattr(poplar.compare.bench, "make_plan", poplar_keeps_proportional)
+    monkeypatch.setattr(poplar.planner, "make_plan", poplar_keeps_proportional)
     result = poplar.compare.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3, peers=False)
     rows = result["allocations"]
     assert rows["poplar"]["plan"] == rows["proportional"]["plan"] != rows["uniform"]["plan"]
@@ -129,7 +131,7 @@ def test_a_plan_that_leaves_cards_out_is_measured_on_the_cards_it_names(monkeypa
                 {"step_s": 0.1, "busy_s": [0.1], "samples_per_s": 80.0, "steps": steps, "overruns": 0}
                 for i, _ in enumerate(plans)]
 
-    monkeypatch.setattr(poplar.compare.bench, "profile_cluster", lambda *a, **k: (prof, {}))
+    monkeypatch.setattr(poplar.profile.profiler, "profile_cluster", lambda *a, **k: (prof, {}))
     monkeypatch.setattr(poplar.compare.bench, "measure_plans", measure)
     spec = {"devices": [{"kind": "big", "gpu": "A100-80GB"}, {"kind": "small", "gpu": "T4-16GB", "count": 2}]}
     monkeypatch.setattr(poplar.compare.bench, "load_cluster", lambda name: parse_cluster(spec))

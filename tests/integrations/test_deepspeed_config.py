@@ -15,7 +15,8 @@ import poplar
 from poplar.engine.loss_scale import LossScaleConfig
 from poplar.integrations.data import PlanBatchSampler
 from poplar.integrations.deepspeed.config import read_ds_config
-from poplar.integrations.runtime import load_plan, optimizer_factory, resolve_plan
+from poplar.integrations.runtime import optimizer_factory, resolve_plan
+from poplar.runtime.plans import load_plan
 from poplar.processes.spawn import spawn
 from tests.integrations import assert_profiling_shown, ds_workers
 from tests.helpers.models import make_model, reference_train, reference_train_fp16

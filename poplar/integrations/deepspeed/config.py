@@ -64,7 +64,7 @@ def load_ds_config(config: str | Path | dict) -> dict:
     """The config as a dict, from itself or a JSON file."""
     if isinstance(config, dict):
         return config
-    from poplar.train.planning import read_json
+    from poplar.runtime.plans import read_json
 
     path = Path(config)
     data = read_json(path, f"config {path}", "give a DeepSpeed JSON config or a dict", "correct the file")

@@ -49,7 +49,8 @@ from poplar.engine.config import EngineConfig
 from poplar.integrations.batch_settings import HF, BatchSettings
 from poplar.integrations.data import PlanBatchSampler
 from poplar.integrations.hf.parts import EngineOptimizer, PlanLoader, global_batch_of, one_group_optimizer, poplar_args
-from poplar.integrations.runtime import Runtime, load_plan, replan_config, resolve_planning
+from poplar.integrations.runtime import Runtime, replan_config, resolve_planning
+from poplar.runtime.plans import load_plan
 
 __all__ = ["PoplarTrainer", "POPLAR_DIR"]
 

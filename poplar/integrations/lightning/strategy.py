@@ -71,8 +71,9 @@ from poplar.engine.dist import choose_backend, init_distributed, shutdown
 from poplar.integrations.lightning import checkpoint as checkpoints
 from poplar.integrations.lightning.data import even_settings, module_source, plan_train_loader
 from poplar.integrations.lightning.options import engine_config, loss_of, take_accumulation, take_weights
-from poplar.integrations.runtime import (Runtime, cluster_spec, from_environment, load_plan, optimizer_factory,
+from poplar.integrations.runtime import (Runtime, cluster_spec, from_environment, optimizer_factory,
                                          replan_config, resolve_plan, resolve_planning)
+from poplar.runtime.plans import load_plan
 from poplar.plan import Plan
 
 __all__ = ["PoplarStrategy"]
