@@ -1,6 +1,6 @@
 """A front end's own batch settings, split evenly as its framework splits them: :class:`BatchSettings`.
 
-One of the ways an integration gets its plan (:func:`~poplar.integrations.runtime.resolve_planning`), beside a
+One of the ways an integration gets its plan (:func:`~poplar.integrations.session.resolve_planning`), beside a
 plan given or loaded and one profiled and planned on a cluster: with no plan and no cluster, the batch settings
 the user already wrote give every rank the same micro-batch and accumulation count. DeepSpeed's
 ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and ``gradient_accumulation_steps``; Lightning's train

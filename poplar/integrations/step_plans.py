@@ -85,7 +85,7 @@ class FollowedPlan:
 
     def after_step(self, engine, device) -> None:
         """Every rank: the step's figures gathered; a re-plan decided alike everywhere and put in force."""
-        from poplar.train.metrics import StepFigures
+        from poplar.runtime.step_figures import StepFigures
 
         if self.replanner is None:
             return

@@ -1,7 +1,7 @@
 """One rank's runtime, for every loop that trains with Poplar: :class:`RankRuntime`.
 
 ``poplar train``'s :class:`~poplar.train.trainer.Trainer` and the integrations'
-:class:`~poplar.integrations.runtime.Runtime` both build their rank here: the engine on
+:class:`~poplar.integrations.session.Session` both build their rank here: the engine on
 the rank's device (its collectives seen by the device, ``comm=device.comm``), and each
 optimizer step run inside the device's step, which times it (and, emulated, paces it
 and caps its memory). How the device was chosen and entered is the caller's

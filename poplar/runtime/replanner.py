@@ -1,6 +1,6 @@
 """A plan that follows the cluster: measured steps against the plan's prediction, a new plan where it pays.
 
-Every step every rank gathers each rank's step and busy time (:class:`~poplar.train.metrics.StepFigures`,
+Every step every rank gathers each rank's step and busy time (:class:`~poplar.runtime.step_figures.StepFigures`,
 one small all-gather), so every rank holds the same figures and :meth:`Replanner.observe`
 decides alike on every rank without a word more: the gather is the agreement. A step
 counts as *off* when its time, or a rank's busy time, is more than ``threshold`` from what
@@ -20,17 +20,59 @@ the host's time, not the device's) by more than :data:`LATE_SHARE` of the thresh
 the step; a step late by less is counted (a host late on every step by a little must not
 freeze re-planning where it is: it cannot put a step off by itself). A new split of the same global batch leaves every
 update exactly what it was (:meth:`poplar.engine.engine.Engine.set_plan`).
+
+When: :class:`ReplanConfig` (``poplar train``'s ``replan:`` section, an integration's ``replan=``,
+:func:`replan_config`).
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from poplar.plan import Plan
 from poplar.planner.replan import SPEED_STEP, PlanBasis, kept_speed
 
 LATE_SHARE = 0.25    # of the threshold: a step whose host lateness is under this share of its time still counts
+
+
+class ReplanConfig(BaseModel):
+    """When a run plans again while it trains (see the module's docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["auto", "off"] = Field("auto", description="auto: re-plan when the steps measure off the "
+                                         "prediction; off: keep the plan (a plan given with --plan, or a baseline, "
+                                         "is always kept)")
+    threshold: float = Field(0.1, gt=0, lt=1, description="a step or a rank's busy time this far off its prediction "
+                             "(a fraction) counts as off; a new plan must be predicted faster by half of it")
+    patience: int = Field(3, ge=1, description="steps in a row off the prediction before planning again")
+    every: int = Field(10, ge=1, description="at most one re-plan in this many steps")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_alone(cls, data: Any) -> Any:
+        """``replan: off`` (or ``auto``) for ``replan: {mode: off}``."""
+        if isinstance(data, bool):
+            return {"mode": "auto" if data else "off"}
+        return {"mode": data} if isinstance(data, str) else data
+
+
+def replan_config(replan) -> ReplanConfig:
+    """A :class:`ReplanConfig` from itself, ``"auto"``/``"off"``, a bool, a dict or None (auto); refused in one
+    line otherwise."""
+    if isinstance(replan, ReplanConfig):
+        return replan
+    try:
+        return ReplanConfig.model_validate({} if replan is None else replan)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise ValueError(f"replan{'.' + where if where else ''}: {err['msg']} (got {replan!r}); give 'auto', "
+                         "'off' or a dict of mode, threshold, patience, every") from None
 
 
 @dataclass(frozen=True)
@@ -58,10 +100,9 @@ class Replan:
 
 
 class Replanner:
-    """Holds a run's steps to its plan's prediction; see the module's docstring. ``config``:
-    :class:`~poplar.train.config.ReplanConfig`."""
+    """Holds a run's steps to its plan's prediction; see the module's docstring."""
 
-    def __init__(self, config, basis: PlanBasis, plan: Plan, restage: bool = False):
+    def __init__(self, config: ReplanConfig, basis: PlanBasis, plan: Plan, restage: bool = False):
         """``restage``: another ZeRO stage may be taken where it is predicted faster by the whole threshold (the
         loop can change stage: through a checkpoint, :meth:`~poplar.runtime.rank.RankRuntime.change_plan`)."""
         self.config, self.basis, self.plan, self.restage = config, basis, plan, restage
@@ -129,9 +170,9 @@ def _why(before: list[float], after: list[float], off: float) -> str:
     return (", ".join(moved) or "the ranks compute as they did") + f"; steps measured {off:.2f}x the prediction"
 
 
-def replanner_for(replan, basis: PlanBasis | None, plan: Plan, world_size: int,
+def replanner_for(replan: ReplanConfig, basis: PlanBasis | None, plan: Plan, world_size: int,
                   baseline: str = "poplar", restage: bool = False) -> Replanner | None:
-    """The run's :class:`Replanner` (``replan``: its :class:`~poplar.train.config.ReplanConfig`; ``restage``: the
+    """The run's :class:`Replanner` (``replan``: its :class:`ReplanConfig`; ``restage``: the
     loop can change stage), or None where its plan is kept: ``replan: off``, a plan given without the planning it
     came from, a baseline's allocation (trained to be measured as it is), a rank alone."""
     if replan.mode == "off" or basis is None or baseline != "poplar" or world_size < 2:

@@ -26,32 +26,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from poplar.data.records import DataFields
 from poplar.engine.config import EngineConfig
 from poplar.models.lora import LoraSettings
+from poplar.runtime.replanner import ReplanConfig
 
 # engine options accepted at the top level of a training config, as earlier configs wrote them
 FLAT_ENGINE_FIELDS = ("clip_grad_norm", "mixed_precision", "on_nonfinite")
 ENGINE_DEFAULTS = {"clip_grad_norm": 1.0}   # where training's default differs from the engine's
-
-
-class ReplanConfig(BaseModel):
-    """When a run plans again while it trains (:mod:`poplar.runtime.replanner`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    mode: Literal["auto", "off"] = Field("auto", description="auto: re-plan when the steps measure off the "
-                                         "prediction; off: keep the plan (a plan given with --plan, or a baseline, "
-                                         "is always kept)")
-    threshold: float = Field(0.1, gt=0, lt=1, description="a step or a rank's busy time this far off its prediction "
-                             "(a fraction) counts as off; a new plan must be predicted faster by half of it")
-    patience: int = Field(3, ge=1, description="steps in a row off the prediction before planning again")
-    every: int = Field(10, ge=1, description="at most one re-plan in this many steps")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _mode_alone(cls, data: Any) -> Any:
-        """``replan: off`` (or ``auto``) for ``replan: {mode: off}``."""
-        if isinstance(data, bool):
-            return {"mode": "auto" if data else "off"}
-        return {"mode": data} if isinstance(data, str) else data
 
 
 REPORTERS = ("tensorboard", "wandb")   # report_to's names, as the HF Trainer's

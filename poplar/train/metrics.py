@@ -8,7 +8,8 @@ rate over the sum of every GPU's peak dense TFLOP/s in the compute dtype (the
 catalogue's, :mod:`poplar.cluster.catalogue`, a cluster file's declared figures, or
 ``peak_tflops`` in the config). Times are on the devices' clock: an emulated cluster's
 are its declared seconds, and a step where an emulated device's real work ran past its
-declared time says so (``overruns``).
+declared time says so (``overruns``). The figures are gathered from every rank as
+:class:`~poplar.runtime.step_figures.StepFigures` (every front end's, and the re-planner's).
 
 An evaluation (:mod:`poplar.train.evaluation`) is a record of its own, beside its step's:
 ``{"step", "eval_loss", "eval_perplexity", "eval_tokens", "eval_samples", "eval_s"}``. Rank 0
@@ -19,13 +20,11 @@ and TensorBoard or W&B where ``report_to`` names them).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
-import torch
 
 from poplar.engine.config import EngineConfig
-from poplar.train.config import LogSettings
 from poplar.models.workload import ModelSource
+from poplar.runtime.step_figures import StepFigures
+from poplar.train.config import LogSettings
 
 
 def flops_per_token(wl: ModelSource, config: EngineConfig | None = None) -> float:
@@ -49,34 +48,6 @@ def peak_tflops(device, mixed_precision: str, given: float | None = None) -> flo
     if not isinstance(device, CudaDevice):
         return 0.0
     return given or catalogue_peak(device.properties.name, dtype) or 0.0
-
-
-@dataclass(frozen=True)
-class StepFigures:
-    """One step as every rank saw it: the slowest rank's time, each rank's busy time and MFU peak; the spans whose
-    real work ran past an emulated device's time (``overruns``, all ranks') and the most device seconds they
-    added to one rank's step (``late_s``)."""
-
-    step_s: float
-    busy_s: list[float]
-    overruns: int
-    peaks: list[float]
-    grad_norm: float | None
-    late_s: float = 0.0
-
-    @classmethod
-    def gather(cls, device, comm, before: tuple[int, float], peak: float, grad_norm: float | None) -> StepFigures:
-        """Every rank calls this (one small all-gather); ``before``: ``device.lateness()`` as the step began."""
-        overruns, late_s = device.lateness()
-        mine = torch.tensor([device.step_s, device.compute_s, overruns - before[0], peak, late_s - before[1]],
-                            dtype=torch.float64, device=device.torch_device)
-        every = torch.zeros(comm.world_size * 5, dtype=torch.float64, device=mine.device)
-        comm.all_gather(every, mine)
-        rows = every.view(comm.world_size, 5).tolist()
-        return cls(step_s=max(r[0] for r in rows), busy_s=[r[1] for r in rows],
-                   overruns=int(sum(r[2] for r in rows)), peaks=[r[3] for r in rows],
-                   grad_norm=grad_norm if grad_norm is None or math.isfinite(grad_norm) else None,
-                   late_s=max(r[4] for r in rows))
 
 
 class StepLog:

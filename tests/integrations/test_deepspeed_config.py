@@ -15,7 +15,7 @@ import poplar
 from poplar.engine.loss_scale import LossScaleConfig
 from poplar.integrations.data import PlanBatchSampler
 from poplar.integrations.deepspeed.config import read_ds_config
-from poplar.integrations.runtime import optimizer_factory, resolve_plan
+from poplar.integrations.session import optimizer_factory, resolve_plan
 from poplar.runtime.plans import load_plan
 from poplar.processes.spawn import spawn
 from tests.integrations import assert_profiling_shown, ds_workers

@@ -8,9 +8,9 @@ import pytest
 
 from poplar.planner.planner import plan_stage
 from poplar.planner.replan import PlanBasis, rescaled
-from poplar.train.config import ReplanConfig, load_config
-from poplar.train.metrics import StepFigures
-from poplar.runtime.replanner import LATE_SHARE, Replanner, replanner_for
+from poplar.runtime.replanner import LATE_SHARE, Replanner, ReplanConfig, replanner_for
+from poplar.runtime.step_figures import StepFigures
+from poplar.train.config import load_config
 from tests.planner.profiles import make_profile
 from tests.planner.test_replan import COMM
 

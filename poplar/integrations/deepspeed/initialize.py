@@ -32,7 +32,7 @@ from poplar.engine.config import EngineConfig
 from poplar.integrations.batch_settings import launched_rank, launched_world_size
 from poplar.integrations.data import plan_loader
 from poplar.integrations.deepspeed.config import build_optimizer, read_ds_config
-from poplar.integrations.runtime import Runtime, from_environment, resolve_planning
+from poplar.integrations.session import Session, from_environment, resolve_planning
 
 _UNUSED_ARGS = ("args", "mpu", "mesh_param", "distributed_port", "dist_init_required")
 
@@ -79,7 +79,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         init_distributed()     # the ranks profile together; a plan given or the even split needs no group yet
     profiled = workload if plan is None else None   # planned from it: its step paces the ranks
     plan, basis = _plan(world, settings, engine_config, plan, cluster, workload, model)
-    runtime = Runtime(model, opt, plan, engine_config, cluster=cluster, basis=basis, replan=poplar.get("replan"),
+    runtime = Session(model, opt, plan, engine_config, cluster=cluster, basis=basis, replan=poplar.get("replan"),
                       workload=profiled)
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(runtime.engine.optimizer)
@@ -130,7 +130,7 @@ def _optimizer(optimizer, settings):
 class DeepSpeedStyleEngine:
     """DeepSpeed's engine calls on Poplar's engine: ``engine(batch)``, ``backward(loss)``, ``step()``, checkpoints."""
 
-    def __init__(self, runtime: Runtime, lr_scheduler=None):
+    def __init__(self, runtime: Session, lr_scheduler=None):
         self.runtime, self.lr_scheduler = runtime, lr_scheduler
         self.module = runtime.engine.model
         self.loader = None

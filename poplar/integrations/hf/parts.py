@@ -114,7 +114,7 @@ class EngineOptimizer(torch.optim.Optimizer):
         return None
 
     def state_dict(self) -> dict:
-        """This rank's shard of the state only: checkpoints go through ``Runtime.save`` instead."""
+        """This rank's shard of the state only: checkpoints go through ``Session.save`` instead."""
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict) -> None:

@@ -31,8 +31,9 @@ What changes from the plain Trainer, and why:
   world size and plan;
 - ``save_model()`` gathers the full weights from the shards: call it on every rank (as the
   Trainer asks in distributed runs anyway); the result loads with ``from_pretrained``;
-- :attr:`PoplarTrainer.runtime` (after training starts, until :meth:`PoplarTrainer.close`): the :class:`~poplar.integrations.runtime.Runtime`,
-  whose ``steps_s`` times every step on the rank's (possibly emulated) device.
+- :attr:`PoplarTrainer.runtime` (after training starts, until :meth:`PoplarTrainer.close`): the
+  :class:`~poplar.integrations.session.Session`, whose ``steps_s`` times every step on the rank's (possibly
+  emulated) device.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ from poplar.engine.config import EngineConfig
 from poplar.integrations.batch_settings import HF, BatchSettings
 from poplar.integrations.data import PlanBatchSampler
 from poplar.integrations.hf.parts import EngineOptimizer, PlanLoader, global_batch_of, one_group_optimizer, poplar_args
-from poplar.integrations.runtime import Runtime, replan_config, resolve_planning
+from poplar.integrations.session import Session, resolve_planning
 from poplar.runtime.plans import load_plan
+from poplar.runtime.replanner import replan_config
 
 __all__ = ["PoplarTrainer", "POPLAR_DIR"]
 
@@ -92,7 +94,7 @@ class PoplarTrainer(Trainer):
                                               model)
         self.cluster, self.engine_config = cluster, engine_config
         self._profiled = workload if plan is None else None   # planned from it: its step paces the ranks
-        self.runtime: Runtime | None = None     # built with the optimizer, when training starts
+        self.runtime: Session | None = None     # built with the optimizer, when training starts
         self._sampler: PlanBatchSampler | None = None    # the train loader's, which the runtime's re-plans reach
         super().__init__(model, poplar_args(args), *trainer_args, **trainer_kwargs)
         if yours:   # the Trainer's collator and column removal exist only now
@@ -155,7 +157,7 @@ class PoplarTrainer(Trainer):
         if self.runtime is None:
             optimizer = self.optimizer if self.optimizer is not None else one_group_optimizer(self)
             self.model._is_accelerate_prepared = True    # accelerate must not wrap it: the engine is the DDP
-            self.runtime = Runtime(self.model, optimizer, self.plan, self._engine_config(), cluster=self.cluster,
+            self.runtime = Session(self.model, optimizer, self.plan, self._engine_config(), cluster=self.cluster,
                                    basis=self.basis, replan=self.replan, workload=self._profiled,
                                    scratch=Path(self.args.output_dir) / "poplar-restage")
             if self._sampler is not None:
@@ -222,7 +224,7 @@ class PoplarTrainer(Trainer):
     def _get_grad_norm(self, model, grad_norm=None):
         return self._require_runtime().engine.last_grad_norm
 
-    def _require_runtime(self) -> Runtime:
+    def _require_runtime(self) -> Session:
         if self.runtime is None:
             raise RuntimeError("PoplarTrainer has no engine yet (it is built when train() starts) or it was closed")
         return self.runtime

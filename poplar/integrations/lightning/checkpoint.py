@@ -3,8 +3,8 @@ and plan resumes from.
 
 A Lightning checkpoint path (``epoch=1-step=30.ckpt``) becomes a directory holding
 
-- the engine's sharded, resharding checkpoint (:meth:`Runtime.save
-  <poplar.integrations.runtime.Runtime.save>`: parameters, optimizer state, every rank its shard);
+- the engine's sharded, resharding checkpoint (:meth:`Session.save
+  <poplar.integrations.session.Session.save>`: parameters, optimizer state, every rank its shard);
 - ``lightning.pt``, rank 0's: Lightning's own state (epoch, global step, loops, callbacks,
   learning-rate schedulers, hyperparameters...) without the weights and optimizer states,
   which the engine's checkpoint holds.
@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from poplar.integrations.runtime import Runtime
+from poplar.integrations.session import Session
 
 LIGHTNING_STATE = "lightning.pt"
 _ENGINE_KEYS = ("state_dict", "optimizer_states")   # in the engine's checkpoint instead
 
 
-def save(runtime: Runtime, checkpoint: dict[str, Any], path, rank0: bool) -> None:
+def save(runtime: Session, checkpoint: dict[str, Any], path, rank0: bool) -> None:
     """Every rank: the engine's shards under directory ``path``; rank 0 then Lightning's state beside them."""
     path = Path(path)
     if path.is_file():
@@ -43,7 +43,7 @@ def save(runtime: Runtime, checkpoint: dict[str, Any], path, rank0: bool) -> Non
         os.replace(tmp, path / LIGHTNING_STATE)
 
 
-def load(runtime: Runtime, path) -> dict[str, Any]:
+def load(runtime: Session, path) -> dict[str, Any]:
     """Every rank: restore the engine from directory ``path`` (written on any world size, with any plan of the
     same global batch); Lightning's state, without the weights and optimizer states."""
     from poplar.runtime.checkpoint import CheckpointError

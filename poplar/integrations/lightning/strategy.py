@@ -71,9 +71,10 @@ from poplar.engine.dist import choose_backend, init_distributed, shutdown
 from poplar.integrations.lightning import checkpoint as checkpoints
 from poplar.integrations.lightning.data import even_settings, module_source, plan_train_loader
 from poplar.integrations.lightning.options import engine_config, loss_of, take_accumulation, take_weights
-from poplar.integrations.runtime import (Runtime, cluster_spec, from_environment, optimizer_factory,
-                                         replan_config, resolve_plan, resolve_planning)
+from poplar.integrations.session import (Session, cluster_spec, from_environment, optimizer_factory, resolve_plan,
+                                         resolve_planning)
 from poplar.runtime.plans import load_plan
+from poplar.runtime.replanner import replan_config
 from poplar.plan import Plan
 
 __all__ = ["PoplarStrategy"]
@@ -95,7 +96,7 @@ class PoplarStrategy(ParallelStrategy):
     engine's :class:`~poplar.engine.config.EngineConfig` (or its dict). ``shuffle``, ``seed``: the
     order of the samples, drawn afresh each epoch from ``seed + epoch``. ``replan``: a plan
     planned here is planned again while training as the steps measure (``"auto"``, ``"off"``
-    or a dict of :class:`~poplar.train.config.ReplanConfig`'s fields; docs/train.md). With no plan
+    or a dict of :class:`~poplar.runtime.replanner.ReplanConfig`'s fields; docs/train.md). With no plan
     and no cluster, the loader's ``batch_size`` and ``accumulate_grad_batches`` on every rank (DDP's
     split), in the lowest of ``stages``, on the Trainer's ``devices``.
     """
@@ -122,7 +123,7 @@ class PoplarStrategy(ParallelStrategy):
         self._profiled = workload if self._plan is None else None   # planned from it: its step paces the ranks
         self._config = EngineConfig(**config) if isinstance(config, dict) else (config or EngineConfig())
         self.seed, self.shuffle = seed, shuffle
-        self.runtime: Runtime | None = None   # this rank's process group, device and engine (kept after fit)
+        self.runtime: Session | None = None   # this rank's process group, device and engine (kept after fit)
         self._live = False                     # the runtime trains (set up and not yet closed)
         self._trained = False                  # training ended normally: every rank gathers the weights
         self._sampler = None
@@ -232,7 +233,7 @@ class PoplarStrategy(ParallelStrategy):
             self._plan = resolve_planning(self._world, None, stages=self._stages, batch=settings)[0]
         elif self._plan is None:
             self._plan, self._basis = self._plan_module(trainer, module)
-        self.runtime = Runtime(module, self.optimizers[0], self._plan, self._config, cluster=self._cluster,
+        self.runtime = Session(module, self.optimizers[0], self._plan, self._config, cluster=self._cluster,
                                basis=self._basis, replan=self._replan, workload=self._profiled,
                                scratch=os.path.join(trainer.default_root_dir, "poplar-restage"))
         self._live, self._trained, self._profiled = True, False, self._workload   # not the module's copy profiled

@@ -5,9 +5,9 @@ import doctest
 
 import pytest
 
-import poplar.integrations.runtime
+import poplar.integrations.session
 from poplar.cluster.spec import load_cluster
-from poplar.integrations.runtime import profiling_title
+from poplar.integrations.session import profiling_title
 
 
 @pytest.mark.parametrize("stages, words", [((0, 1, 2, 3), "ZeRO stages 0-3"), ((1,), "ZeRO stage 1"),
@@ -19,5 +19,5 @@ def test_the_first_line_names_the_model_the_cluster_its_kinds_the_stages_and_how
 
 
 def test_the_module_examples_run():
-    failed, tried = doctest.testmod(poplar.integrations.runtime)
+    failed, tried = doctest.testmod(poplar.integrations.session)
     assert tried > 0 and failed == 0

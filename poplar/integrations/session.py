@@ -1,5 +1,7 @@
-"""One rank of a framework's training loop trained by Poplar: :class:`Runtime`.
+"""One rank's session of a framework's training loop trained by Poplar: :class:`Session`.
 
+The session is the integrations' glue over :mod:`poplar.runtime` (a rank's life for every
+front end: :class:`~poplar.runtime.rank.RankRuntime`, the re-planner, the checkpoints).
 Every integration does the same four things, here once:
 
 1. join the process group (torchrun's environment; a plain ``python`` run is one rank);
@@ -12,8 +14,8 @@ Every integration does the same four things, here once:
    emulated GPU of a cluster file, the GPU it runs on, or this host's CPU, which times (and,
    emulated, paces) every step;
 4. build the engine with the user's optimizer (:func:`optimizer_factory`) and run steps in
-   the device's step (:meth:`Runtime.train_batch`); save and load the same resharding
-   checkpoints as ``poplar train`` (:meth:`Runtime.save`, :meth:`Runtime.load`).
+   the device's step (:meth:`Session.train_batch`); save and load the same resharding
+   checkpoints as ``poplar train`` (:meth:`Session.save`, :meth:`Session.load`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from poplar.integrations.step_plans import FollowedPlan, PlanSchedule
 from poplar.plan import Plan
 from poplar.runtime.plans import basis_of, load_plan, profile_and_plan
 from poplar.runtime.rank import RankRuntime
-from poplar.runtime.replanner import replanner_for
+from poplar.runtime.replanner import replan_config, replanner_for
 
 
 def resolve_plan(world_size: int, plan=None, **planning) -> Plan:
@@ -136,24 +138,6 @@ def profiling_title(name: str, model: str, spec, stages) -> str:
     return f"{name}: profiling {model} on {kinds} in ZeRO {which} (cached after the first run): {takes}"
 
 
-def replan_config(replan):
-    """A :class:`~poplar.train.config.ReplanConfig` from itself, ``"auto"``/``"off"``, a bool, a dict or None
-    (auto); refused in one line otherwise."""
-    from pydantic import ValidationError
-
-    from poplar.train.config import ReplanConfig
-
-    if isinstance(replan, ReplanConfig):
-        return replan
-    try:
-        return ReplanConfig.model_validate({} if replan is None else replan)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise ValueError(f"replan{'.' + where if where else ''}: {err['msg']} (got {replan!r}); give 'auto', "
-                         "'off' or a dict of mode, threshold, patience, every") from None
-
-
 def cluster_spec(cluster):
     """A :class:`~poplar.cluster.spec.ClusterSpec` from itself, a cluster file or a preset's name (None: None)."""
     if cluster is None or not isinstance(cluster, (str, Path)):
@@ -204,9 +188,9 @@ def optimizer_factory(optimizer):
     return rebind
 
 
-class Runtime(RankRuntime):
+class Session(RankRuntime):
     """This rank's process group, device and engine (:class:`~poplar.runtime.rank.RankRuntime`, as ``poplar train``'s
-    ranks); steps timed (and paced) by the device.
+    ranks); steps timed (and paced) by the device; the plan its framework's loader cuts with followed.
 
     Enter nothing by hand: the device starts here (on every rank at once) and stops in :meth:`close`.
     """
@@ -214,8 +198,8 @@ class Runtime(RankRuntime):
     def __init__(self, model: torch.nn.Module, optimizer, plan: Plan, config: EngineConfig | dict | None = None,
                  cluster=None, basis=None, replan=None, scratch: str | Path | None = None, workload=None):
         """``basis``: the planning ``plan`` came from (:func:`resolve_planning`), to plan again as the steps measure
-        once the data follow the schedule (:meth:`follow`); ``replan``: when (:func:`replan_config`);
-        ``scratch``: a folder every rank reads where a re-plan may change the ZeRO stage through a checkpoint
+        once the data follow the schedule (:meth:`follow`); ``replan``: when
+        (:func:`~poplar.runtime.replanner.replan_config`); ``scratch``: a folder every rank reads where a re-plan may change the ZeRO stage through a checkpoint
         (None: the stage is kept); ``workload``: what the plan was profiled from (the module given as a
         :class:`~poplar.integrations.module_source.ModuleSource`, or a preset), whose step an emulated
         cluster's pace is probed with as the profiler's is (None: the host's own probes alone)."""
@@ -244,7 +228,7 @@ class Runtime(RankRuntime):
         return self.following.replans
 
     def follow(self, sampler) -> None:
-        """Cut ``sampler``'s batches (a :class:`~poplar.integrations.data.PlanBatchSampler`) by this runtime's
+        """Cut ``sampler``'s batches (a :class:`~poplar.integrations.data.PlanBatchSampler`) by this session's
         schedule: re-planning starts here, as a new plan now reaches the data too."""
         if sampler.schedule is not self.schedule:
             self.schedule.pending.extend(sampler.schedule.pending)
