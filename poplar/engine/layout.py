@@ -191,8 +191,8 @@ class ShardLayout:
         sending each other the part of its slice that the other is to hold."""
         me = self.shard_index
         out = torch.empty(wanted[me], dtype=mine.dtype, device=mine.device)
-        send = _overlaps(held, wanted, me)          # all of mine, in the order ranks hold it
-        receive = _overlaps(wanted, held, me)       # all of what I am to hold, in order
+        send = overlaps(held, wanted, me)          # all of mine, in the order ranks hold it
+        receive = overlaps(wanted, held, me)       # all of what I am to hold, in order
         # priced as the unit's all-gather: every element moves at most once
         comm = self.shard_comm
         comm.run("all_gather", out.element_size() * sum(held), lambda a: comm.collectives.all_to_all_single(
@@ -251,7 +251,7 @@ class ShardLayout:
         return self.comm.run("reduce_across", numel * shard.element_size(), issue, async_op, groups=self.replicas)
 
 
-def _overlaps(mine: Sequence[int], theirs: Sequence[int], me: int) -> list[int]:
+def overlaps(mine: Sequence[int], theirs: Sequence[int], me: int) -> list[int]:
     """How much of rank ``me``'s range in the cut ``mine`` each rank's range in the cut ``theirs`` covers (both cut
     one buffer in rank order): only the ranks whose ranges meet mine, found by bisection (thousands of ranks)."""
     ends = list(accumulate(theirs))

@@ -175,7 +175,7 @@ def _plan_shares(out: StagePlan, profile: Profile, global_batch: int) -> None:
     found: dict[str, tuple[float, Plan | str]] = {}
     seen = {even}
     for name, shares in tried.items():
-        limits = _limits_at(profile, out.stage, kinds, shares)
+        limits = limits_at(profile, out.stage, kinds, shares)
         worth = all(limits) and limits not in seen and max(np.subtract(limits, even)) > 0
         seen.add(limits)
         if not all(limits):
@@ -204,7 +204,7 @@ def _plan_shares(out: StagePlan, profile: Profile, global_batch: int) -> None:
         out.excluded = ""   # where no even share held every kind, uneven ones do
 
 
-def _limits_at(profile: Profile, stage: int, kinds: list[str], shares: list[float]) -> tuple[int, ...]:
+def limits_at(profile: Profile, stage: int, kinds: list[str], shares: list[float]) -> tuple[int, ...]:
     """Each kind's largest micro-batch (in the order kinds first appear) at its share of the states."""
     total, model = sum(shares), profile.model
     first = {k: s for k, s in zip(kinds, shares)}

@@ -75,7 +75,7 @@ def profile_cluster(workload: str | Workload, cluster: dict | ClusterSpec, optio
                          "in a running process group (poplar profile does so under torchrun, or on one GPU)")
     cache = ProfileCache(options.cache_dir, wl, spec, options.stages, options.precision, options.max_micro_batch,
                          config)
-    cached, comm = _from_cache(cache, spec) if options.use_cache else ({}, None)
+    cached, comm = still_current(cache, spec) if options.use_cache else ({}, None)
     if distributed:   # every rank must measure the same stages and plan from the same profile: rank 0's cache
         decided = [cached, comm]
         dist.broadcast_object_list(decided, src=0)
@@ -87,7 +87,7 @@ def profile_cluster(workload: str | Workload, cluster: dict | ClusterSpec, optio
     if todo or comm is None:
         ranks = _run_ranks(wl, spec, options.model_copy(update={"stages": tuple(todo)}), config, progress, on_poll,
                            distributed)
-        comm = _merge_comm(ranks)
+        comm = merged_comm(ranks)
         measured = {(k, s): merge_stage([r.stages[s] for r in ranks if r.kind == k]) for s in todo for k in kinds}
         if not distributed or dist.get_rank() == 0:
             cache.save(measured, comm)
@@ -97,7 +97,7 @@ def profile_cluster(workload: str | Workload, cluster: dict | ClusterSpec, optio
     return profile, summary
 
 
-def _from_cache(cache: ProfileCache, spec: ClusterSpec) -> tuple[dict, CommProfile | None]:
+def still_current(cache: ProfileCache, spec: ClusterSpec) -> tuple[dict, CommProfile | None]:
     """The cached stages and collectives still current: what was written before a figure was recorded is not."""
     # stages written before their anatomy was measured are measured again
     cached = {ks: sp for ks, sp in cache.stages().items() if sp.anatomy is not None or not sp.points}
@@ -168,7 +168,7 @@ def _rated_tflops(kind: DeviceGroup, precision: str) -> float | None:
     return peak_tflops(kind.cuda.name, precision) if kind.cuda is not None else kind.peak_tflops(precision)
 
 
-def _merge_comm(ranks: list[RankProfile]) -> CommProfile:
+def merged_comm(ranks: list[RankProfile]) -> CommProfile:
     """Rank 0's collectives, with each node's own timed by its first rank."""
     comm = ranks[0].comm
     if comm.shaped is None:

@@ -59,7 +59,7 @@ def simulate_stages(workload: str | Workload, cluster, options: ProfileOptions |
         device = CountingDevice(spec, 0)
         with device:
             run = RankRun(device, 0, spec.world_size, wl, config, warmup=1, repeats=1)
-            saved = _SAVED.get_or((model_key(wl), options.precision), lambda: _saved(device, wl, options.precision))
+            saved = SAVED.get_or((model_key(wl), options.precision), lambda: _saved(device, wl, options.precision))
             for stage in options.stages:
                 for kind, sp in _stage(run, stage, options, kinds, saved).items():
                     out[(kind, stage)] = sp
@@ -68,7 +68,7 @@ def simulate_stages(workload: str | Workload, cluster, options: ProfileOptions |
 
 # The saved bytes depend on the model and the precision only, the model's units and their FLOPs on the engine's
 # options too: each made once a process, for the last few.
-_SAVED = Kept(most=4)
+SAVED = Kept(most=4)
 _INFO = Kept(most=4)
 
 
@@ -78,13 +78,13 @@ def _saved(device: CountingDevice, wl: ModelSource, precision: str) -> Activatio
     checked at one more still; else measured on the model."""
     layers = layers_of(wl)
     if layers is None or layers < DEEP:
-        return Activations(_saved_bytes(device, wl, precision))
-    a, b, c = (Activations(_saved_bytes(device, Shallow(wl, d), precision))
+        return Activations(saved_bytes_of(device, wl, precision))
+    a, b, c = (Activations(saved_bytes_of(device, Shallow(wl, d), precision))
                for d in (SHALLOW, SHALLOW + 1, SHALLOW + 2))
     drawn = _DrawnActivations(a, b, SHALLOW + 2)
     if all(drawn.exact(m) == c.exact(m) for m in (1, 2)):
         return _DrawnActivations(a, b, layers)
-    return Activations(_saved_bytes(device, wl, precision))
+    return Activations(saved_bytes_of(device, wl, precision))
 
 
 class _DrawnActivations(Activations):
@@ -99,7 +99,7 @@ class _DrawnActivations(Activations):
         return all(p.proven(upto) for p in self.parts) and super().proven(upto)
 
 
-def _saved_bytes(device: CountingDevice, wl: ModelSource, precision: str):
+def saved_bytes_of(device: CountingDevice, wl: ModelSource, precision: str):
     """``m`` -> the bytes autograd saves at most in a forward and backward of ``m`` samples (the memory probe's
     run, the model's own parameters not counted again)."""
     model = cast_model(wl.build(), device.torch_device, torch_dtype(precision))
@@ -209,7 +209,7 @@ class _KindMeasure:
         self.shares: Callable[[float], tuple[list, list]] | None = None   # the kind's share steps, where measured
 
     def largest(self, held: int, limit: int) -> int:
-        return _largest(self.saved, held, self.capacity, limit)
+        return largest_that_fits(self.saved, held, self.capacity, limit)
 
     def everyone(self, flag: bool) -> bool:
         # a kind is measured alone: timed even where another kind's headroom leaves it no sample (the profiler's
@@ -270,7 +270,7 @@ class _Shares:
                 [(f, *phase) for f, (_, phase) in sorted(points.items())])
 
 
-def _largest(saved: Activations, held: int, capacity: int, limit: int) -> int:
+def largest_that_fits(saved: Activations, held: int, capacity: int, limit: int) -> int:
     """The probe's answer: the largest micro-batch up to ``limit`` whose saved bytes fit beside ``held``."""
     found = grow_then_bisect(lambda m: held + saved(m) <= capacity, limit)
     if saved.proven(limit + 1):

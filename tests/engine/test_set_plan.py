@@ -90,7 +90,7 @@ def test_a_recut_sends_and_receives_what_the_two_cuts_overlap_for_any_cuts():
     import random
     from itertools import accumulate
 
-    from poplar.engine.layout import _overlaps
+    from poplar.engine.layout import overlaps
 
     def compared(mine, theirs, me):
         at, to = list(accumulate(mine, initial=0)), list(accumulate(theirs, initial=0))
@@ -104,6 +104,6 @@ def test_a_recut_sends_and_receives_what_the_two_cuts_overlap_for_any_cuts():
             points = [0, *sorted(rng.randint(0, total) for _ in range(n - 1)), total]
             return [b - a for a, b in zip(points, points[1:])]
         held, wanted, me = cut(), cut(), rng.randrange(n)
-        assert _overlaps(held, wanted, me) == compared(held, wanted, me)
-        assert _overlaps(wanted, held, me) == compared(wanted, held, me)
-        assert sum(_overlaps(held, wanted, me)) == held[me]
+        assert overlaps(held, wanted, me) == compared(held, wanted, me)
+        assert overlaps(wanted, held, me) == compared(wanted, held, me)
+        assert sum(overlaps(held, wanted, me)) == held[me]

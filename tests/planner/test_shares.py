@@ -135,8 +135,8 @@ def test_room_shares_fit_every_kind_where_no_even_share_or_power_of_memory_does(
 
 
 def _limits(prof, shares):
-    from poplar.planner.planner import _limits_at
-    return _limits_at(prof, 2, prof.ranks, shares)
+    from poplar.planner.planner import limits_at
+    return limits_at(prof, 2, prof.ranks, shares)
 
 
 def test_a_stage_that_fits_only_with_uneven_shares_is_planned_with_them_where_they_are_faster():

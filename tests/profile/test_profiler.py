@@ -252,7 +252,7 @@ def test_on_several_nodes_the_collectives_are_timed_inside_each_node_and_across(
     """Nodes of two ranks and one (or three of one: alike, the sum across them an all-reduce among each slice's
     counterparts): each node's own collectives on its link, the sum across the nodes on the slow one; the profiler
     keeps each node's timing by its first rank."""
-    from poplar.profile.profiler import _merge_comm
+    from poplar.profile.profiler import merged_comm
     from poplar.profile.rank import RankProfile
     from tests.profile.workers import collectives_on_nodes
 
@@ -287,7 +287,7 @@ def test_on_several_nodes_the_collectives_are_timed_inside_each_node_and_across(
             assert seconds == pytest.approx(declared, rel=0.1)
         if not r["alike"]:
             assert shaped.sum_s > shaped.sum_latency_s > 0      # adding the parts is compute, after the exchange
-    merged = _merge_comm([RankProfile(kind="k", stages={}, comm=CommProfile.model_validate(r["comm"]), dilation=1.0,
+    merged = merged_comm([RankProfile(kind="k", stages={}, comm=CommProfile.model_validate(r["comm"]), dilation=1.0,
                                       overruns=0) for r in ranks])
     assert [i.all_gather_s for i in merged.shaped.inside] == [ranks[f]["comm"]["shaped"]["inside"][0]["all_gather_s"]
                                                               for f in firsts]

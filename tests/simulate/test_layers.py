@@ -89,7 +89,7 @@ def _drawn_and_whole(wl, options, cluster, monkeypatch, expect=None):
     """The stages simulated with ``wl``'s deep steps drawn from shallow ones (every drawing checked and kept; or
     as ``expect`` says, by depth), and again on the whole model."""
     def fresh():
-        for memo in (recording.COUNTED, recording.SHARED, simulated._SAVED, recording.DRAWN):
+        for memo in (recording.COUNTED, recording.SHARED, simulated.SAVED, recording.DRAWN):
             memo.clear()
     fresh()
     drawn = simulated.simulate_stages(wl, cluster, options)

@@ -9,7 +9,7 @@ from poplar.emulate.model import GpuModel, WorkCounter
 from poplar.engine.config import EngineConfig
 from poplar.profile.timing import RankRun
 from poplar.simulate.fake import fake_tensors
-from poplar.simulate.profile import _largest, _saved_bytes
+from poplar.simulate.profile import largest_that_fits, saved_bytes_of
 from poplar.simulate.recording import Recording
 from poplar.simulate.trace import Activations, CountingDevice, Recorder, Steps, Trace, operator_name
 from poplar.models.workload import Workload
@@ -48,7 +48,7 @@ def test_a_step_read_from_the_line_is_the_step_recorded_at_that_size(model, stag
             run = RankRun(device, 0, CLUSTER.world_size, wl, EngineConfig(check_batches=False), 1, 1)
             derived = Steps(Recording(run, stage).trace).at(7, 1)
             recorded = Recording(run, stage).trace(7, 1)
-            saved = Activations(_saved_bytes(device, wl, "fp32"))
+            saved = Activations(saved_bytes_of(device, wl, "fp32"))
             assert saved(9) == saved.exact(9) > saved(8) > saved.exact(1) > 0
     assert np.array_equal(derived.flops, recorded.flops) and np.array_equal(derived.nbytes, recorded.nbytes)
     assert derived.marks == recorded.marks and derived.launches == recorded.launches and recorded.marks
@@ -172,7 +172,7 @@ def test_saved_bytes_read_from_the_line_only_as_far_as_it_is_proven(kink):
 
     for capacity in range(100, 1000, 37):
         truth = max((m for m in range(1, 65) if measure(m) <= capacity), default=0)
-        assert _largest(Activations(measure), 0, capacity, 64) == truth
+        assert largest_that_fits(Activations(measure), 0, capacity, 64) == truth
     saved, measured[:] = Activations(measure), []
     on_line = kink is None or kink >= 65
     assert saved.proven(65) == on_line and sorted(measured) == [2, 3, 4, 65]
