@@ -42,23 +42,20 @@ LOWER = """
     engine poplar.engine
     emulate poplar.emulate poplar.devices.emulate
     devices poplar.devices
+    processes poplar.processes poplar.launch poplar.workers poplar.sigterm
     profile poplar.profile
     simulate poplar.simulate
     planner poplar.planner
+    runtime poplar.runtime
 """
-FLOORS = {"before": LOWER + """
-    runtime poplar.launch poplar.workers poplar.sigterm
+# one order of floors for both trees; 'before' names where the same kinds of module lived then
+UPPER = """
     front/train poplar.train
     front/integrations poplar.integrations
-    front/compare poplar.bench poplar.measure poplar.evaluate poplar.alone poplar.demo poplar.verify poplar.peers
+    compare poplar.compare poplar.bench poplar.measure poplar.evaluate poplar.alone poplar.demo poplar.verify poplar.peers
     cli poplar.cli poplar.__main__
-""", "after": LOWER + """
-    runtime poplar.runtime poplar.processes
-    front/train poplar.train
-    front/integrations poplar.integrations
-    front/compare poplar.compare
-    cli poplar.cli poplar.__main__
-"""}
+"""
+FLOORS = {"before": LOWER + UPPER, "after": LOWER + UPPER}
 DOOR = "poplar"
 TRAIN_ARGS = "train --model llama-tiny --cluster none --plan {plan} --global-batch 4 --steps 1 --out {out}"
 
