@@ -26,6 +26,7 @@ import torch.distributed as dist
 import poplar
 from poplar.cluster.spec import parse_cluster
 from poplar.devices import rank_device
+from poplar.devices.steps import TimedSteps
 from poplar.engine import initialize
 from poplar.engine.config import EngineConfig
 from poplar.compare.peers import PeerFailed
@@ -69,11 +70,10 @@ def _measure_rank(rank: int, world_size: int, workload, cluster: dict, plans: li
 def _measure(device, rank: int, wl: Workload, plans: list[dict], steps: int, warmup: int, rounds: int,
              peers, config: EngineConfig | None = None) -> list[dict]:
     started = [_Peer(setup, wl, rank, device.comm) for setup in peers]
-    runs: list[tuple[Callable[[], float], Callable]] = []   # one step of each contender, and what it holds
+    runs: list[tuple[Callable[[], float], TimedSteps]] = []   # one step of each contender, and its steps timed
     for peer in started:     # warm-up, before Poplar's engines exist
         for _ in range(warmup):
-            with device.step(peer.held_state):
-                peer.train_batch()
+            TimedSteps(device, peer.held_state).run(peer.train_batch, keep=False)
     optimizer = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
     engines = []
     for p in plans:
@@ -81,34 +81,25 @@ def _measure(device, rank: int, wl: Workload, plans: list[dict], steps: int, war
         engine = initialize(wl.build(), optimizer, plan, config, comm=device.comm)
         batch = wl.random_batch(plan.local_batch_size(rank), seed=rank)
         engines.append(engine)
-        runs.append((lambda engine=engine, batch=batch: engine.train_batch(batch, wl.loss), engine.held_state))
-    for run, held in runs:       # warm-up, every plan (the peers have had theirs)
+        runs.append((lambda engine=engine, batch=batch: engine.train_batch(batch, wl.loss),
+                     TimedSteps(device, engine.held_state)))
+    for run, timed in runs:       # warm-up, every plan (the peers have had theirs)
         for _ in range(warmup):
-            with device.step(held):
-                run()
-    runs += [(peer.train_batch, peer.held_state) for peer in started]
-    times: list[list[float]] = [[] for _ in runs]
-    busy: list[list[float]] = [[] for _ in runs]
-    overruns = [0] * len(runs)
+            timed.run(run, keep=False)
+    runs += [(peer.train_batch, TimedSteps(device, peer.held_state)) for peer in started]
     per_round = max(1, steps // rounds)
     for _ in range(rounds):
-        for i, (run, held) in enumerate(runs):
+        for run, timed in runs:
             dist.barrier()
-            with device.step(held):
-                run()   # the first step after a switch realigns the ranks
-            before = device.overruns
+            timed.run(run, keep=False)   # the first step after a switch realigns the ranks
             for _ in range(per_round):
-                with device.step(held):
-                    run()
-                times[i].append(device.step_s)
-                busy[i].append(device.compute_s)
-            overruns[i] += device.overruns - before
+                timed.run(run)
     for engine in engines:
         engine.close()
     for peer in started:
         peer.peer.close()
-    return [{"step_s": statistics.median(w), "busy_s": statistics.median(b), "steps": len(w), "overruns": o}
-            for w, b, o in zip(times, busy, overruns)]
+    return [{"step_s": statistics.median(t.step_s), "busy_s": statistics.median(t.busy_s), "steps": len(t.step_s),
+             "overruns": t.overruns} for _, t in runs]
 
 
 def measure_plans(workload: str | Workload, cluster: dict, plans: list[poplar.Plan], steps: int = 12, warmup: int = 2,

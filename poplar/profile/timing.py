@@ -4,13 +4,16 @@ Every rank times ``n_points`` micro-batch sizes up to its own limit (spaced
 geometrically), every rank at its own sizes: at each size a step of one micro-batch (the
 point), and at the smallest ``PER_STEP_SIZES`` also a step of two: their difference is
 what every further micro-step costs, and the rest what a step costs once (the update,
-the same at any size). After warm-up rounds, the median over the timed rounds.
+the same at any size). After warm-up rounds, the median over the timed rounds. Every timed
+step runs in the device's step through :class:`~poplar.devices.steps.TimedSteps` (the step
+loop a rank's training and the comparisons time theirs with).
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -19,6 +22,7 @@ import torch.distributed as dist
 
 import poplar
 from poplar.devices.base import Device
+from poplar.devices.steps import TimedSteps
 from poplar.engine import initialize
 from poplar.engine.config import EngineConfig
 from poplar.engine.loss_scale import LossScaleConfig
@@ -135,9 +139,9 @@ def fractions_held(shares: list[float]) -> list[float]:
 
 def timed_step(device: Device, engine, batch, loss: Callable) -> float:
     """Busy seconds of one step on the device's clock (its waits for collectives left out)."""
-    with device.step(engine.held_state):
-        engine.train_batch(batch, loss)
-    return device.compute_s
+    steps = TimedSteps(device, engine.held_state)
+    steps.run(partial(engine.train_batch, batch, loss))
+    return steps.busy_s[0]
 
 
 def warm_up(engine, batch, loss: Callable, rounds: int) -> None:
@@ -172,13 +176,15 @@ def _time_group(run: RankRun, stage: int, plans: dict[int, poplar.Plan], times: 
     wl = run.workload
     engines = {i: run.engine(plan) for i, plan in plans.items()}
     batches = {i: wl.random_batch(plan.local_batch_size(run.rank)) for i, plan in plans.items()}
+    timed = {i: TimedSteps(run.device, engine.held_state) for i, engine in engines.items()}
     for i, engine in engines.items():
         warm_up(engine, batches[i], wl.loss, run.warmup)
     for r in range(run.repeats):
         run.note(stage, f"round {r + 1}/{run.repeats}")
         for i, engine in engines.items():
-            times[i].append(timed_step(run.device, engine, batches[i], wl.loss))
-    for engine in engines.values():
+            timed[i].run(partial(engine.train_batch, batches[i], wl.loss))
+    for i, engine in engines.items():
+        times[i].extend(timed[i].busy_s)
         engine.close()
 
 
@@ -191,13 +197,11 @@ def _timed_parts(device: Device, issue: Callable[[], Any], repeats: int) -> tupl
     """Median device time of a step that runs ``issue()`` (after one untimed, outside a step: at the host's speed on
     an emulated device), of its wait, and of its compute."""
     issue()
-    out = []
+    steps = TimedSteps(device)
     for _ in range(repeats):
         device.comm.barrier()
-        with device.step():
-            issue()
-        out.append((device.step_s, device.wait_s, device.compute_s))
-    return tuple(statistics.median(x[j] for x in out) for j in range(3))
+        steps.run(issue)
+    return statistics.median(steps.step_s), statistics.median(steps.wait_s), statistics.median(steps.busy_s)
 
 
 def _padded(numel: int, world: int) -> int:

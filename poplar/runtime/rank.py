@@ -4,17 +4,18 @@
 :class:`~poplar.integrations.session.Session` both build their rank here: the engine on
 the rank's device (its collectives seen by the device, ``comm=device.comm``), and each
 optimizer step run inside the device's step, which times it (and, emulated, paces it
-and caps its memory). How the device was chosen and entered is the caller's
-(:func:`poplar.devices.rank_device_of`).
+and caps its memory): :class:`~poplar.devices.steps.TimedSteps`, the step loop the
+comparisons and the profiler time their steps with too. How the device was chosen and
+entered is the caller's (:func:`poplar.devices.rank_device_of`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import shutil
-import time
 from pathlib import Path
 
+from poplar.devices.steps import TimedSteps
 from poplar.engine import initialize
 
 
@@ -25,8 +26,17 @@ class RankRuntime:
     def __init__(self, device, model, optimizer, plan, config=None, weights=None):
         self.device = device
         self.engine = initialize(model, optimizer, plan, config, comm=device.comm, weights=weights)
-        self.steps_s: list[float] = []     # each step's time on the device's clock
-        self.step_walls: list[tuple[float, float]] = []   # when each began and ended on this host (perf_counter)
+        self.steps = TimedSteps(device, self.engine.held_state)   # every step's figures
+
+    @property
+    def steps_s(self) -> list[float]:
+        """Each step's time on the device's clock."""
+        return self.steps.step_s
+
+    @property
+    def step_walls(self) -> list[tuple[float, float]]:
+        """When each step began and ended on this host (``time.perf_counter``)."""
+        return self.steps.walls
 
     @property
     def plan(self):
@@ -40,11 +50,8 @@ class RankRuntime:
     @contextlib.contextmanager
     def step(self):
         """The context one optimizer step runs in (for loops that drive the micro-steps themselves)."""
-        start = time.perf_counter()
-        with self.device.step(self.engine.held_state) as device:
+        with self.steps.step() as device:
             yield device
-        self.steps_s.append(self.device.step_s)
-        self.step_walls.append((start, time.perf_counter()))
 
     def change_plan(self, plan, scratch: str | Path) -> None:
         """Every rank, between steps: train with ``plan`` from the next step. Another split or shares are cut in
