@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers.user_data import WORDS
+
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
            "<|eot_id|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-WORDS = "the cat sat on a mat while dogs ran in the park and birds sang over green hills".split()
 
 
 def trl_template(name: str) -> str:

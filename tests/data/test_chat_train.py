@@ -16,7 +16,7 @@ from poplar.train.config import load_config
 from poplar.train.dataset import prepare_data
 from poplar.train.run import run_training
 from tests.data.chat_models import CHATML_MARKED, rows, save_chat_model, trl_template, write_rows
-from tests.train.test_your_model import reference
+from tests.helpers.one_device import reference
 
 pytestmark = pytest.mark.slow
 

@@ -15,16 +15,11 @@ import torch
 
 from poplar.processes.spawn import spawn
 from tests.engine.workers import run_cases
-from tests.helpers.models import make_batches, reference_train
+from tests.helpers.models import ORDER_TOLERANT_OPTIMIZER as OPTIMIZER, make_batches, reference_train
 
 pytestmark = pytest.mark.slow
 
 N_STEPS = 4
-# eps=1e-6 rather than 1e-8: an element whose true gradient is ~1e-8 would otherwise turn
-# summation-order rounding (~1e-10, unavoidable when ranks sum in another order) into an
-# lr-sized Adam step. That is Adam's conditioning, not a difference of the engine.
-OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01, eps=1e-6)
-
 # (stage, micro_batch_sizes, accum_steps[, local_batch_sizes]): the last form splits a
 # rank's samples into near-equal micro-batches (7 samples in 2 = 4 + 3).
 PLANS = {

@@ -21,12 +21,11 @@ import torch
 from poplar import Plan
 from poplar.processes.spawn import spawn
 from tests.engine.workers import fp16_cases
-from tests.helpers.models import make_batches, reference_train_fp16
+from tests.helpers.models import ORDER_TOLERANT_OPTIMIZER as OPTIMIZER, make_batches, reference_train_fp16
 
 pytestmark = pytest.mark.slow
 
 N_STEPS = 7
-OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01, eps=1e-6)
 SCALER = {"init_scale": 2.0 ** 16, "growth_interval": 2}
 OVERFLOW_FROM = 2.0 ** 16
 

@@ -1,16 +1,14 @@
 """fp16 on a real GPU (skipped elsewhere): the engine's update is GradScaler's on the same micro-batches, CUDA's
 fp16 kernels and all, skipped steps too (the CPU's: tests/engine/test_fp16.py)."""
 
-import functools
-
 import pytest
 import torch
 
 import poplar
+from tests.helpers.models import ORDER_TOLERANT_OPTIMIZER as OPTIMIZER
 from tests.helpers.models import lm_loss, make_batches, make_model, reference_train_fp16
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01, eps=1e-6)
 
 
 @needs_cuda

@@ -13,7 +13,7 @@ Every partition trains in every stage (in ``STAGES_AT_5`` of them, drawn, at 5 r
 it should that launch grow slow); each case's parameters must be single-device training's
 to 1e-5, and every group's copy the very same bits. One case of each partition, drawn, is
 run again with a counting comm, and each step must issue exactly the collectives its stage
-and layout promise (:func:`tests.engine.test_collectives.expected_step`).
+and layout promise (:func:`tests.helpers.collectives.expected_step`).
 
 One launch per world size runs every case in turn; a case that fails fails its own test,
 named by its shape, and the cases before it still report.
@@ -32,10 +32,9 @@ from poplar.engine.layout import ShardLayout
 from poplar.processes.spawn import spawn
 from poplar.plan import Plan
 from poplar.stages import STAGES, stage
-from tests.engine.test_collectives import expected_step, unit_numels
-from tests.engine.test_equivalence import OPTIMIZER
 from tests.engine.workers import shape_cases
-from tests.helpers.models import make_batches, reference_train
+from tests.helpers.collectives import expected_step, unit_numels
+from tests.helpers.models import ORDER_TOLERANT_OPTIMIZER as OPTIMIZER, make_batches, reference_train
 
 WORLDS = (2, 3, 4, 5)
 N_STEPS = 2

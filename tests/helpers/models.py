@@ -73,6 +73,10 @@ def make_batches(n_steps: int, global_batch: int, seq: int = 6, vocab: int = 37,
 
 
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+# eps=1e-6 rather than 1e-8, where ranks' updates are held to one device's: an element whose true gradient is ~1e-8
+# would otherwise turn summation-order rounding (~1e-10, unavoidable when ranks sum in another order) into an
+# lr-sized Adam step. That is Adam's conditioning, not a difference of the engine.
+ORDER_TOLERANT_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01, eps=1e-6)
 
 
 def reference_train(batches, clip: float | None = None, optimizer=OPTIMIZER, model_kw=None, schedule=None,

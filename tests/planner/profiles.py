@@ -6,6 +6,10 @@ import functools
 
 from poplar.profile.profile import CommProfile, DeviceProfile, ModelInfo, Profile, StageProfile
 
+# collectives with a latency each, timed at 1000 elements
+COMM = CommProfile(numel=1000, all_reduce_s=2e-4, reduce_scatter_s=1e-4, all_gather_s=1e-4,
+                   latency_s={"all_reduce": 2e-5, "reduce_scatter": 1e-5, "all_gather": 1e-5})
+
 
 def affine_stage(alpha: float, beta: float, max_mbs: int, per_step: float = 0.0) -> StageProfile:
     """A step of one micro-batch of ``m`` takes ``per_step + alpha + beta * m`` (points on a line, so the

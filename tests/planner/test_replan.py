@@ -7,11 +7,7 @@ import pytest
 from poplar.planner.cost import CostModel
 from poplar.planner.planner import plan_stage
 from poplar.planner.replan import PlanBasis, rescaled
-from poplar.profile.profile import CommProfile
-from tests.planner.profiles import make_profile, memory_skewed
-
-COMM = CommProfile(numel=1000, all_reduce_s=2e-4, reduce_scatter_s=1e-4, all_gather_s=1e-4,
-                   latency_s={"all_reduce": 2e-5, "reduce_scatter": 1e-5, "all_gather": 1e-5})
+from tests.planner.profiles import COMM, make_profile, memory_skewed
 
 
 def _cluster(rng: random.Random):

@@ -23,7 +23,7 @@ from poplar.train.evaluation import EvalResult, batch_shares, micro_batches
 from poplar.train.report import eval_records, figure, read_log, step_records, summarize
 from poplar.train.run import run_training
 from tests.helpers.pretrained import save_qwen2
-from tests.train.test_your_model import WORDS, write_pairs
+from tests.helpers.user_data import text_file, write_labelled, write_pairs
 
 
 @pytest.fixture(autouse=True)
@@ -140,12 +140,6 @@ def one_device_loss(cfg, state: dict) -> tuple[float, int]:
     return float(total) / counted, counted
 
 
-def text_file(path, lines: int, seed: int):
-    r = random.Random(seed)
-    path.write_text("\n\n".join(" ".join(r.choices(WORDS, k=r.randint(5, 40))) for _ in range(lines)))
-    return path
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, local, accum, shares, data", [
     (0, [6, 3, 1], [2, 1, 1], None, "text"), (1, [6, 3, 1], [3, 1, 1], [1, 2, 1], "text"),
@@ -240,7 +234,6 @@ def test_a_classifier_s_and_a_masked_lm_s_evaluation_is_one_device_s(tmp_path, f
     """A sequence classifier on labelled rows and a masked LM on text: one micro-batch of every evaluation sample
     through the model's own loss, on one device, gives the loss the ranks report (to 1e-5)."""
     from tests.helpers.pretrained import save_classifier, save_family
-    from tests.train.test_your_model import write_labelled
 
     plan = poplar.Plan.from_local_batches(stage, local, 1, shard_shares=[2, 1, 1] if stage == 3 else None)
     plan.save(tmp_path / "plan.json")

@@ -11,8 +11,7 @@ from poplar.planner.replan import PlanBasis, rescaled
 from poplar.runtime.replanner import LATE_SHARE, Replanner, ReplanConfig, replanner_for
 from poplar.runtime.step_figures import StepFigures
 from poplar.train.config import load_config
-from tests.planner.profiles import make_profile
-from tests.planner.test_replan import COMM
+from tests.planner.profiles import COMM, make_profile
 
 PROFILE = make_profile({"fast": (1, 5e-4, 1e-3, 32), "slow": (2, 5e-4, 3e-3, 16)}, per_step=2e-4, comm=COMM)
 BASIS = PlanBasis(PROFILE, [0, 1, 2])

@@ -10,17 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 import poplar
-from poplar.cli.main import app
 from poplar.train.config import load_config
 from poplar.train.report import read_log
 from poplar.train.reporters import Reporters, scalars
 from tests.helpers.caches import own_caches
-from tests.test_bad_input import _files
-from tests.train.test_evaluation import text_file
-from tests.train.test_your_model import write_pairs
+from tests.helpers.refusals import refusal
+from tests.helpers.user_data import text_file, write_pairs
 
 
 @pytest.fixture(autouse=True)
@@ -194,15 +191,8 @@ def case_dir(tmp_path):
 
 def refused(case_dir: Path, options: list[str]) -> str:
     """The command's one line: exit 2, under 10 s, nothing written."""
-    before = _files(case_dir)
-    start = time.perf_counter()
-    result = CliRunner().invoke(app, [a.replace("{tmp}", str(case_dir)) for a in [*TRAIN, *options]])
-    seconds = time.perf_counter() - start
-    output = result.output.strip()
-    assert result.exit_code == 2, output
-    assert len(output.splitlines()) == 1 and output.startswith("error: ") and "Traceback" not in output, output
-    assert seconds < 10, f"refused after {seconds:.1f} s: {output}"
-    assert _files(case_dir) == before and not (case_dir / "r").exists()
+    output = refusal([*TRAIN, *options], case_dir)
+    assert not (case_dir / "r").exists()
     return output
 
 

@@ -17,48 +17,15 @@ from poplar.models.loss import IGNORE
 from poplar.train.config import load_config
 from poplar.train.dataset import prepare_data, workload_of
 from poplar.train.run import run_training
+from tests.helpers.one_device import reference
 from tests.helpers.pretrained import save_classifier, save_family, save_qwen2
-
-WORDS = "the cat sat on a mat while dogs ran in the park and birds sang over green hills".split()
-
+from tests.helpers.user_data import WORDS, write_labelled, write_pairs
 
 @pytest.fixture(autouse=True)
 def caches(tmp_path, monkeypatch):
     monkeypatch.setenv("POPLAR_DATA_CACHE", str(tmp_path / "data-cache"))
     monkeypatch.setenv("POPLAR_CACHE_DIR", str(tmp_path / "profile-cache"))
     monkeypatch.setenv("POPLAR_DILATION", "3")
-
-
-def write_pairs(path, n: int = 64, seed: int = 0):
-    """Prompt/completion pairs of unlike lengths (some completions cut off at the sequence's end)."""
-    import random
-
-    r = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(n):
-            f.write(json.dumps({"prompt": " ".join(r.choices(WORDS, k=r.randint(2, 14))),
-                                "completion": " ".join(r.choices(WORDS, k=r.randint(1, 10)))}) + "\n")
-    return path
-
-
-def reference(cfg, steps: int) -> tuple[dict, list[float]]:
-    """One device, the whole global batch a step: the same model, data, optimizer, schedule and clipping."""
-    wl = workload_of(cfg.model_data)
-    _, batches = prepare_data(cfg.model_data)
-    model = wl.build(seed=cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    whole = poplar.Plan(0, [cfg.global_batch], 1)
-    losses = []
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = cfg.schedule.at(step)
-        loss = wl.loss(model, batches.local(step, whole, 0))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.engine.clip_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
 def test_only_the_completion_is_counted_and_weighted_by_tokens_over_the_global_batch(tmp_path):
@@ -152,18 +119,6 @@ def test_each_family_trains_on_its_own_tokenizer_s_text_as_one_device(tmp_path, 
     assert result["losses"] == pytest.approx(losses, rel=1e-5)
     for name, value in want.items():
         torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-5, msg=name)
-
-
-def write_labelled(path, n: int = 48, labels: int = 3, seed: int = 0):
-    """Texts of unlike lengths with a label each (a regression's: a number)."""
-    import random
-
-    r = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(n):
-            label = r.randrange(labels) if labels > 1 else r.uniform(-1, 1)
-            f.write(json.dumps({"text": " ".join(r.choices(WORDS, k=r.randint(2, 30))), "label": label}) + "\n")
-    return path
 
 
 @pytest.mark.slow
