@@ -16,8 +16,9 @@ nothing needs a hub. The token stream (documents joined by an end-of-text token)
 into sequences of ``seq_len + 1`` tokens: inputs are the first ``seq_len``, targets the
 last ``seq_len``.
 
-Batches: :class:`GlobalBatches` orders the sequences by a seeded permutation per epoch,
-so global batch ``k`` is a pure function of ``(seed, k)``: resuming at step ``k`` gives
+Batches: :class:`GlobalBatches` orders the sequences by a seeded permutation per epoch
+(:func:`poplar.data.order.epoch_order`, the integrations' samplers' too), so global batch
+``k`` is a pure function of ``(seed, k)``: resuming at step ``k`` gives
 exactly the batches an uninterrupted run would have seen, and every rank cuts its own
 slice (``plan.sample_range(rank)``) from the same global batch.
 """
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from poplar.data.order import epoch_order
 from poplar.models.loss import IGNORE
 
 EOT = "<|endoftext|>"
@@ -158,7 +160,7 @@ def pack(docs: list[str], tokenizer, seq_len: int, eos_id: int | None = None) ->
 class GlobalBatches:
     """Global batch ``k`` of ``global_batch`` sequences, the same on every rank and in every run.
 
-    Epoch ``e`` visits the sequences in the order of ``torch.randperm`` seeded by
+    Epoch ``e`` visits the sequences in :func:`~poplar.data.order.epoch_order`'s order for
     ``(seed, e)``; batch ``k`` takes the next ``global_batch`` of that order (the last
     partial batch of an epoch is dropped, so every batch is whole).
     """
@@ -174,13 +176,9 @@ class GlobalBatches:
         self.counted = None if targets is None else (targets != IGNORE).sum(1)
         self.per_epoch = len(sequences) // global_batch
 
-    def _order(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.sequences), generator=g)
-
     def _indices(self, step: int) -> torch.Tensor:
         epoch, k = divmod(step, self.per_epoch)
-        return self._order(epoch)[k * self.global_batch:(k + 1) * self.global_batch]
+        return epoch_order(len(self.sequences), self.seed, epoch)[k * self.global_batch:(k + 1) * self.global_batch]
 
     def batch(self, step: int) -> torch.Tensor:
         """The ``[global_batch, seq_len + 1]`` token ids of step ``step`` (0-based)."""

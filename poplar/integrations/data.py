@@ -2,9 +2,10 @@
 
 The global batches are the same whatever the plan and the world size: step ``s`` of an
 epoch takes samples ``order[s*G:(s+1)*G]`` of the epoch's order (a permutation drawn from
-``seed + epoch``, or the dataset's own order), and rank ``r`` its plan's ``sample_range(r)``
-of them. A run resumed on other ranks, with another plan, therefore sees the very batches
-an uninterrupted run would.
+the seed and the epoch, :func:`poplar.data.order.epoch_order`, as ``poplar train``'s global
+batches are; or the dataset's own order), and rank ``r`` its plan's ``sample_range(r)`` of
+them. A run resumed on other ranks, with another plan, therefore sees the very batches an
+uninterrupted run would.
 
 >>> import poplar
 >>> plan = poplar.Plan(zero_stage=1, micro_batch_sizes=[3, 1], accum_steps=[1, 2])
@@ -16,9 +17,9 @@ an uninterrupted run would.
 
 from __future__ import annotations
 
-import torch
 from torch.utils.data import DataLoader, Sampler
 
+from poplar.data.order import epoch_order
 from poplar.integrations.step_plans import PlanSchedule
 from poplar.plan import Plan
 
@@ -51,8 +52,7 @@ class PlanBatchSampler(Sampler[list[int]]):
     def _order(self) -> list[int]:
         if not self.shuffle:
             return list(range(self.n_samples))
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.n_samples, generator=g).tolist()
+        return epoch_order(self.n_samples, self.seed, self.epoch).tolist()
 
     def __iter__(self):
         order, size = self._order(), self.plan.global_batch_size

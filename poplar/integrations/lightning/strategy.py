@@ -94,8 +94,8 @@ class PoplarStrategy(ParallelStrategy):
     devices the ranks take (none: this host's GPU or CPU). Left out, they come from
     ``POPLAR_PLAN``, ``POPLAR_CLUSTER``, ``POPLAR_WORKLOAD``, ``POPLAR_GLOBAL_BATCH``. ``config``: the
     engine's :class:`~poplar.engine.config.EngineConfig` (or its dict). ``shuffle``, ``seed``: the
-    order of the samples, drawn afresh each epoch from ``seed + epoch``. ``replan``: a plan
-    planned here is planned again while training as the steps measure (``"auto"``, ``"off"``
+    order of the samples, drawn afresh each epoch from ``seed`` and the epoch (as ``poplar train``'s).
+    ``replan``: a plan planned here is planned again while training as the steps measure (``"auto"``, ``"off"``
     or a dict of :class:`~poplar.runtime.replanner.ReplanConfig`'s fields; docs/train.md). With no plan
     and no cluster, the loader's ``batch_size`` and ``accumulate_grad_batches`` on every rank (DDP's
     split), in the lowest of ``stages``, on the Trainer's ``devices``.
