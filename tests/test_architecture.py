@@ -1,51 +1,51 @@
-"""The package's shape, checked: data flows one way, no import circles, readable sizes.
+"""The package's shape, checked: floors, low to high; data flows one way; no import circles; readable sizes.
 
-cluster -> profile -> plan -> engine -> train -> report: a part never imports a part
-downstream of it (imports inside functions count too), and no two parts import each other.
+A module never imports a module on a higher floor (imports inside functions count too); parts written on one
+floor with ``|`` between them stand beside each other and neither imports the other. ``poplar/__init__`` (the
+package's door, its names lazy) and ``poplar/__main__`` stand on no floor.
 """
 
 from __future__ import annotations
 
 import ast
 import collections
+import functools
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "poplar"
 
-# what each part may never import (downstream of it, or beside it where it must not know)
-FORBIDDEN = {
-    "poplar.cluster": {"poplar.engine", "poplar.devices", "poplar.emulate", "poplar.profile", "poplar.planner",
-                       "poplar.train", "poplar.compare.measure", "poplar.compare.peers"},
-    "poplar.engine": {"poplar.cluster", "poplar.devices", "poplar.emulate", "poplar.profile", "poplar.planner",
-                      "poplar.train", "poplar.compare.measure", "poplar.compare.peers", "poplar.processes.spawn", "poplar.models.workload"},
-    "poplar.emulate": {"poplar.profile", "poplar.planner", "poplar.train", "poplar.compare.measure", "poplar.compare.peers"},
-    "poplar.devices": {"poplar.profile", "poplar.planner", "poplar.train", "poplar.compare.measure", "poplar.compare.peers"},
-    "poplar.profile": {"poplar.planner", "poplar.train", "poplar.compare.measure", "poplar.compare.peers", "poplar.compare.bench",
-                       "poplar.compare.demo"},
-    "poplar.planner": {"poplar.engine", "poplar.devices", "poplar.emulate", "poplar.train", "poplar.compare.measure",
-                       "poplar.compare.peers", "poplar.processes.spawn", "poplar.compare.bench", "poplar.compare.demo"},
-    "poplar.train": {"poplar.compare.bench", "poplar.compare.demo", "poplar.compare.measure", "poplar.compare.peers", "poplar.cli"},
-    # the simulator writes a profile beside the profiler: upstream of planning, the profiler knows nothing of it
-    "poplar.simulate": {"poplar.planner", "poplar.train", "poplar.compare.measure", "poplar.compare.peers", "poplar.compare.bench",
-                        "poplar.compare.demo", "poplar.cli"},
-}
-for _part_name in ("poplar.cluster", "poplar.engine", "poplar.emulate", "poplar.devices", "poplar.profile",
-                   "poplar.planner"):
-    FORBIDDEN[_part_name] = FORBIDDEN[_part_name] | {"poplar.simulate"}
-# the integrations drive the engine from other loops: downstream of everything they use, used by nothing
-FORBIDDEN["poplar.integrations"] = {"poplar.compare.bench", "poplar.compare.demo", "poplar.compare.measure", "poplar.compare.peers", "poplar.cli"}
-for _part_name in ("poplar.cluster", "poplar.engine", "poplar.emulate", "poplar.devices", "poplar.profile",
-                   "poplar.planner", "poplar.train", "poplar.simulate"):
-    FORBIDDEN[_part_name] = FORBIDDEN[_part_name] | {"poplar.integrations"}
-# how a long wait is shown, by the commands and the integrations alike: it knows nothing of what waits
-FORBIDDEN["poplar.progress"] = {"poplar.cluster", "poplar.engine", "poplar.emulate", "poplar.devices", "poplar.profile",
-                                "poplar.planner", "poplar.train", "poplar.simulate", "poplar.integrations",
-                                "poplar.compare.bench", "poplar.compare.demo", "poplar.compare.measure", "poplar.compare.peers", "poplar.cli"}
-# the values every part reads: they import nothing of poplar but these
-LEAVES = {"poplar.stages": set(), "poplar.precision": set(), "poplar.split": set(),
-          "poplar.plan": {"poplar.stages", "poplar.split"}}
+# low to high, a floor a line; each name is a part: poplar.<name>, a module at the root or a package
+FLOORS = [
+    "plan stages precision split lazy",  # the vocabulary: values every part speaks (the only modules at the root)
+    "progress",                          # how a long wait is shown: imports nothing of poplar (LEAVES)
+    "cluster",
+    "models",
+    "data",
+    "engine",                            # what is trained, and how a step runs
+    "emulate",
+    "devices",                           # what a rank computes on
+    "processes",                         # ranks spawned, signals, a pool: knows no training
+    "profile",
+    "simulate",
+    "planner",                           # measured, counted, chosen
+    "runtime",                           # one rank's life, for every front end
+    "train | integrations",              # the front ends, beside each other: `poplar train`, other frameworks' loops
+    "compare",                           # bench, evaluate, demo, verify, the peers
+    "cli",                               # one file per command; every table drawn here
+]
+DOOR = {"poplar", "poplar.__main__"}     # on no floor
+LEAVES = {"poplar.progress"}             # import nothing of poplar
+NEVER_IMPORTS = {"poplar.runtime": {"poplar.train", "poplar.integrations", "poplar.compare", "poplar.cli"},
+                 "poplar.integrations": {"poplar.train"}}    # no front end on `poplar train`, no rank's life on any
+RICH = {"poplar.cli", "poplar.progress"}  # the only parts that draw (rich)
+
+
+def floors() -> dict[str, tuple[int, int]]:
+    """part -> (floor, group): parts of one group may import each other, of two groups on one floor not."""
+    return {f"poplar.{name}": (height, group) for height, line in enumerate(FLOORS)
+            for group, names in enumerate(line.split("|")) for name in names.split()}
 
 
 def _module(path: Path) -> str:
@@ -57,16 +57,21 @@ def _part(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-def imports() -> dict[str, set[str]]:
-    """Every poplar module's poplar imports, wherever in the module they are."""
+@functools.cache
+def _trees() -> list[tuple[str, ast.AST]]:
+    return [(_module(path), ast.parse(path.read_text())) for path in sorted(ROOT.rglob("*.py"))]
+
+
+def imports(prefix: str = "poplar") -> dict[str, set[str]]:
+    """Every poplar module's imports of ``prefix`` (a package), wherever in the module they are."""
     out: dict[str, set[str]] = collections.defaultdict(set)
-    for path in ROOT.rglob("*.py"):
-        me = _module(path)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("poplar"):
+    within = (prefix, prefix + ".")
+    for me, tree in _trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(within):
                 out[me].add(node.module)
             elif isinstance(node, ast.Import):
-                out[me].update(a.name for a in node.names if a.name.startswith("poplar"))
+                out[me].update(a.name for a in node.names if a.name == prefix or a.name.startswith(prefix + "."))
     return out
 
 
@@ -74,47 +79,97 @@ def part_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = collections.defaultdict(set)
     for me, targets in imports().items():
         for t in targets:
-            if _part(t) != _part(me) and t != "poplar":
+            if _part(t) != _part(me) and t not in DOOR and me not in DOOR:
                 graph[_part(me)].add(_part(t))
     return graph
 
 
-def test_no_part_imports_downstream():
-    bad = []
-    for me, targets in imports().items():
-        for t in targets:
-            if _part(t) == _part(me) or (t == "poplar" and _part(me) not in LEAVES):
-                continue
-            if _part(t) in FORBIDDEN.get(_part(me), set()) or (
-                    _part(me) in LEAVES and _part(t) not in LEAVES[_part(me)]):
-                bad.append(f"{me} imports {t}")
+def test_every_module_stands_on_a_floor_and_no_loose_module_at_the_root():
+    """A new module at ``poplar/`` is one of the vocabulary's (add it to FLOORS) or belongs in a part."""
+    on = floors()
+    bad = [f"{me} stands on no floor: move it into a part, or add it to FLOORS" for me, _ in _trees()
+           if me not in DOOR and _part(me) not in on]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_import_of_poplar_names_a_module_there_is():
+    """A module moved is imported from where it is now (an import inside a function fails only when it runs)."""
+    there = {me for me, _ in _trees()}
+    bad = [f"{me} imports {t}: no such module" for me, targets in imports().items() for t in targets
+           if t not in there]
     assert not bad, "\n".join(sorted(bad))
 
 
+def test_no_module_imports_a_higher_floor_or_a_part_beside_it():
+    on = floors()
+    bad = []
+    for me, targets in imports().items():
+        if me in DOOR or _part(me) not in on:
+            continue
+        for t in targets:
+            if _part(t) == _part(me) or t in DOOR or _part(t) not in on:
+                continue
+            (mine, my_group), (theirs, their_group) = on[_part(me)], on[_part(t)]
+            if theirs > mine:
+                bad.append(f"{me} imports {t}: a higher floor ({FLOORS[theirs]} above {FLOORS[mine]})")
+            elif theirs == mine and their_group != my_group:
+                bad.append(f"{me} imports {t}: beside it on its floor ({FLOORS[mine]})")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_the_leaves_import_nothing_of_poplar():
+    bad = [f"{me} imports {t}" for me, targets in imports().items() if _part(me) in LEAVES
+           for t in targets if _part(t) != _part(me)]
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_no_front_end_imports_train_and_a_rank_s_life_imports_no_front_end():
+    """``poplar train`` is one front end: the integrations stand beside it on the runtime, which knows none."""
+    bad = [f"{me} imports {t}" for me, targets in imports().items() for t in targets
+           if _part(t) in NEVER_IMPORTS.get(_part(me), ())]
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_only_the_commands_and_the_progress_draw_with_rich():
+    bad = [f"{me} imports {t}" for me, targets in imports("rich").items() for t in targets if _part(me) not in RICH]
+    assert not bad, "\n".join(sorted(bad))
+
+
+def circles(graph: dict[str, set[str]]) -> list[str]:
+    """Each group of nodes that reach each other, as its shortest circle through its first node and its members."""
+    def reach(start: str) -> dict[str, list[str]]:    # node -> a shortest path to it from start
+        paths, todo = {}, [[start]]
+        while todo:
+            path = todo.pop(0)
+            for nxt in sorted(graph.get(path[-1], ())):
+                if nxt not in paths:
+                    paths[nxt] = path + [nxt]
+                    todo.append(path + [nxt])
+        return paths
+
+    reached = {node: reach(node) for node in graph}
+    out, done = [], set()
+    for node in sorted(graph):
+        if node in done or node not in reached[node]:
+            continue
+        group = sorted(n for n in reached[node] if node in reached.get(n, {}))
+        done.update(group)
+        out.append(" -> ".join(reached[node][node]) + (f" (all of {', '.join(group)} reach each other)"
+                                                       if len(group) > len(reached[node][node]) - 1 else ""))
+    return out
+
+
 def test_no_import_circle_between_parts():
-    graph = part_graph()
-    circles = []
-
-    def visit(node: str, path: list[str]) -> None:
-        for nxt in graph.get(node, ()):
-            if nxt in path:
-                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
-            elif len(path) < len(graph) + 1:
-                visit(nxt, path + [nxt])
-
-    for start in list(graph):
-        visit(start, [start])
-    assert not circles, "\n".join(sorted(set(circles)))
+    assert not (found := circles(part_graph())), "\n".join(found)
 
 
 def module_imports() -> dict[str, set[str]]:
     """Every poplar module's poplar modules imported, wherever in the module: ``from package import module`` is
     the module's."""
-    modules = {_module(p) for p in ROOT.rglob("*.py")}
+    modules = {me for me, _ in _trees()}
     out: dict[str, set[str]] = collections.defaultdict(set)
-    for path in ROOT.rglob("*.py"):
-        me = _module(path)
-        for node in ast.walk(ast.parse(path.read_text())):
+    for me, tree in _trees():
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("poplar"):
                 subs = {f"{node.module}.{a.name}" for a in node.names} & modules
                 out[me].update(subs or {node.module})
@@ -129,50 +184,33 @@ def test_no_import_circle_between_modules():
     packages = {_module(p) for p in ROOT.rglob("__init__.py")}
     graph = {me: {t for t in targets if t not in packages and t != me}
              for me, targets in module_imports().items() if me not in packages}
-    circles = []
-
-    def visit(node: str, path: list[str]) -> None:
-        for nxt in graph.get(node, ()):
-            if nxt in path:
-                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
-            elif nxt not in seen:
-                seen.add(nxt)
-                visit(nxt, path + [nxt])
-
-    for start in graph:
-        seen = {start}
-        visit(start, [start])
-    assert not circles, "\n".join(sorted(set(circles)))
+    assert not (found := circles(graph)), "\n".join(found)
 
 
 def test_core_code_uses_the_engine_not_the_package_s_front_door():
     """``poplar.initialize`` also reads DeepSpeed's arguments (and imports the integrations): the package's users'
     door. Poplar's own code builds its engine with :func:`poplar.engine.initialize`; only the integrations and the
-    command line (which serve users) may import the integrations."""
+    command line (which serve users) call it."""
     front = {"poplar", "poplar.integrations", "poplar.cli"}
     bad = []
-    for path in ROOT.rglob("*.py"):
-        me = _module(path)
+    for me, tree in _trees():
         if _part(me) in front:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree):
             called = isinstance(node, ast.Attribute) and node.attr == "initialize"
             if called and getattr(node.value, "id", "") == "poplar":
                 bad.append(f"{me} calls poplar.initialize (line {node.lineno})")
             elif isinstance(node, ast.ImportFrom) and node.module == "poplar" and any(
                     a.name == "initialize" for a in node.names):
                 bad.append(f"{me} imports initialize from poplar")
-    bad += [f"{me} imports {t}" for me, targets in imports().items() if _part(me) not in front
-            for t in targets if _part(t) == "poplar.integrations"]
     assert not bad, "\n".join(sorted(bad))
 
 
 def test_no_part_imports_another_part_s_private_names():
     """A name with a leading underscore is its part's own: another part imports only what is public."""
     bad = []
-    for path in ROOT.rglob("*.py"):
-        me = _module(path)
-        for node in ast.walk(ast.parse(path.read_text())):
+    for me, tree in _trees():
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("poplar."):
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 if private and _part(node.module) != _part(me):
