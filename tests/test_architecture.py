@@ -64,14 +64,16 @@ def _trees() -> list[tuple[str, ast.AST]]:
 
 def imports(prefix: str = "poplar") -> dict[str, set[str]]:
     """Every poplar module's imports of ``prefix`` (a package), wherever in the module they are."""
+    def within(name: str) -> bool:
+        return name == prefix or name.startswith(prefix + ".")
+
     out: dict[str, set[str]] = collections.defaultdict(set)
-    within = (prefix, prefix + ".")
     for me, tree in _trees():
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(within):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and within(node.module or ""):
                 out[me].add(node.module)
             elif isinstance(node, ast.Import):
-                out[me].update(a.name for a in node.names if a.name == prefix or a.name.startswith(prefix + "."))
+                out[me].update(a.name for a in node.names if within(a.name))
     return out
 
 
