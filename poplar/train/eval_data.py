@@ -5,7 +5,7 @@ with the training's tokenizer.
 run's seed: the same split in every run, and the held-out samples never train.
 :func:`with_training_tokenizer` hands :func:`poplar.data.prepare.prepare` the training's
 tokenizer for an evaluation file, so that it is cut with the tokenizer the model learnt
-on (not one trained on the evaluation text). :func:`poplar.train.dataset.prepare_eval`
+on (not one trained on the evaluation text). :func:`poplar.train.dataset.prepare_run_data`
 uses both.
 """
 

@@ -1,6 +1,6 @@
 """Evaluation while training: the loss of held-out samples, every rank computing its share: :class:`Evaluator`.
 
-The evaluation samples (:func:`poplar.train.dataset.prepare_eval`, in a fixed order) are
+The evaluation samples (:attr:`poplar.train.dataset.RunData.eval_samples`, in a fixed order) are
 cut into batches of the plan's global batch, the last one partial. Every rank takes its
 share of each batch as in training (``plan.sample_range(rank)``; the last batch split by the
 plan's shares, :func:`batch_shares`, where a rank may get none) and runs it in
@@ -29,24 +29,24 @@ from poplar.split import apportion, near_equal
 if TYPE_CHECKING:
     from poplar.data.prepare import Prepared
     from poplar.train.config import TrainConfig
+    from poplar.train.dataset import RunData
 
 # what the rows of a table hold (poplar.data.records' kinds), in a user's words
 KINDS = {"text": "documents (a 'text' field, or plain text)", "pairs": "prompt/completion pairs",
          "ids": "token ids (an 'input_ids' field)", "labelled": "texts with a label each", "chat": "conversations"}
 
 
-def check_eval_data(cfg: TrainConfig) -> None:
+def check_eval_data(cfg: TrainConfig, own) -> None:
     """Before anything is prepared, profiled or written: ``eval_data`` (a :class:`~poplar.train.config.TrainConfig`'s)
-    exists and reads as the training data reads (the same kind of rows); one line where not."""
-    from poplar.train.dataset import own_model
-
+    exists and reads as the training data reads (the same kind of rows) by the model ``own``
+    (:func:`~poplar.train.dataset.own_model`'s); one line where not."""
     source = cfg.eval_data
     if not isinstance(source, str):
         return
     if source not in ("embedded", "wikitext") and not Path(source).exists():
         raise FileNotFoundError(f"eval_data {source!r}: no such file or directory; give a file or table as data "
                                 "takes (the same fields), or a fraction of the training samples to hold out (0.05)")
-    task = getattr(own_model(cfg.model_data), "task", "causal-lm")
+    task = getattr(own, "task", "causal-lm")
     trained, held = _kind(cfg.data, cfg.data_fields, task, "data"), _kind(source, cfg.data_fields, task, "eval_data")
     if trained != held:
         raise ValueError(f"eval_data {source!r} holds {KINDS.get(held, held)}, the training data {cfg.data!r} "
@@ -67,19 +67,15 @@ def _kind(source: str, fields, task: str, option: str) -> str:
     return "text" if kind == "labelled" and task != "sequence-classification" else kind
 
 
-def say_evaluation(cfg: TrainConfig, prepared: tuple) -> None:
-    """The launcher (or rank 0), once: the evaluation samples prepared (the ranks read them back), and what the run
-    evaluates said in a line. ``prepared``: what :func:`~poplar.train.dataset.prepare_data` gave."""
-    from poplar.train.dataset import prepare_eval
-
-    tokenizer, batches = prepared
-    line = evaluation_line(cfg, len(batches.sequences), prepare_eval(cfg.model_data, tokenizer))
+def say_evaluation(cfg: TrainConfig, data: RunData) -> None:
+    """The launcher (or rank 0), once: what the run evaluates said in a line (``data``: the run's, prepared)."""
+    line = evaluation_line(cfg, len(data.batches.sequences), data.eval_samples)
     if line:
         print(line, flush=True)
 
 
 def evaluation_line(cfg: TrainConfig, trained: int, samples: Prepared | None) -> str | None:
-    """What the run evaluates, said once at its start: ``samples`` (:func:`~poplar.train.dataset.prepare_eval`'s)
+    """What the run evaluates, said once at its start: ``samples`` (:attr:`~poplar.train.dataset.RunData.eval_samples`)
     beside the ``trained`` samples left to train on."""
     if samples is None:
         return None
@@ -91,13 +87,10 @@ def evaluation_line(cfg: TrainConfig, trained: int, samples: Prepared | None) ->
     return f"poplar: evaluation on {n:,} samples of {cfg.eval_data}, {when}"
 
 
-def evaluator_for(cfg: TrainConfig, tokenizer, engine, loss_fn, comm, last: int) -> Evaluator | None:
-    """The run's :class:`Evaluator` (None without ``eval_data``): its samples read back as the launcher prepared
-    them (``tokenizer``: the training's), evaluated after every ``cfg.eval_every`` steps and after step ``last``."""
-    from poplar.train.dataset import prepare_eval
-
-    samples = prepare_eval(cfg.model_data, tokenizer)
-    return None if samples is None else Evaluator(samples, cfg.eval_every, last, engine, loss_fn, comm)
+def evaluator_for(samples: Prepared | None, every: int, engine, loss_fn, comm, last: int) -> Evaluator | None:
+    """The run's :class:`Evaluator` of ``samples`` (as the launcher prepared them; None: no ``eval_data``, no
+    evaluator), evaluated after every ``every`` steps and after step ``last``."""
+    return None if samples is None else Evaluator(samples, every, last, engine, loss_fn, comm)
 
 
 def batch_shares(n: int, plan) -> list[int]:

@@ -15,23 +15,23 @@ from poplar.models.workload import Workload
 
 def get_plan(cfg: TrainConfig, wl: Workload, world_size: int, given, cluster, distributed: bool = False,
              progress=None):
-    """The plan to train with, and the planner's result (None where one is ``given``: :func:`given_plan`);
-    ``cluster``: the run's, read (None: none given).
+    """The plan to train with, the planner's result (None where one is ``given``: :func:`given_plan`) and what the
+    ranks plan again from (:func:`plan_basis`); ``cluster``: the run's, read (None: none given).
 
     ``progress(title)``: a context that hears of the profiling's progress
     (:class:`poplar.progress.Progress`).
     """
     from poplar.engine.agreement import check_plans_before_launch
 
-    if given is not None:
-        check_plans_before_launch([given], wl.build, cfg.engine)
-        return given, None
-    check_global_batch(cfg.global_batch, world_size)
-    spec = cluster if cluster is not None else _discovered(distributed)
-    spec.check_world_size(world_size)
-    plan, result = plan_on(cfg, wl, spec, distributed, progress)
+    plan, result = given, None
+    if given is None:
+        check_global_batch(cfg.global_batch, world_size)
+        spec = cluster if cluster is not None else _discovered(distributed)
+        spec.check_world_size(world_size)
+        plan, result = plan_on(cfg, wl, spec, distributed, progress)
+    basis = plan_basis(cfg, result, world_size, cluster)
     check_plans_before_launch([plan], wl.build, cfg.engine)
-    return plan, result
+    return plan, result, basis
 
 
 def given_plan(cfg: TrainConfig, wl: Workload, world_size: int, cluster):
@@ -47,16 +47,17 @@ def given_plan(cfg: TrainConfig, wl: Workload, world_size: int, cluster):
     return None
 
 
-def plan_basis(cfg: TrainConfig, result, world_size: int, cluster) -> dict | None:
-    """What the ranks plan again from as they measure (:class:`~poplar.planner.replan.PlanBasis`, as a dict): the
-    planner's profile and ranks, or, resuming on the same cluster with the run's own plan, what the run wrote
+def plan_basis(cfg: TrainConfig, result, world_size: int, cluster):
+    """What the ranks plan again from as they measure (:class:`~poplar.planner.replan.PlanBasis`): the planner's
+    profile and ranks, or, resuming on the same cluster with the run's own plan, what the run wrote
     (``basis.json``); None where the plan was given."""
     if result is not None:
-        basis = basis_of(result)
-        return None if basis is None else basis.to_dict()
+        return basis_of(result)
     written = Path(cfg.out) / "basis.json"
     if cfg.resume and not cfg.plan and written.is_file() and same_cluster(cfg.out, world_size, cluster):
-        return json.loads(written.read_text())
+        from poplar.planner.replan import PlanBasis
+
+        return PlanBasis.from_dict(json.loads(written.read_text()))
     return None
 
 

@@ -14,8 +14,12 @@ import json
 import os
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import poplar
-from poplar.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from poplar.train.description import Run
 
 
 def check_out(out: str, resume: bool, restarted: bool = False, steps: int | None = None) -> Path:
@@ -81,16 +85,19 @@ def write_plan(out_dir: Path, plan, result=None, allocation: str = "poplar") -> 
     path.write_text(json.dumps(plan_record(plan, result, allocation), indent=2) + "\n")
 
 
-def write_run_files(cfg: TrainConfig, out_dir: Path, plan, result, cluster, basis: dict | None = None) -> None:
-    """``basis``: what the ranks plan again from (:func:`poplar.train.planning.plan_basis`), kept for a resume."""
+def write_run_files(run: Run) -> None:
+    """The files that say what ``run`` is, in its directory: the plan (with the planner's figures), what the ranks
+    plan again from (kept for a resume), the config as the run records it and the cluster it ran on."""
     import yaml
 
-    write_plan(out_dir, plan, result, cfg.baseline)
-    if basis is not None and result is not None:
-        (out_dir / "basis.json").write_text(json.dumps(basis) + "\n")
+    out_dir = Path(run.config.out)
+    write_plan(out_dir, run.plan, run.planning, run.config.baseline)
+    if run.basis is not None and run.planning is not None:
+        (out_dir / "basis.json").write_text(json.dumps(run.basis.to_dict()) + "\n")
     keep_aside(out_dir / "config.yaml")
-    (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    (out_dir / "cluster.json").write_text(json.dumps(cluster_record(cluster, plan.world_size), indent=2) + "\n")
+    (out_dir / "config.yaml").write_text(yaml.safe_dump(run.record(), sort_keys=False))
+    (out_dir / "cluster.json").write_text(json.dumps(cluster_record(run.cluster, run.plan.world_size), indent=2)
+                                          + "\n")
 
 
 def keep_aside(path: Path) -> None:

@@ -1,4 +1,4 @@
-"""One rank's training, top to bottom: :class:`Trainer`.
+"""One rank's training, top to bottom: :func:`train_rank` (its device, its :class:`Trainer`, the loop).
 
 ``__init__`` builds the engine and the components the loop holds; ``train_step`` is one
 optimizer step; ``train`` is the loop. Everything else is a component with one job:
@@ -26,8 +26,7 @@ import torch
 from poplar.engine.collectives import Comm
 from poplar.models.source import build_for_rank
 from poplar.train.checkpointer import Checkpointer
-from poplar.train.config import TrainConfig
-from poplar.train.dataset import prepare_data
+from poplar.train.description import Run
 from poplar.train.evaluation import evaluator_for
 from poplar.train.faults import FaultInjector
 from poplar.train.metrics import StepLog, flops_per_token, peak_tflops
@@ -38,18 +37,29 @@ from poplar.train.reporters import Reporters
 from poplar.runtime.replanner import replanner_for
 from poplar.train.run_dir import keep_log_before, write_plan
 from poplar.runtime.watchdog import Watchdog, lost_peer, store_address
-from poplar.models.workload import Workload
+
+
+def train_rank(rank: int, world_size: int, run: Run, return_state: bool = False) -> dict:
+    """One rank of ``run``: its device (the launch's), its :class:`Trainer`, the loop; rank 0's figures, its full
+    parameters where asked, and the plan it ended with (re-planned, or lowered where a rank ran out of memory)."""
+    with run.launch.device(rank, run.model, run.cluster, run.config.engine.mixed_precision) as device:
+        trainer = Trainer(run, device, rank)
+        out = trainer.train()
+        state = trainer.engine.full_state_dict() if return_state else None
+        plan = trainer.engine.plan
+        trainer.close()
+    return {**out, "state": state if rank == 0 else None, "plan": plan}
 
 
 class Trainer:
-    """Trains ``wl`` with ``plan`` on this rank's ``device`` (the process group is joined already)."""
+    """Trains ``run`` on this rank's ``device`` (the process group is joined already): its model with its plan on
+    its data, planning again from its basis (None: the plan is kept) as the steps measure."""
 
-    def __init__(self, cfg: TrainConfig, plan, wl: Workload, device, rank: int, world_size: int, basis=None):
-        """``basis``: the planning the plan came from (:class:`~poplar.planner.replan.PlanBasis`), to plan again
-        as the steps measure (None: the plan is kept)."""
+    def __init__(self, run: Run, device, rank: int):
+        cfg, plan, wl, world_size = run.config, run.plan, run.model, run.world_size
         self.cfg, self.wl, self.device, self.rank, self.world_size = cfg, wl, device, rank, world_size
         self.schedule = cfg.schedule     # the learning rate of each step
-        tokenizer, self.batches = prepare_data(cfg.model_data)
+        self.batches = run.data.batches
         model, weights = build_for_rank(wl, cfg.seed, device.torch_device)   # read into the shards where it can
         optimizer = lambda params: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # noqa: E731
         self.runtime = RankRuntime(device, model, optimizer, plan, cfg.engine, weights=weights)   # as integrations
@@ -71,10 +81,11 @@ class Trainer:
         self.log = StepLog(cfg.logging, rank, device, self.comm, plan.global_batch_size,
                            flops_per_token(wl, cfg.engine),
                            peak_tflops(device, cfg.engine.mixed_precision, cfg.peak_tflops),
-                           sink=Reporters(Path(cfg.out), cfg.report_to, cfg.model_dump(mode="json"), self.start)
+                           sink=Reporters(Path(cfg.out), cfg.report_to, run.record(), self.start)
                            if rank == 0 else None)
-        self.evaluator = evaluator_for(cfg, tokenizer, self.engine, wl.loss, self.comm, self.last)
-        self.replanner = replanner_for(cfg.replan, basis, self.engine.plan, world_size, cfg.baseline,
+        self.evaluator = evaluator_for(run.data.eval_samples, cfg.eval_every, self.engine, wl.loss, self.comm,
+                                       self.last)
+        self.replanner = replanner_for(cfg.replan, run.basis, self.engine.plan, world_size, cfg.baseline,
                                        restage=True)
         self.losses: list[float] = []
         self.preempted: int | None = None

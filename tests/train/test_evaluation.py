@@ -17,7 +17,7 @@ from poplar.data.prepare import prepare
 from poplar.data.records import DataFields
 from poplar.models.loss import IGNORE
 from poplar.train.config import load_config
-from poplar.train.dataset import prepare_data, prepare_eval, workload_of
+from poplar.train.dataset import own_model, prepare_data, prepare_run_data
 from poplar.train.eval_data import held_out
 from poplar.train.evaluation import EvalResult, batch_shares, micro_batches
 from poplar.train.report import eval_records, figure, read_log, step_records, summarize
@@ -118,12 +118,16 @@ def check_plot(records: list[dict], name: str) -> None:
     assert list(drawn[name].get_ydata()) == pytest.approx([r["loss"] for r in step_records(records)])
 
 
+def run_data(cfg):
+    """The run's model and data as its launcher prepares them."""
+    return prepare_run_data(cfg.model_data, own_model(cfg.model_data))
+
+
 def one_device_loss(cfg, state: dict) -> tuple[float, int]:
     """One device, every evaluation sample at once: the mean loss over what is counted, and that count."""
-    wl = workload_of(cfg.model_data)
-    tok, _ = prepare_data(cfg.model_data)
-    samples = prepare_eval(cfg.model_data, tok)
-    model = wl.build(seed=cfg.seed)
+    prepared = run_data(cfg)
+    samples = prepared.eval_samples
+    model = prepared.model.build(seed=cfg.seed)
     model.load_state_dict(state)
     model.eval()
     with torch.no_grad():
@@ -162,8 +166,8 @@ def test_the_evaluation_loss_is_one_device_s_on_uneven_ranks(tmp_path, stage, lo
     cfg = load_config(None, {**fields, "global_batch": plan.global_batch_size, "steps": 3, "lr": 1e-2,
                              "eval_every": 2, "cluster": "none", "plan": str(tmp_path / "plan.json"),
                              "out": str(tmp_path / "run")})
-    tok, _ = prepare_data(cfg.model_data)
-    samples = prepare_eval(cfg.model_data, tok)
+    prepared = run_data(cfg)
+    tok, samples = prepared.tokenizer, prepared.eval_samples
     n, g = len(samples.tokens), plan.global_batch_size
     # the last evaluation batch is partial and some rank has none of it
     assert n % g and 0 in batch_shares(n % g, plan), (n, g)
@@ -203,8 +207,8 @@ def test_a_held_out_fraction_never_trains_and_is_the_same_split_every_run(tmp_pa
                              "steps": 2, "cluster": "none", "plan": str(tmp_path / "plan.json"),
                              "out": str(tmp_path / "run")})
     whole = prepare_data(dataclasses.replace(cfg.model_data, eval_data=None))[1].sequences
-    tok, batches = prepare_data(cfg.model_data)
-    held = prepare_eval(cfg.model_data, tok).tokens
+    data = run_data(cfg)
+    batches, held = data.batches, data.eval_samples.tokens
     assert len(held) == round(0.25 * len(whole)) and len(batches.sequences) + len(held) == len(whole)
     rows = lambda t: {tuple(x) for x in t.tolist()}   # noqa: E731
     assert not rows(held) & rows(batches.sequences) and rows(held) | rows(batches.sequences) == rows(whole)
@@ -247,16 +251,16 @@ def test_a_classifier_s_and_a_masked_lm_s_evaluation_is_one_device_s(tmp_path, f
     cfg = load_config(None, {**fields, "seq_len": 16, "global_batch": 10, "steps": 2, "lr": 1e-2, "cluster": "none",
                              "plan": str(tmp_path / "plan.json"), "out": str(tmp_path / "run")})
     result = run_training(cfg, return_state=True, nproc=3)
-    wl = workload_of(cfg.model_data)
-    samples = prepare_eval(cfg.model_data, prepare_data(cfg.model_data)[0])
+    data = run_data(cfg)
+    samples = data.eval_samples
     assert len(samples.tokens) % 10        # a partial last batch
-    model = wl.build(seed=cfg.seed)
+    model = data.model.build(seed=cfg.seed)
     model.load_state_dict(result["state"])
     model.eval()
     whole = ((samples.tokens, samples.labels) if family == "classifier" else
              (samples.tokens[:, :-1], samples.tokens[:, 1:]))
     with torch.no_grad():
-        want = float(wl.loss(model, whole))
+        want = float(data.model.loss(model, whole))
     evals = eval_records(read_log(tmp_path / "run" / "log.jsonl"))
     assert [r["step"] for r in evals] == [1] and evals[0]["eval_samples"] == len(samples.tokens)
     assert evals[0]["eval_loss"] == pytest.approx(want, rel=1e-5, abs=0)

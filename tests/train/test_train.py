@@ -159,14 +159,12 @@ def test_under_torchrun_and_with_plain_ranks_the_run_is_the_same(tmp_path):
 def test_the_run_keeps_the_plan_it_trains_with(tmp_path, allocation):
     # plan.json holds the plan trained (--resume reads it back), and the planner's figures
     from poplar.planner import make_plan
-    from poplar.train.run_dir import write_run_files
+    from poplar.train.run_dir import write_plan
     from tests.planner.profiles import make_profile
 
     result = make_plan(make_profile({"big": (1, 0.01, 0.002, 16), "small": (1, 0.02, 0.004, 8)}, seq_len=32), 48)
     alloc = result.stages[result.stage].allocations[allocation]
-    cfg = load_config(None, {"model": "llama-tiny", "global_batch": 48, "baseline": allocation,
-                             "out": str(tmp_path)})
-    write_run_files(cfg, tmp_path, alloc.plan, result, None)
+    write_plan(tmp_path, alloc.plan, result, allocation)
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert poplar.Plan.load(tmp_path / "plan.json") == alloc.plan
     assert saved["predicted"]["samples_per_s"] == pytest.approx(alloc.predicted.samples_per_s)
