@@ -24,7 +24,7 @@ def export(
     Example:
       poplar export runs/mine --out mine-model
     """
-    from poplar.runtime.spawn import RankFailed
+    from poplar.processes.spawn import RankFailed
     from poplar.train.export import export_run
 
     console = _console()

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from poplar.models.weights import names_of
+
 
 @dataclass
 class UnitSpec:
@@ -62,15 +64,6 @@ def choose_unit_modules(model: nn.Module, unit_classes=None, unit_numel: int = 1
 
     visit("", model)
     return chosen
-
-
-def names_of(model: nn.Module) -> dict[int, tuple[str, ...]]:
-    """Every name each parameter is registered under, by ``id`` (a tied parameter has several), in registration
-    order."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {k: tuple(v) for k, v in names.items()}
 
 
 def build_units(model: nn.Module, unit_classes=None, unit_numel: int = 1_000_000) -> list[UnitSpec]:

@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from poplar.engine.units import names_of
+from poplar.models.weights import names_of
 
 
 @runtime_checkable

@@ -165,8 +165,7 @@ class ModelDirectory(BaseModel):
         and the reader of its weights (:mod:`poplar.models.weights`), for the engine to read each rank's shards
         alone; None where the model starts from no weights, or the checkpoint names a parameter otherwise than
         the model does (transformers' renamings: :meth:`build` loads it whole)."""
-        from poplar.engine.units import names_of
-        from poplar.models.weights import SafetensorsWeights, parameters_on_meta
+        from poplar.models.weights import SafetensorsWeights, names_of, parameters_on_meta
 
         if not (self.pretrained and self.has_weights):
             return None

@@ -22,6 +22,15 @@ from torch import nn
 WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
+def names_of(model: nn.Module) -> dict[int, tuple[str, ...]]:
+    """Every name each parameter is registered under, by ``id`` (a tied parameter has several), in registration
+    order."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {k: tuple(v) for k, v in names.items()}
+
+
 @contextlib.contextmanager
 def parameters_on_meta():
     """Modules built inside have their parameters on the meta device (no values, nothing allocated beyond a

@@ -38,10 +38,10 @@ def ideal_samples_per_s(cost: CostModel, global_batch: int) -> float:
     # more than the whole batch)
     longest = even_split_busy_s(cost, global_batch)
     span = OFFSET_SPAN * longest
-    reach = longest + 2 * span    # the most any rank computes in the search (see _most_within)
+    reach = longest + 2 * span    # the most any rank computes in the search (see most_within)
     times = {}
     for k, kc in cost.kinds.items():
-        b = np.arange(0, _most_within(kc, reach, global_batch) + 1)
+        b = np.arange(0, most_within(kc, reach, global_batch) + 1)
         t, _ = fastest_accum_table(kc, np.maximum(b, 1))
         if together:
             t = t - kc.per_step_s
@@ -59,7 +59,7 @@ GRID_HALVINGS = 6    # the grid of offsets tried along each axis before refining
 REFINE_EVALS = 12    # steps the refinement may take for each offset (it gains ~1e-5 of the step at scale)
 
 
-def _most_within(kc, seconds: float, global_batch: int) -> int:
+def most_within(kc, seconds: float, global_batch: int) -> int:
     """More samples than ``kc`` computes within ``seconds`` (each sample takes at least its cheapest time), at most
     the whole batch: the bound's tables stop there. The least rank computes within an even split's time and no
     offset is wider than ``span``, so no rank computes longer than that time plus twice ``span``."""

@@ -174,7 +174,7 @@ def allocate(cost: CostModel, global_batch: int) -> Plan:
             plan = Plan.from_local_batches(cost.stage, samples, a)
             # a count whose plan cannot beat the fastest step found is not followed through the schedule: its
             # floor stands for it (above the fastest, never the least)
-            floor = _floor(cost, plan)
+            floor = lower_bound(cost, plan)
             fastest = min((s for s, _ in found.values()), default=float("inf"))
             found[a] = (floor, plan) if floor > fastest * (1 + 1e-9) else (cost.predict(plan).step_s, plan)
 
@@ -188,7 +188,7 @@ def allocate(cost: CostModel, global_batch: int) -> Plan:
     return found[best()][1]
 
 
-def _floor(cost: CostModel, plan: Plan) -> float:
+def lower_bound(cost: CostModel, plan: Plan) -> float:
     """No step of ``plan`` is shorter (:meth:`CostModel.floor_s`)."""
     return cost.floor_s(plan)
 

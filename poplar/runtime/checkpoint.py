@@ -71,7 +71,7 @@ def _agree_ok(ok: bool) -> bool:
 
 
 @contextlib.contextmanager
-def _dcp_errors(doing: str, path: Path, fix: str):
+def dcp_errors(doing: str, path: Path, fix: str):
     """``torch.distributed.checkpoint``'s failures (a ``BaseException`` with every rank's traceback) in one line."""
     try:
         yield
@@ -107,7 +107,7 @@ def save_checkpoint(engine, root: str | Path, step: int, meta: dict, keep: int =
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    with _dcp_errors("written", tmp, f"check the free space and the permissions under {root}"):
+    with dcp_errors("written", tmp, f"check the free space and the permissions under {root}"):
         dcp.save(engine.sharded_state_dict(), checkpoint_id=str(tmp))
     if on_shard_written is not None:
         on_shard_written(step)
@@ -242,7 +242,7 @@ def read_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
     import warnings
 
     path = Path(path)
-    with _dcp_errors("read", path, "it is damaged: export the one before it"), warnings.catch_warnings():
+    with dcp_errors("read", path, "it is damaged: export the one before it"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")   # (one process is meant)
         dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
 
@@ -260,7 +260,7 @@ def load_checkpoint(engine, path: str | Path, expect: dict) -> dict:
         raise CheckpointError(f"checkpoint {path} holds another model's units ({len(meta.get('layout') or [])} "
                               f"units, this model has {len(engine.layout())}): resume the model it was written with")
     state = engine.prepare_sharded_load()
-    with _dcp_errors("read", path, "it is damaged: remove it to resume from the one before, or start a new run"):
+    with dcp_errors("read", path, "it is damaged: remove it to resume from the one before, or start a new run"):
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         for key in OPTIONAL_KEYS:
             if key in state and key not in saved:

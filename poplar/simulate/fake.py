@@ -6,7 +6,7 @@ each call (it hashes every call's arguments for its cache; docs/simulate.md has 
 does not do as a CPU one does, the simulator does for it: the values a step reads back (:class:`HostValues`),
 and the choice of kernel torch makes by device (attention's fused kernel: :func:`_take_cpu_choices`), so that a
 step runs the very operators the emulated device runs. A pointwise operator's output is read again for the same
-operands (:data:`_OUTPUTS`).
+operands (:data:`OUTPUTS`).
 """
 
 from __future__ import annotations
@@ -46,20 +46,20 @@ class HostValues(TorchDispatchMode):
         key = _pointwise_key(func, args, kwargs) if kind else None
         if key is None:
             return func(*args, **kwargs)
-        if key not in _OUTPUTS:
+        if key not in OUTPUTS:
             out = func(*args, **kwargs)
-            _OUTPUTS[key] = (out.shape, out.stride(), out.dtype)
+            OUTPUTS[key] = (out.shape, out.stride(), out.dtype)
             return out
         if kind == "in place":    # checked as these very arguments were: only values change, and there are none
             return args[0]
-        shape, stride, dtype = _OUTPUTS[key]
+        shape, stride, dtype = OUTPUTS[key]
         return torch.empty_strided(shape, stride, dtype=dtype, device=META)
 
 
 # A pointwise operator's output (its shape, strides and dtype) is a function of its inputs' shapes, strides and
 # dtypes and of its other arguments: torch's shape functions for most (its Python references: 100-250 us a call,
 # a third of a simulated step) are asked once for each.
-_OUTPUTS: dict[tuple, tuple] = {}
+OUTPUTS: dict[tuple, tuple] = {}
 _SCALARS = (int, float, bool, str, type(None), torch.dtype)
 
 

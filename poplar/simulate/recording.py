@@ -143,6 +143,11 @@ class Recording:
         other._states()
         return other
 
+    @property
+    def recorded(self) -> tuple[tuple[int, int], ...]:
+        """The ``(micro-batch, accumulation)`` steps recorded so far (a step is run only when its trace is asked)."""
+        return tuple(self._traces)
+
     def _plan(self, m: int, accumulation: int) -> poplar.Plan:
         return poplar.Plan(self.stage, [m] * self.run.world_size, accumulation, shard_shares=self.shares)
 

@@ -195,11 +195,11 @@ def test_a_plan_for_another_world_or_batch_or_stage_is_refused_in_one_line():
         load_plan({"zero_stage": 2, "micro_batch_sizes": [2, 1], "accum_steps": [1, 2]})
     with pytest.raises(ValueError, match="needs a plan"):
         resolve_plan(2, None, global_batch=8)
-    from poplar.integrations.deepspeed.initialize import _plan
+    from poplar.integrations.deepspeed.initialize import plan_of
 
     settings = read_ds_config({"train_batch_size": 6, "zero_optimization": {"stage": 3}}, world_size=2)
     with pytest.raises(ValueError, match="the plan is for ZeRO stage 1, the config's zero_optimization.stage is 3"):
-        _plan(2, settings, poplar.EngineConfig(), two, None, None)
+        plan_of(2, settings, poplar.EngineConfig(), two, None, None)
 
 
 def test_an_optimizer_is_rebound_to_the_engine_parameters_only_with_one_set_of_settings():

@@ -343,7 +343,7 @@ def test_counts_left_unfollowed_change_no_plan(monkeypatch):
         except ValueError:
             found.append(None)
     pruned = followed[0]
-    monkeypatch.setattr(search, "_floor", lambda cost, plan: 0.0)
+    monkeypatch.setattr(search, "lower_bound", lambda cost, plan: 0.0)
     for (cost, global_batch), plan in zip(cases, found):
         try:
             assert allocate(cost, global_batch) == plan

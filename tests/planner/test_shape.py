@@ -142,8 +142,8 @@ def test_the_bound_s_tables_stop_where_no_rank_reaches_and_lose_nothing(monkeypa
     for stage in (0, 3):
         cost = CostModel(prof, stage, shaped=True)
         capped[stage] = bound.ideal_samples_per_s(cost, 4000)
-        assert all(bound._most_within(kc, 1.0, 4000) < 4000 for kc in cost.kinds.values())   # capped here
-    monkeypatch.setattr(bound, "_most_within", lambda kc, seconds, global_batch: global_batch)
+        assert all(bound.most_within(kc, 1.0, 4000) < 4000 for kc in cost.kinds.values())   # capped here
+    monkeypatch.setattr(bound, "most_within", lambda kc, seconds, global_batch: global_batch)
     for stage in (0, 3):
         assert bound.ideal_samples_per_s(CostModel(prof, stage, shaped=True), 4000) == pytest.approx(capped[stage],
                                                                                                     rel=1e-12)

@@ -161,7 +161,7 @@ def test_beside_a_kind_that_holds_a_sample_only_with_less_the_others_are_timed_h
                                       "memory_scale": 0.000045}, options)
     # no step is run at the even share, on which no kind is timed: its engine tells the states before a step
     (even_share,) = [rec for key, (_, rec) in recording.COUNTED.items() if key[-1] is None]
-    assert not even_share._traces and len(recording.COUNTED) == 3
+    assert not even_share.recorded and len(recording.COUNTED) == 3
     roomy = simulate_profile("tiny", {"devices": [BIG, {"kind": "small", "gpu": "A100-40GB"}]}, options)
     big, even = tight.stage("big", 1), roomy.stage("big", 1)
     assert big.note == AT_LARGER_SHARE and not even.note

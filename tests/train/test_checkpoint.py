@@ -101,13 +101,13 @@ def test_a_failure_inside_torch_checkpoint_reads_as_one_line(tmp_path):
     # DCP raises a BaseException holding every rank's traceback: it becomes one CheckpointError line
     import torch.distributed.checkpoint as dcp
 
-    from poplar.runtime.checkpoint import CheckpointError, _dcp_errors
+    from poplar.runtime.checkpoint import CheckpointError, dcp_errors
 
     dcp.save({"a": torch.ones(4)}, checkpoint_id=str(tmp_path))
     for shard in tmp_path.glob("*.distcp"):
         shard.unlink()
     with pytest.raises(CheckpointError) as caught:
-        with _dcp_errors("read", tmp_path, "it is damaged"):
+        with dcp_errors("read", tmp_path, "it is damaged"):
             dcp.load({"a": torch.zeros(4)}, checkpoint_id=str(tmp_path))
     line = str(caught.value)
     assert "\n" not in line and line.startswith(f"checkpoint {tmp_path} could not be read (rank 0: FileNotFoundError")

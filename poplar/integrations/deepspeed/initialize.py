@@ -78,7 +78,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if plan is None and cluster is not None:
         init_distributed()     # the ranks profile together; a plan given or the even split needs no group yet
     profiled = workload if plan is None else None   # planned from it: its step paces the ranks
-    plan, basis = _plan(world, settings, engine_config, plan, cluster, workload, model)
+    plan, basis = plan_of(world, settings, engine_config, plan, cluster, workload, model)
     runtime = Session(model, opt, plan, engine_config, cluster=cluster, basis=basis, replan=poplar.get("replan"),
                       workload=profiled)
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
@@ -104,7 +104,7 @@ def _module_source(model, loss, training_data, collate_fn):
     return ModuleSource(model, loss or output_loss, training_data, collate_fn or default_collate)
 
 
-def _plan(world_size: int, settings, config: EngineConfig, plan, cluster, workload, model=None):
+def plan_of(world_size: int, settings, config: EngineConfig, plan, cluster, workload, model=None):
     stages = (settings.stage,) if settings.stage is not None else tuple(settings.poplar.get("stages", (0, 1, 2, 3)))
     plan, basis = resolve_planning(world_size, plan, cluster=cluster, workload=workload,
                                    global_batch=settings.global_batch, stages=stages, config=config, model=model,
