@@ -1,7 +1,7 @@
 """Where a run's plan comes from, written once for every front end: given (a :class:`~poplar.Plan`, its dict, or a
 ``plan.json``), or profiled and planned on a cluster (:func:`profile_and_plan`).
 
-``poplar train`` (:mod:`poplar.train.planning`), the integrations (:mod:`poplar.integrations.runtime`) and the
+``poplar train`` (:mod:`poplar.train.planning`), the integrations (:mod:`poplar.integrations.session`) and the
 comparisons (:mod:`poplar.compare.bench`) all read and make their plans here.
 """
 
