@@ -22,10 +22,9 @@ What changes, and why:
   sampler are not (``PoplarStrategy(shuffle=, seed=)`` decide: the same global batches on any
   world size and plan). With no plan and no cluster its ``batch_size`` and
   ``accumulate_grad_batches`` are every rank's (the even split, as DDP's); else the plan decides.
-- ``gradient_clip_val`` clips the
-  global gradient norm inside the engine (``gradient_clip_algorithm='value'`` is refused);
-  precision is ``'32-true'``, ``'bf16-mixed'`` or ``'16-mixed'`` (bf16 or fp16 compute, fp32 master weights;
-  fp16 with the engine's dynamic loss scale, ``EngineConfig.loss_scale``).
+- ``gradient_clip_val`` clips the global gradient norm inside the engine (``gradient_clip_algorithm='value'``
+  is refused); precision is ``'32-true'``, ``'bf16-mixed'`` or ``'16-mixed'`` (bf16 or fp16 compute, fp32
+  master weights; fp16 with the engine's dynamic loss scale, ``EngineConfig.loss_scale``).
 - ``configure_optimizers`` returns one optimizer (with one set of hyperparameters); the engine
   steps that very object on its flat shards, so learning-rate schedulers keep working.
 - A checkpoint is a directory (see :mod:`~poplar.integrations.lightning.checkpoint`) that any
@@ -86,19 +85,18 @@ _WORKLOAD_ALONE = ("PoplarStrategy(workload=...) names what to profile on a clus
 class PoplarStrategy(ParallelStrategy):
     """Heterogeneity-aware ZeRO data parallelism for Lightning (see the module's docstring).
 
-    ``plan``: a :class:`~poplar.Plan`, its dict or a ``plan.json``; without one, it is planned
-    on ``cluster`` over ``stages`` (every rank profiling) for ``global_batch`` samples (default:
-    the train loader's ``batch_size`` on every rank): the LightningModule itself profiled on
-    samples of its training data as its loader collates them, or ``workload`` (a Poplar model
-    preset) where given. ``cluster``: a cluster file or preset whose emulated (or real)
-    devices the ranks take (none: this host's GPU or CPU). Left out, they come from
-    ``POPLAR_PLAN``, ``POPLAR_CLUSTER``, ``POPLAR_WORKLOAD``, ``POPLAR_GLOBAL_BATCH``. ``config``: the
-    engine's :class:`~poplar.engine.config.EngineConfig` (or its dict). ``shuffle``, ``seed``: the
-    order of the samples, drawn afresh each epoch from ``seed`` and the epoch (as ``poplar train``'s).
-    ``replan``: a plan planned here is planned again while training as the steps measure (``"auto"``, ``"off"``
-    or a dict of :class:`~poplar.runtime.replanner.ReplanConfig`'s fields; docs/train.md). With no plan
-    and no cluster, the loader's ``batch_size`` and ``accumulate_grad_batches`` on every rank (DDP's
-    split), in the lowest of ``stages``, on the Trainer's ``devices``.
+    ``plan``: a :class:`~poplar.Plan`, its dict or a ``plan.json``; without one, it is planned on ``cluster``
+    over ``stages`` (every rank profiling) for ``global_batch`` samples (default: the train loader's
+    ``batch_size`` on every rank): the LightningModule itself profiled on samples of its training data as its
+    loader collates them, or ``workload`` (a Poplar model preset) where given. ``cluster``: a cluster file or
+    preset whose emulated (or real) devices the ranks take (none: this host's GPU or CPU). Left out, they come from
+    ``POPLAR_PLAN``, ``POPLAR_CLUSTER``, ``POPLAR_WORKLOAD``, ``POPLAR_GLOBAL_BATCH``. ``config``: the engine's
+    :class:`~poplar.engine.config.EngineConfig` (or its dict). ``shuffle``, ``seed``: the order of the samples,
+    drawn afresh each epoch from ``seed`` and the epoch (as ``poplar train``'s). ``replan``: a plan planned here
+    is planned again while training as the steps measure (``"auto"``, ``"off"`` or a dict of
+    :class:`~poplar.runtime.replanner.ReplanConfig`'s fields; docs/train.md). With no plan and no cluster, the
+    loader's ``batch_size`` and ``accumulate_grad_batches`` on every rank (DDP's split), in the lowest of
+    ``stages``, on the Trainer's ``devices``.
     """
 
     strategy_name = "poplar"
