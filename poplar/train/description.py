@@ -3,9 +3,9 @@
 :func:`poplar.train.run.run_training` settles what the command asked (the config, the
 precision chosen where it is ``auto``, a resume where torchrun restarted the group, the
 launch, the cluster read), prepares the data and obtains the plan, once, in the launcher
-(or rank 0); what it found flows down to every rank as one value. Nothing downstream reads
-the config's cluster name or rewrites the config: the cluster is ``Run.cluster``, the
-planned ranks' only where the planner left devices out.
+(or rank 0); what it found flows down to every rank as one value. Nothing downstream rewrites
+the config or reads a cluster from its name (which is only said, in the profiling's title):
+the cluster is ``Run.cluster``, the planned ranks' only where the planner left devices out.
 """
 
 from __future__ import annotations
