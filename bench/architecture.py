@@ -202,7 +202,8 @@ class ConfigTracer:
 
     def _is_config(self, value) -> bool:
         if type(value).__name__ in self.classes:
-            self.sections |= _sections(value)
+            config = getattr(value, "config", value)   # a description: the config it carries, and its sections
+            self.sections |= _sections(config) | ({type(config)} if config is not value else set())
             return True
         return type(value) in self.sections
 
