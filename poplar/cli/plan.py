@@ -29,7 +29,7 @@ def plan(
       poplar plan --profile profile.json --global-batch 128 --out plan.json
     """
     from poplar.planner import make_plan
-    from poplar.planner.report import comparison_table, stage_table
+    from poplar.cli.tables import allocations_table, stage_table
     from poplar.profile.profile import Profile
 
     console = _console()
@@ -54,7 +54,7 @@ def plan(
     for sp in [*result.stages.values(), *result.shaped.values()]:
         if not sp.excluded and (all_stages or sp is result.chosen):
             console.print(stage_table(result, sp))
-    console.print(comparison_table(result))
+    console.print(allocations_table(result))
     say(console, f"chosen: {result.reason}")
     result.save(out)
     say(console, f"wrote {out} ({result.plan.summary()})")

@@ -47,7 +47,8 @@ def profile(
     refused_early(console, [cluster], model, mixed_precision)   # what arithmetic refuses, before torch is imported
     from poplar.profile.options import ProfileOptions
     from poplar.profile.plot import plot_profile
-    from poplar.profile.report import cluster_line, comm_line, profile_table
+    from poplar.cli.tables import profile_table
+    from poplar.profile.report import cluster_line, comm_line, profile_rows
     from poplar.profile.run import run_profile
 
     imported_for_good()     # this command's process (under torchrun, a rank): the probe's collections scan less
@@ -67,7 +68,7 @@ def profile(
         return
     prof, summary = result
     prof.save(out)
-    console.print(profile_table(prof, summary, f"profile of {model} ({prof.model.n_params:,} parameters, "
+    console.print(profile_table(profile_rows(prof, summary), f"profile of {model} ({prof.model.n_params:,} parameters, "
                                                f"{options.precision}), {time.perf_counter() - start:.0f} s"))
     for line in (comm_line(prof), f"wrote {out}", plot and f"wrote {plot_profile(prof, plot)}"):
         if line:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -83,11 +84,11 @@ def simulate(
         workload = _workload(model, seq_len, activation_checkpointing, lora)
         batch = global_batch if tokens is None else _samples(global_batch_tokens, tokens, workload.seq_len)
         spec.check_global_batch(batch)
-        evaluation, result = evaluate(workload, spec, batch, options, alone=alone, workers=workers)
+        comparison, result = evaluate(workload, spec, batch, options, alone=alone, workers=workers)
     except BAD_INPUT_ERRORS as e:
         print_error(console, e)
         raise typer.Exit(2) from None
-    _report(console, evaluation, result, [(out, "plan"), (profile_out, "profile"), (json_out, "json"), (plot, "plot")])
+    _report(console, comparison, result, [(out, "plan"), (profile_out, "profile"), (json_out, "json"), (plot, "plot")])
 
 
 def _workload(model: str, seq_len: int | None, activation_checkpointing: bool, lora: str | None):
@@ -109,21 +110,21 @@ def _workload(model: str, seq_len: int | None, activation_checkpointing: bool, l
     return LoraSource(workload, LoraSettings(**lora_option(lora)))
 
 
-def _report(console, evaluation, result, writes: list[tuple[Path | None, str]]) -> None:
+def _report(console, comparison, result, writes: list[tuple[Path | None, str]]) -> None:
     """The tables, the choice, and the files asked for (``writes``: (path, what); None paths are skipped)."""
     from poplar.cli.output import say
-    from poplar.planner.report import comparison_table, stage_table
+    from poplar.cli.tables import allocations_table, kinds_table, stage_table, summary_table
 
-    for table in (stage_table(result, result.chosen), comparison_table(result), _summary_table(evaluation),
-                  _kinds_table(evaluation)):
+    for table in (stage_table(result, result.chosen), allocations_table(result), summary_table(comparison),
+                  kinds_table(comparison)):
         console.print(table)
-    say(console, f"chosen: {evaluation.reason}")
+    say(console, f"chosen: {comparison.reason}")
     model = result.profile.model
     trained = f" ({model.trained_params:,} trained, the rest frozen)" if model.frozen_params else ""
-    say(console, f"simulated {model.n_params:,} parameters{trained} on {evaluation.world_size} ranks in "
-                 f"{evaluation.simulated_s:.1f} s, planned in {evaluation.planned_s:.1f} s")
-    write = {"plan": result.save, "profile": result.profile.save, "plot": lambda p: _plot(evaluation, p),
-             "json": lambda p: p.write_text(evaluation.model_dump_json(indent=1))}
+    say(console, f"simulated {model.n_params:,} parameters{trained} on {comparison.world_size} ranks in "
+                 f"{comparison.simulated_s:.1f} s, planned in {comparison.planned_s:.1f} s")
+    write = {"plan": result.save, "profile": result.profile.save, "plot": lambda p: _plot(comparison, p),
+             "json": lambda p: p.write_text(json.dumps(comparison.to_dict(), indent=1))}
     for path, what in writes:
         if path is not None:
             write[what](path)
@@ -165,50 +166,22 @@ def _samples(text: str, tokens: int, seq_len: int) -> int:
     return tokens // seq_len
 
 
-def _summary_table(ev):
-    from rich.table import Table
-
-    table = Table(title=f"{ev.model}, global batch {ev.global_batch} x {ev.seq_len} tokens: Poplar against the "
-                        "baselines (each at its best stage)")
-    for col in ("plan", "samples/s", "tokens/s", "Poplar's speedup"):
-        table.add_column(col, justify="right")
-    table.add_row(f"Poplar ({ev.label})", f"{ev.samples_per_s:,.1f}", f"{ev.tokens_per_s:,.0f}", "1.00x")
-    rows = [(name, s) for name, s in ev.baselines.items()]
-    rows += [(f"{a.kind} alone ({a.ranks}{', ' + a.label if a.label else ''})", a.samples_per_s) for a in ev.alone]
-    for name, s in rows:
-        table.add_row(name, f"{s:,.1f}" if s else "-", f"{s * ev.seq_len:,.0f}" if s else "-",
-                      f"{ev.speedup(s):.2f}x" if s else "no plan")
-    table.add_row("ideal bound", f"{ev.ideal_samples_per_s:,.1f}", f"{ev.ideal_samples_per_s * ev.seq_len:,.0f}",
-                  f"{100 * ev.samples_per_s / ev.ideal_samples_per_s:.0f}% of it")
-    return table
-
-
-def _kinds_table(ev):
-    from rich.table import Table
-
-    table = Table(title=f"each kind in Poplar's plan ({ev.tflops:,.1f} model TFLOP/s in all)")
-    for col in ("kind", "ranks", "samples", "micro-batch", "accum", "TFLOP/s a device", "MFU"):
-        table.add_column(col, justify="right")
-    for k in ev.kinds:
-        table.add_row(k.kind, str(k.ranks), str(k.samples), str(k.micro_batch), str(k.accum), f"{k.tflops:,.1f}",
-                      f"{100 * k.mfu:.0f}%")
-    return table
-
-
-def _plot(ev, path: Path) -> None:
+def _plot(c, path: Path) -> None:
+    """The comparison (:class:`~poplar.compare.comparison.Comparison`) as bars: Poplar's, the baselines', each kind
+    alone's, the ideal bound."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [f"Poplar\n{ev.label}", *ev.baselines, *(f"{a.kind}\nalone" for a in ev.alone), "ideal"]
-    values = [ev.samples_per_s, *(s or 0 for s in ev.baselines.values()), *(a.samples_per_s or 0 for a in ev.alone),
-              ev.ideal_samples_per_s]
+    names = [f"Poplar\n{c.label}", *(a.name for a in c.baselines), *(f"{a.kind}\nalone" for a in c.alone), "ideal"]
+    values = [c.poplar.samples_per_s, *(a.samples_per_s or 0 for a in [*c.baselines, *c.alone]),
+              c.ideal_samples_per_s]
     fig, ax = plt.subplots(figsize=(1.3 * len(names) + 2, 3.8))
     ax.bar(range(len(names)), values, color=["C0"] + ["C7"] * (len(names) - 2) + ["C2"])
     ax.set_xticks(range(len(names)), names, fontsize=8)
     ax.set_ylabel("samples/s (simulated)")
-    ax.set_title(f"{ev.model} on {ev.world_size} GPUs, global batch {ev.global_batch}", fontsize=10)
+    ax.set_title(f"{c.model} on {c.world_size} GPUs, global batch {c.global_batch}", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

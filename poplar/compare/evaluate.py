@@ -7,7 +7,8 @@ clusters of each kind alone (the same devices, nodes and links, the other kinds 
 out: their own simulated profile and plan), and against the ideal bound. Where one kind
 alone is faster than every plan of the whole cluster (the others' memory holds every rank
 to a sample a micro-step, or their links to slow collectives), Poplar's answer is to
-leave the others out, and it says so. Throughput in
+leave the others out, and it says so. The answer is a :class:`~poplar.compare.comparison.Comparison`
+(predicted figures). Throughput in
 samples, tokens and model FLOPs (three times a sample's forward FLOPs: the backward
 does twice the forward's), and each kind's share of it: its model TFLOP/s per device
 and its MFU (of the device's peak in the compute dtype).
@@ -18,61 +19,21 @@ and its MFU (of the device's peak in the compute dtype).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
-from pydantic import BaseModel, ConfigDict
-
-from poplar.compare.alone import Alone, AloneRuns
 from poplar.cluster.spec import ClusterSpec
+from poplar.compare.alone import AloneRuns
+from poplar.compare.comparison import Contender, Comparison, KindShare, planned
+from poplar.models.workload import Workload
 from poplar.planner import make_plan
 from poplar.planner.planner import PlanResult
 from poplar.profile.options import ProfileOptions
 from poplar.profile.profile import Profile
 from poplar.profile.units import STEP_FLOPS_PER_FORWARD
 from poplar.simulate.profile import simulate_profile
-from poplar.models.workload import Workload
 
 BASELINES = ("uniform", "proportional", "measured-peak")
-
-
-class KindShare(BaseModel):
-    """One device kind's part of the chosen plan."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    kind: str
-    ranks: int
-    samples: int          # a rank's samples a step (its largest, where ranks of the kind differ)
-    micro_batch: int
-    accum: int
-    tflops: float         # model TFLOP/s a device computes, over the whole step
-    mfu: float            # of the device's peak TFLOP/s in the compute dtype
-
-
-class Evaluation(BaseModel):
-    """Poplar's plan for a model on a cluster, simulated, and what it is compared with."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    cluster: str
-    world_size: int
-    global_batch: int
-    seq_len: int
-    label: str                          # the chosen stage and shape
-    reason: str
-    samples_per_s: float
-    tokens_per_s: float
-    tflops: float                       # the cluster's model TFLOP/s
-    ideal_samples_per_s: float
-    baselines: dict[str, float | None]  # each at its best stage and shape; None: no plan
-    kinds: list[KindShare]
-    alone: list[Alone]
-    simulated_s: float
-    planned_s: float
-
-    def speedup(self, samples_per_s: float | None) -> float | None:
-        return None if not samples_per_s else self.samples_per_s / samples_per_s
 
 
 def per_device_tflops(samples: float, flops_per_sample: float, step_s: float) -> float:
@@ -82,18 +43,19 @@ def per_device_tflops(samples: float, flops_per_sample: float, step_s: float) ->
 
 
 def evaluate(workload: Workload, spec: ClusterSpec, global_batch: int, options: ProfileOptions,
-             alone: bool = True, workers: int | None = None) -> tuple[Evaluation, PlanResult]:
+             alone: bool = True, workers: int | None = None) -> tuple[Comparison, PlanResult]:
     """Simulate, plan and compare (``alone``: also each kind's homogeneous cluster, in up to ``workers``
-    processes beside this one, :class:`poplar.compare.alone.AloneRuns`)."""
+    processes beside this one, :class:`poplar.compare.alone.AloneRuns`): the comparison, and the planning
+    result of Poplar's plan (a kind alone's, where leaving the others out is faster)."""
     start = time.perf_counter()
     kinds = list(dict.fromkeys(d.kind for d in spec.rank_devices()))
     with AloneRuns(workload, spec, kinds if alone and len(kinds) > 1 else [], global_batch, options, workers) as runs:
         profile = simulate_profile(workload, spec, options)
         simulated = time.perf_counter() - start
-        result = make_plan(profile, global_batch, options.stages)
-        planned = time.perf_counter() - start - simulated
+        result = whole = make_plan(profile, global_batch, options.stages)
+        planned_s = time.perf_counter() - start - simulated
         others = runs.results()
-    baselines, label, reason = _best_baselines(result), result.chosen.label, result.reason
+    label, reason = result.chosen.label, result.reason
     faster = max((o for o in others if o[1] is not None), key=lambda o: o[1].predicted.samples_per_s, default=None)
     if faster is not None and faster[1].predicted.samples_per_s > result.predicted.samples_per_s:
         # fewer devices go faster (the others' memory or links hold every rank back): Poplar says so
@@ -103,26 +65,33 @@ def evaluate(workload: Workload, spec: ClusterSpec, global_batch: int, options: 
                   f"{faster[1].reason}")
         label = f"{faster[0].kind} only, {faster[1].chosen.label}"
         result = faster[1]
-    pred = result.predicted
-    evaluation = Evaluation(
-        model=workload.name, cluster=spec.describe(), world_size=spec.world_size, global_batch=global_batch,
-        seq_len=profile.model.seq_len, label=label, reason=reason,
-        samples_per_s=pred.samples_per_s, tokens_per_s=pred.tokens_per_s,
-        tflops=per_device_tflops(global_batch, sum(profile.model.unit_flops), pred.step_s),
-        ideal_samples_per_s=result.chosen.ideal_samples_per_s, baselines=baselines,
-        kinds=_shares(result, result.profile), alone=[a for a, _ in others], simulated_s=simulated,
-        planned_s=planned)
-    return evaluation, result
+    peaks = {k: d.rated_tflops or 0.0 for k, d in profile.devices.items()}
+    counts = {k: profile.ranks.count(k) for k in peaks}
+    kinds_shares = _shares(result, result.profile)
+    poplar = Contender("poplar", result.plan, result.predicted.samples_per_s, result.predicted.step_s, label=label,
+                        peak_tflops=sum(peaks[k.kind] * k.ranks for k in kinds_shares))   # the GPUs it runs on
+    everyone = sum(peaks[k] * counts[k] for k in peaks)
+    baselines = [dataclasses.replace(b, peak_tflops=everyone) for b in _best_baselines(whole)]
+    comparison = Comparison(
+        model=workload.name, cluster=spec.describe(), world_size=spec.world_size, seq_len=profile.model.seq_len,
+        global_batch=global_batch, zero_stage=result.stage, shape=result.plan.shape, label=label, reason=reason,
+        ideal_samples_per_s=result.chosen.ideal_samples_per_s, precision=options.precision,
+        allocations=(poplar, *baselines, *(dataclasses.replace(a, peak_tflops=peaks[a.kind] * counts[a.kind])
+                                           for a, _ in others)),
+        kinds=tuple(kinds_shares), tflops=per_device_tflops(global_batch, sum(profile.model.unit_flops),
+                                                            result.predicted.step_s),
+        simulated_s=simulated, planned_s=planned_s)
+    return comparison, result
 
 
-def _best_baselines(result: PlanResult) -> dict[str, float | None]:
-    """Each baseline's throughput at its best stage and shape (None where it has no plan in any)."""
-    out: dict[str, float | None] = {}
+def _best_baselines(result: PlanResult) -> list[Contender]:
+    """Each baseline at its best stage and shape (no plan where it has none in any)."""
     options = [sp for sp in [*result.stages.values(), *result.shaped.values()] if not sp.excluded]
+    out = []
     for name in BASELINES:
-        found = [sp.allocations[name].predicted.samples_per_s for sp in options
-                 if name in sp.allocations and sp.allocations[name].plan is not None]
-        out[name] = max(found) if found else None
+        found = [sp.allocations[name] for sp in options if name in sp.allocations and sp.allocations[name].plan is not None]
+        best = max(found, key=lambda a: a.predicted.samples_per_s, default=None)
+        out.append(planned(best) if best is not None else Contender(name, why_not="no plan in any stage or shape"))
     return out
 
 
@@ -135,10 +104,11 @@ def _shares(result: PlanResult, profile: Profile) -> list[KindShare]:
         peak = profile.devices[kind].rated_tflops or 0.0
         b = plan.local_batch_sizes[i]
         share = out.get(kind)
+        ranks = share.ranks + 1 if share else 1
         if share is None or b > share.samples:
             tflops = per_device_tflops(b, flops, step)
-            out[kind] = KindShare(kind=kind, ranks=(share.ranks if share else 0), samples=b,
-                                  micro_batch=plan.micro_batch_sizes[i], accum=plan.accum_steps[i], tflops=tflops,
-                                  mfu=tflops / peak if peak else 0.0)
-        out[kind].ranks += 1
+            out[kind] = KindShare(kind=kind, ranks=ranks, samples=b, micro_batch=plan.micro_batch_sizes[i],
+                                  accum=plan.accum_steps[i], tflops=tflops, mfu=tflops / peak if peak else 0.0)
+        else:
+            out[kind] = dataclasses.replace(share, ranks=ranks)
     return list(out.values())

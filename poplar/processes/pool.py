@@ -1,247 +1,195 @@
-"""Worker processes beside this one, each running its jobs and handing back their answers.
+"""Jobs shared between worker processes and this one (:class:`SharedJobs`), the workers a
+:class:`concurrent.futures.ProcessPoolExecutor` (:func:`worker_pool`).
 
-A worker is forked from this process where that is safe (:func:`forking`: Linux, no other Python thread): it
-shares the imports (torch, Poplar and the model's library: seconds a process) and begins at once. Elsewhere it
-is a fresh interpreter running :func:`serve` (nothing of the caller's main module is run). Either way its jobs
-are handed to it whole (``{job: items}``; an item's answer is ``work(item, *args)``, ``work`` a module's
-function), the jobs to skip come on a pipe, its answers go back on another (each in a file: a large answer
-must not fill the pipe and hold the worker). One that dies without its answers raises :class:`WorkerDied`
-here, with the last line it wrote to stderr: nothing waits on a process that is gone.
+What the executor is given, and why:
 
-Not ``concurrent.futures.ProcessPoolExecutor``: its spawn and forkserver workers import the caller's main
-module again (a user's script without a ``__main__`` guard would run once more in each), and a worker that
-dies breaks the whole pool, every other worker's answers with it.
+- **Forked where that is safe** (:func:`forking`: Linux, no Python thread but this one, Python 3.11 or later):
+  a forked worker shares this process's imports (torch, Poplar, the model's library: seconds a process),
+  begins at once, and runs nothing of the caller's main module again. The executor forks its workers
+  together at the first job, before it starts its own thread (Python 3.11 on; Python 3.10's executor forks a
+  worker per job beside that thread, so there it spawns them), and never forks another after.
+- **Spawned elsewhere** (a fresh interpreter). Python's ``spawn`` start imports the caller's main module again
+  in each worker, as ``__mp_main__``: what sits under ``if __name__ == "__main__":`` does not run there, what
+  a script runs outside it does. Poplar's own commands are guarded; a script of the user's that starts these
+  jobs on macOS, or beside a thread of its own, needs the guard too (multiprocessing says so in one line where
+  it is missing).
+- **A worker that dies** breaks the executor (:class:`~concurrent.futures.process.BrokenProcessPool`, every
+  worker ended with it): it is warned of, with the last line the workers wrote, and every job not yet
+  answered is run in this process.
+- **An error in a job is raised here as itself** (the executor hands the worker's exception back, its
+  traceback there as the ``__cause__``).
+- What a worker prints goes to a log of its own, not into this process's output; a forked worker computes on
+  one torch thread (an OpenMP pool the caller had started is not in it: one thread never asks for it).
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
-import pickle
-import select
-import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
-import traceback
 import warnings
-from pathlib import Path
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from poplar.lazy import imported_for_good
 
 
-class WorkerDied(RuntimeError):
-    """A worker process ended without handing back its answers."""
-
-
-_ROOT = str(Path(__file__).resolve().parents[2])   # where a worker imports poplar from: where this one did
-
-
-def _worker_env() -> dict[str, str]:
-    """This environment, with poplar's directory first on the path unless it is where packages are installed (a
-    worker's interpreter finds it there anyway, and that directory must not come before the standard library)."""
-    installed = {str(Path(p).resolve()) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])}
-    if _ROOT in installed:
-        return dict(os.environ)
-    path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path}
-
-
 def forking() -> bool:
-    """Whether a worker is forked from this process rather than started afresh: on Linux, with no Python thread
-    but this one (a fork copies only the thread that calls it; the BLAS pools' native threads, which numpy and
-    scipy start, stop around a fork by their own handlers)."""
-    return (sys.platform.startswith("linux") and threading.active_count() == 1
+    """Whether workers are forked from this process rather than spawned: on Linux, with no Python thread but this
+    one (a fork copies only the thread that calls it; the BLAS pools' native threads, which numpy and scipy
+    start, stop around a fork by their own handlers), on Python 3.11 or later (see the module's docstring)."""
+    return (sys.platform.startswith("linux") and sys.version_info >= (3, 11) and threading.active_count() == 1
             and not multiprocessing.current_process().daemon)    # (a daemonic process may start none)
 
 
-_OURS: set[int] = set()     # this process's ends of its workers' pipes: a worker forked later closes them
+def spare_cores() -> int:
+    """The cores this process may use, less the one it runs on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, cores - 1)
 
 
-class Worker:
-    """A worker process with its ``jobs`` (``{job: items}``), each item's answer ``work(item, *args)``, begun at
-    once: forked where :func:`forking` says so (``fork``: None), else a fresh interpreter."""
+def worker_pool(workers: int, log: str, fork: bool | None = None) -> ProcessPoolExecutor:
+    """An executor of ``workers`` processes, forked where ``fork`` says so (None: :func:`forking`), else spawned;
+    what they print goes to the file ``log``."""
+    forked = forking() if fork is None else fork
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork" if forked else "spawn"),
+                               initializer=_start_worker, initargs=(log, forked))
 
-    def __init__(self, jobs: dict[int, list], work, args: tuple, fork: bool | None = None):
-        self.jobs, self.begun, self.skipped = jobs, set(), set()
-        self._stderr = tempfile.TemporaryFile()
-        self._job_file = None
-        if forking() if fork is None else fork:
-            self.process, self.fd, self._inbox = self._fork(jobs, (work, args))
-        else:
-            self.process, self.fd, self._inbox = self._spawn(jobs, (work, args))
-        _OURS.update((self.fd, self._inbox))
 
-    def _fork(self, jobs, task):
-        inbox, to_worker = os.pipe()
-        from_worker, outbox = os.pipe()
-        process = multiprocessing.get_context("fork").Process(
-            target=_forked, args=(jobs, task, inbox, outbox, self._stderr.fileno(), [*_OURS, to_worker, from_worker]),
-            daemon=True)
-        with warnings.catch_warnings():   # Python 3.12's, of the BLAS pools' threads (see forking)
-            warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
-            process.start()
-        os.close(inbox)
-        os.close(outbox)
-        return _Process(process), from_worker, to_worker
+def _start_worker(log: str, forked: bool) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # (Python's own streams too: a forked worker's may be the caller's stand-ins, a test's capture)
+    sys.stdout = sys.stderr = open(log, "a", buffering=1, errors="replace")   # noqa: SIM115 - the worker's life
+    if forked:
+        import torch
 
-    def _spawn(self, jobs, task):
-        with tempfile.NamedTemporaryFile("wb", suffix=".pkl", delete=False) as f:
-            pickle.dump((jobs, task), f)     # a file, not the pipe: a large cluster must not block this process
-            self._job_file = f.name
-        process = subprocess.Popen([sys.executable, "-c", "from poplar.processes.pool import serve; serve()", self._job_file],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                   env=_worker_env())
-        return process, process.stdout.fileno(), process.stdin.fileno()
+        torch.set_num_threads(1)
+    imported_for_good()     # what the worker makes is all its collections scan (see poplar.lazy)
 
-    def skip(self, job: int) -> None:
-        if job in self.jobs:
-            self.skipped.add(job)
+
+class SharedJobs:
+    """``work(item, *args)`` for each of ``items``, in up to ``workers`` processes beside this one (None:
+    :func:`spare_cores`; 0: all here) and in this one. A context manager: the workers begin at once; leaving it
+    ends them (a job a worker has begun is let finish).
+
+    The workers take the items from the first, each its next as it answers one; :meth:`results` takes here,
+    from the last, what no worker has taken. Items of one ``key`` cost less after the first in one process
+    (for each kind alone, a world size whose steps it has counted): the next item of a key a worker is on is
+    left to the workers, and this process takes every item of a key no worker is on.
+    """
+
+    def __init__(self, work, items: list, args: tuple = (), keys: list | None = None, workers: int | None = None,
+                 fork: bool | None = None):
+        self.work, self.items, self.args = work, list(items), tuple(args)
+        self.keys = list(range(len(self.items))) if keys is None else list(keys)
+        self._queue = list(range(len(self.items)))      # the items no process has taken, in order
+        self._running: set[int] = set()                 # taken by a worker, not yet answered
+        self._answers: dict[int, object] = {}
+        self._errors: list[BaseException] = []
+        self._broken = self._warned = self._closed = False
+        self._changed = threading.Condition(threading.RLock())
+        self._pool, self._log = None, None
+        n = min(len(self.items), spare_cores() if workers is None else workers)
+        if n > 0 and not multiprocessing.current_process().daemon:
+            fd, self._log = tempfile.mkstemp(prefix="poplar-workers-", suffix=".log")
+            os.close(fd)
+            self._pool = worker_pool(n, self._log, fork)
             try:
-                _write(self._inbox, job)
-            except OSError:   # it has ended: what it sent says why
-                pass
+                with self._changed, warnings.catch_warnings():    # Python 3.12's, of the BLAS pools' threads
+                    warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
+                    for _ in range(n):
+                        self._hand_out()
+            except BaseException:
+                self.__exit__(*sys.exc_info())
+                raise
 
-    def receive(self) -> list[tuple[int, list]]:
-        """One message: the job it has begun (nothing to hand back yet) or done; raises what went wrong."""
-        message = _read(self.fd)
-        if message is None:
-            self.process.wait()
-            self._stderr.seek(0)
-            said = self._stderr.read().decode(errors="replace").strip().splitlines()[-1:]
-            raise WorkerDied(f"the worker on {', '.join(str(k) for ks in self.jobs.values() for k in ks)} ended "
-                             f"without its answers (exit code {self.process.returncode}{': ' + said[0] if said else ''})")
-        what, job, value = message
-        if what == "begun":
-            self.begun.add(job)
+    def results(self) -> list:
+        """Each item's answer, in order: this process answers what no worker has taken, then waits for the rest.
+        Raises a worker's error as itself; warns of a worker that died, and answers its items here."""
+        while True:
+            with self._changed:
+                if self._errors:
+                    raise self._errors[0]
+                if self._broken and not self._warned:
+                    self._warned = True
+                    warnings.warn(f"a worker process ended without its answers{self._last_words()}: what the "
+                                  "workers had not answered runs here instead", RuntimeWarning, stacklevel=2)
+                if len(self._answers) == len(self.items):
+                    return [self._answers[i] for i in range(len(self.items))]
+                mine = self._take()
+                if not mine:
+                    self._changed.wait()
+            for i in mine:
+                answer = self.work(self.items[i], *self.args)
+                with self._changed:
+                    self._answers[i] = answer
+
+    def _take(self) -> list[int]:
+        """(Holding the lock.) The items this process answers next, taken from the queue (see the class)."""
+        on = set() if self._broken else {self.keys[i] for i in self._running}
+        left = {next(i for i in self._queue if self.keys[i] == key) for key in on
+                if any(self.keys[i] == key for i in self._queue)}
+        free = [i for i in self._queue if i not in left]
+        if not free:
             return []
-        if what == "error":
-            error, where = value
-            raise error from RuntimeError(f"in the worker, on {', '.join(map(str, self.jobs[job]))}:\n{where}")
-        with open(value, "rb") as f:
-            answers = pickle.load(f)
-        os.unlink(value)
-        return [(job, answers)]
+        last = free[-1]
+        mine = [last] + ([i for i in free[:-1] if self.keys[i] == self.keys[last]] if self.keys[last] not in on else [])
+        self._queue = [i for i in self._queue if i not in mine]
+        return mine
 
-    def close(self) -> None:
-        if self.fd not in _OURS:
+    def _hand_out(self) -> None:
+        """(Holding the lock.) The first item no process has taken, to the workers."""
+        if self._closed or self._broken or not self._queue:
             return
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        _OURS.difference_update((self.fd, self._inbox))
-        if isinstance(self.process, subprocess.Popen):
-            for f in (self.process.stdin, self.process.stdout):
-                f.close()
-        else:
-            os.close(self.fd)
-            os.close(self._inbox)
-        self._stderr.close()
-        if self._job_file:
-            os.unlink(self._job_file)
-
-
-class _Process:
-    """A forked worker (a ``multiprocessing`` process), read as a :class:`subprocess.Popen` is."""
-
-    def __init__(self, process):
-        self._process = process
-
-    def poll(self) -> int | None:
-        return self._process.exitcode
-
-    def kill(self) -> None:
-        self._process.kill()
-
-    def wait(self) -> int:
-        self._process.join()
-        return self._process.exitcode
-
-    @property
-    def returncode(self) -> int | None:
-        return self._process.exitcode
-
-
-def _write(fd: int, value) -> None:
-    data = pickle.dumps(value)
-    data = len(data).to_bytes(8, "little") + data
-    while data:
-        data = data[os.write(fd, data):]
-
-
-def _read(fd: int):
-    """One value :func:`_write` wrote to ``fd``; None at the end of the stream."""
-    size = _read_exactly(fd, 8)
-    body = _read_exactly(fd, int.from_bytes(size, "little")) if size else None
-    return pickle.loads(body) if body is not None else None
-
-
-def _read_exactly(fd: int, n: int) -> bytes | None:
-    parts = []
-    while n:
-        part = os.read(fd, n)
-        if not part:
-            return None
-        parts.append(part)
-        n -= len(part)
-    return b"".join(parts)
-
-
-def serve() -> None:
-    """A fresh worker's main (``sys.argv[1]``: its jobs): :func:`_serve`, what the simulation prints to stderr."""
-    outbox = os.dup(1)
-    os.dup2(2, 1)    # what the simulation prints goes to stderr, not into the answers
-    with open(sys.argv[1], "rb") as f:
-        jobs, task = pickle.load(f)
-    imported_for_good()     # a fresh interpreter: the simulator's collections scan only what its jobs make
-    _serve(jobs, task, 0, outbox)
-
-
-def _forked(jobs: dict, task: tuple, inbox: int, outbox: int, log: int, theirs: list[int]) -> None:
-    """A forked worker's main: :func:`_serve`, what the simulation prints to ``log``; the pipes' other ends
-    (``theirs``: this worker's and earlier ones') closed, so that each reader sees its writer go."""
-    import torch
-
-    for fd in theirs:
-        os.close(fd)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    torch.set_num_threads(1)    # an OpenMP pool the caller had started is not in this process: one thread never asks it
-    imported_for_good()     # what the caller made before the fork is not scanned again by this one's collections
-    _serve(jobs, task, inbox, outbox)
-
-
-def _serve(jobs: dict, task: tuple, inbox: int, outbox: int) -> None:
-    """Each job not skipped (told on ``inbox``), in order, its answers (``task``: the work and its arguments)
-    written to ``outbox``."""
-    work, args = task
-    skipped: set[int] = set()
-    for job, items in jobs.items():
-        while select.select([inbox], [], [], 0)[0]:
-            told = _read(inbox)
-            if told is None:
-                return    # the caller has gone
-            skipped.add(told)
-        if job in skipped:
-            continue
-        _write(outbox, ("begun", job, None))
+        i = self._queue[0]
         try:
-            answers = [work(item, *args) for item in items]
-        except BaseException as e:   # handed back whole: the caller raises it as if it had run there
-            _write(outbox, ("error", job, _picklable(e)))
+            future = self._pool.submit(self.work, self.items[i], *self.args)
+        except (BrokenProcessPool, RuntimeError):   # broken or shut down meanwhile: the futures' callbacks say so
             return
-        # the answers (a plan of every rank) through a file: the pipe's buffer would hold this worker until the
-        # caller, busy with its own work, reads them
-        with tempfile.NamedTemporaryFile("wb", suffix=".pkl", delete=False) as f:
-            pickle.dump(answers, f)
-        _write(outbox, ("done", job, f.name))
+        self._queue.pop(0)
+        self._running.add(i)
+        future.add_done_callback(functools.partial(self._answered, i))
 
+    def _answered(self, i: int, future: Future) -> None:
+        """A worker's answer to item ``i`` (or why there is none), and its next item (in the executor's thread)."""
+        if future.cancelled():      # the pool is shut down: nothing waits for it
+            return
+        with self._changed:
+            self._running.discard(i)
+            error = future.exception()
+            if error is None:
+                self._answers[i] = future.result()
+            elif isinstance(error, BrokenProcessPool):
+                self._broken = True
+                self._queue.append(i)
+            else:
+                self._errors.append(error)
+            self._hand_out()
+            self._changed.notify_all()
 
-def _picklable(e: BaseException) -> tuple[BaseException, str]:
-    where = traceback.format_exc()
-    try:
-        pickle.dumps(e)
-        return e, where
-    except Exception:
-        return RuntimeError(f"{type(e).__name__}: {e}"), where
+    def _last_words(self) -> str:
+        try:
+            with open(self._log, errors="replace") as f:
+                said = [line.strip() for line in f if line.strip()]
+        except OSError:
+            said = []
+        return f" ({said[-1]})" if said else ""
+
+    def __enter__(self) -> SharedJobs:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._changed:
+            self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=not exc or exc[0] is None, cancel_futures=True)
+            self._pool = None
+        if self._log is not None:
+            os.unlink(self._log)
+            self._log = None

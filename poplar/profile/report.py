@@ -1,11 +1,26 @@
-"""A profile as a person reads it: a table of every device kind and stage, a line on the collectives."""
+"""A profile as a person reads it: a row for every device kind and stage (plain values; the commands draw them
+as a table, :mod:`poplar.cli.tables`), a line on the ranks, a line on the collectives."""
 
 from __future__ import annotations
 
-from rich.table import Table
+from typing import NamedTuple
 
 from poplar.cluster.spec import ClusterSpec
 from poplar.profile.profile import Profile
+
+
+class ProfileRow(NamedTuple):
+    """One kind in one stage: the largest micro-batch, the states, the time at 1 and at the largest timed, where
+    it came from (``note``: measured or cache, and what is missing where it was not timed)."""
+
+    kind: str
+    stage: int
+    max_micro_batch: int
+    state_bytes: int
+    step_s_at_1: float | None
+    step_s_at_max: float | None
+    samples_per_s: float | None
+    note: str
 
 
 def cluster_line(spec: ClusterSpec) -> str:
@@ -15,23 +30,21 @@ def cluster_line(spec: ClusterSpec) -> str:
     return f"{spec.world_size} emulated ranks: {spec.describe()}"
 
 
-def profile_table(prof: Profile, summary: dict, title: str) -> Table:
-    """Per kind and stage: the largest micro-batch, the states, the time at 1 and at the limit, where it came from."""
-    table = Table(title=title)
-    for col in ("device", "stage", "max mbs", "state MiB", "ms@1", "ms@max", "samples/s", "source"):
-        table.add_column(col, justify="right", no_wrap=True)
+def profile_rows(prof: Profile, summary: dict) -> list[ProfileRow]:
+    """Per kind and stage (``summary``: the profiling's, which says what came from the cache)."""
+    rows = []
     for kind, dev in prof.devices.items():
         for stage, sp in sorted(dev.stages.items()):
             source = "cache" if (kind, stage) in summary["from_cache"] else "measured"
-            state = f"{sp.state_bytes / 2**20:.2f}"
             if sp.points:   # (a kind timed only beside a smaller share: up to what it held there)
                 top = sp.max_micro_batch or max(m for m, _ in sp.points)
                 note = source if sp.max_micro_batch else f"{source}: {sp.note}"
-                table.add_row(kind, str(stage), str(sp.max_micro_batch), state, f"{1000 * sp.time(1):.1f}",
-                              f"{1000 * sp.time(top):.1f}", f"{sp.throughput(top):.1f}", note)
+                rows.append(ProfileRow(kind, stage, sp.max_micro_batch, sp.state_bytes, sp.time(1), sp.time(top),
+                                       sp.throughput(top), note))
             else:
-                table.add_row(kind, str(stage), str(sp.max_micro_batch), state, "-", "-", "-", sp.note or source)
-    return table
+                rows.append(ProfileRow(kind, stage, sp.max_micro_batch, sp.state_bytes, None, None, None,
+                                       sp.note or source))
+    return rows
 
 
 def comm_line(prof: Profile) -> str | None:

@@ -1,10 +1,13 @@
 """The simulator's comparison: Poplar's plan, the baselines, each kind alone, and when to leave a kind out."""
 
-from poplar.compare.alone import alone_cluster
+import json
+
 from poplar.cluster.spec import load_cluster
-from poplar.profile.options import ProfileOptions
+from poplar.compare.alone import alone_cluster
+from poplar.compare.comparison import Comparison
 from poplar.compare.evaluate import evaluate
 from poplar.models.workload import Workload
+from poplar.profile.options import ProfileOptions
 
 
 def test_where_one_node_alone_is_faster_poplar_says_to_leave_the_other_out():
@@ -16,6 +19,13 @@ def test_where_one_node_alone_is_faster_poplar_says_to_leave_the_other_out():
     ev, result = evaluate(Workload(model="tiny"), spec, 256, ProfileOptions(stages=(0,), n_points=2), workers=0)
     alone = {a.kind: a for a in ev.alone}
     assert ev.label.startswith("a100-80gb only") and "leaving rtx-4090 out" in ev.reason
-    assert ev.samples_per_s == alone["a100-80gb"].samples_per_s > alone["rtx-4090"].samples_per_s
-    assert ev.samples_per_s > max(v for v in ev.baselines.values() if v)    # every plan of the whole cluster
+    assert ev.poplar.samples_per_s == alone["a100-80gb"].samples_per_s > alone["rtx-4090"].samples_per_s
+    assert ev.poplar.samples_per_s > max(b.samples_per_s for b in ev.baselines if b.samples_per_s)
     assert result.plan.world_size == 2 and [k.kind for k in ev.kinds] == ["a100-80gb"]
+    assert ev.poplar.plan == result.plan and [b.name for b in ev.baselines] == ["uniform", "proportional",
+                                                                                "measured-peak"]
+    # the GPUs each runs on: Poplar's two A100s, the baselines' whole cluster, each kind's own
+    assert ev.baselines[0].peak_tflops == alone["a100-80gb"].peak_tflops + alone["rtx-4090"].peak_tflops
+    assert ev.poplar.peak_tflops == alone["a100-80gb"].peak_tflops
+    # saved and read back whole, through JSON
+    assert Comparison.from_dict(json.loads(json.dumps(ev.to_dict()))) == ev
