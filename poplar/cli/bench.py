@@ -37,7 +37,8 @@ def bench(
     """
     # each cluster file's fields and figures, before torch is imported
     refused_early(_console(), [] if cluster.strip() == "all" else [c.strip() for c in cluster.split(",")])
-    from poplar.compare.bench import bench_clusters, check_clusters, results_table
+    from poplar.cli.tables import bench_table
+    from poplar.compare.bench import bench_clusters, check_clusters
     from poplar.precision import precision as canonical_precision
     from poplar.models.workload import model_source
 
@@ -58,7 +59,7 @@ def bench(
         precision=precision,
         progress=lambda c: Progress(console, f"{c}: profiling (cached after the first run), planning, measuring"))
     if results:
-        table, notes = results_table(results, f"{model}, global batch {global_batch}, {precision}: measured, {steps} "
+        table, notes = bench_table(results, f"{model}, global batch {global_batch}, {precision}: measured, {steps} "
                                               "steps per allocation")
         console.print(table)
         for note in notes:

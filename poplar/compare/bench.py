@@ -15,7 +15,8 @@ ZeRO in Poplar's stage with the uniform plan's micro-batch and accumulation, und
 same emulated devices (:mod:`poplar.compare.peers.deepspeed`); out of memory, it is given the
 next smaller micro-batch (same samples, more accumulation) up to twice. Where it cannot
 run (not installed, an error at start-up, out of memory still), its row is left out,
-Poplar's plans are measured without it, and ``peers`` says why in one line.
+Poplar's plans are measured without it, and ``peers`` says why in one line. Each cluster's figures are a
+:class:`~poplar.compare.comparison.Comparison`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from poplar.cluster.spec import ClusterSpec, load_cluster, presets
 from poplar.engine.config import EngineConfig
+from poplar.compare.comparison import Comparison, Contender, Measured, planned
 from poplar.compare.measure import measure_plans
 from poplar.compare.peers import PeerFailed
 from poplar.planner import PlanResult
@@ -104,8 +106,8 @@ def deepspeed_setup(result: PlanResult, workload: Workload):
 
 
 def measure_with_peer(workload: Workload, cluster: dict, plans: list, setup, steps: int = 12,
-                      rounds: int = 3) -> tuple[list[dict], dict | str]:
-    """Measure ``plans`` and the peer ``setup`` in one launch: the plans' figures, and the peer's row or why it has none.
+                      rounds: int = 3) -> tuple[list[dict], Contender | str]:
+    """Measure ``plans`` and the peer ``setup`` in one launch: the plans' figures, and the peer's or why it has none.
 
     A peer out of memory is tried again with its next smaller micro-batch (the same
     samples per rank in more micro-steps), at most ``OOM_RETRIES`` times; a peer that
@@ -121,17 +123,18 @@ def measure_with_peer(workload: Workload, cluster: dict, plans: list, setup, ste
             setup = setup.smaller() if "OutOfMemoryError" in str(e) and len(failed) <= OOM_RETRIES else None
             if setup is None:
                 return measure_plans(workload, cluster, plans, steps=steps, rounds=rounds), failed[-1]
-    row = {"version": version(setup.name), **setup.to_dict(), "global_batch": setup.global_batch_size,
-           "samples_per_s": peer["samples_per_s"], "tokens_per_s": peer["samples_per_s"] * workload.seq_len,
-           "step_s": peer["step_s"], "busy_s": peer["busy_s"], "overruns": peer["overruns"]}
-    if failed:
-        row["failed_before"] = failed
-    return figures, row
+    own = {"version": version(setup.name), **setup.to_dict(), "global_batch": setup.global_batch_size}
+    return figures, Contender(setup.name, setup=own, measured=_measured(peer), failed_before=tuple(failed))
+
+
+def _measured(m: dict) -> Measured:
+    """What :func:`~poplar.compare.measure.measure_plans` measured of one plan or peer."""
+    return Measured(m["samples_per_s"], m["step_s"], m["busy_s"], m["overruns"], alone=m.get("alone", ""))
 
 
 def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: int = 12, rounds: int = 3,
                   use_cache: bool = True, peers: bool = True, progress=None, precision: str = "fp32",
-                  timeout_s: float = 900) -> dict:
+                  timeout_s: float = 900) -> Comparison:
     """Measure Poplar's plan, the baselines and (``peers``) DeepSpeed on one cluster; see the module's docstring.
 
     ``progress`` receives the profiler's events (see :func:`plan_cluster`). ``precision``: what the engine
@@ -168,44 +171,20 @@ def bench_cluster(cluster: str, workload: Workload, global_batch: int, steps: in
             measured = measure_plans(workload, on.model_dump(), plans, steps=steps, rounds=rounds, config=config,
                                      timeout_s=timeout_s)
         by_name.update({a.name: m for a, m in zip(group, measured)})
-    rows = {}
+    rows = []
     for alloc in allocs:
-        rows[alloc.name] = _row(alloc, by_name[same_as[alloc.name]], workload)
-        if same_as[alloc.name] != alloc.name:
-            rows[alloc.name]["same_plan_as"] = same_as[alloc.name]
-    ideal = result.ideal_samples_per_s
-    out = {"cluster": cluster, "model": workload.name, "seq_len": workload.seq_len, "global_batch": global_batch,
-           "precision": precision,
-           "zero_stage": result.stage, "shape": result.plan.shape, "reason": result.reason, "ideal_samples_per_s": ideal,
-           "ideal_tokens_per_s": ideal * workload.seq_len, "allocations": rows, "peers": notes}
-    pop = rows["poplar"].get("samples_per_s")
-    ds = notes.get("deepspeed")
-    for key, other in (("uniform", rows.get("uniform")), ("proportional", rows.get("proportional")),
-                       ("measured_peak", rows.get("measured-peak")), ("deepspeed", ds if isinstance(ds, dict) else None)):
-        theirs = other.get("samples_per_s") if other else None
-        out[f"poplar_vs_{key}"] = pop / theirs if pop and theirs else None
-    out["poplar_of_ideal"] = pop / ideal if pop else None
-    measured_once = [r for r in rows.values() if "same_plan_as" not in r]
-    out["overruns"] = (sum(r.get("overruns", 0) for r in measured_once)
-                       + (ds.get("overruns", 0) if isinstance(ds, dict) else 0))
-    return out
-
-
-def _row(alloc, m: dict, workload: Workload) -> dict:
-    """One allocation's row: its plan, what was predicted and what was measured (or why it could not run)."""
-    row = {"plan": alloc.plan.to_dict(), "predicted_samples_per_s": alloc.predicted.samples_per_s,
-           "predicted_step_s": alloc.predicted.step_s}
-    if "failed" in m:
-        return {**row, "failed": m["failed"]}
-    return {**row, "samples_per_s": m["samples_per_s"], "tokens_per_s": m["samples_per_s"] * workload.seq_len,
-            "step_s": m["step_s"], "busy_s": m["busy_s"], "overruns": m["overruns"],
-            "prediction_error": alloc.predicted.step_s / m["step_s"] - 1,
-            **({"measured_alone": m["alone"]} if "alone" in m else {})}
+        m, first = by_name[same_as[alloc.name]], same_as[alloc.name]
+        rows.append(planned(alloc, measured=None if "failed" in m else _measured(m), failed=m.get("failed", ""),
+                            same_plan_as="" if first == alloc.name else first))
+    return Comparison(model=workload.name, cluster=cluster, world_size=spec.world_size, seq_len=workload.seq_len,
+                      global_batch=global_batch, zero_stage=result.stage, shape=result.plan.shape,
+                      label=result.chosen.label, reason=result.reason, ideal_samples_per_s=result.ideal_samples_per_s,
+                      allocations=tuple(rows), precision=precision, peers=notes)
 
 
 def bench_clusters(names: list[str], workload: Workload, global_batch: int, steps: int, *, use_cache: bool = True,
                    peers: bool = True, progress=None, json_out: Path | None = None,
-                   precision: str = "fp32") -> tuple[list[dict], list[str]]:
+                   precision: str = "fp32") -> tuple[list[Comparison], list[str]]:
     """:func:`bench_cluster` on each cluster in turn: the figures, and a line for each cluster that failed.
 
     A cluster that fails does not stop the others, and with ``json_out`` the figures so
@@ -222,7 +201,7 @@ def bench_clusters(names: list[str], workload: Workload, global_batch: int, step
             except Exception as e:   # noqa: BLE001 - reported in its line; the other clusters go on
                 failed.append({"cluster": name, "failed": _one_line(e)})
         if json_out is not None:
-            json_out.write_text(json.dumps(results + failed, indent=2) + "\n")
+            json_out.write_text(json.dumps([r.to_dict() for r in results] + failed, indent=2) + "\n")
     return results, [f"{f['cluster']}: failed: {f['failed']}" for f in failed]
 
 
@@ -234,44 +213,3 @@ def _one_line(e: Exception) -> str:
 def clusters(arg: str) -> list[str]:
     """``all``: every preset; otherwise comma-separated presets or YAML files."""
     return presets() if arg == "all" else [c.strip() for c in arg.split(",") if c.strip()]
-
-
-def results_table(results: list[dict], title: str):
-    """The benchmark's table (a rich ``Table``), and the lines to print under it (legend, peers left out)."""
-    from rich.table import Table
-
-    table = Table(title=title)
-    for col in ("cluster", "stage", "allocation", "samples/s", "vs uniform", "vs proportional",
-                "vs measured-peak", "vs deepspeed", "of ideal", "predicted", "overruns"):
-        table.add_column(col, justify="right", overflow="fold")   # a narrow terminal: folded, not cut
-    notes = ["samples/s: on an emulated cluster, in its devices' declared time; predicted: the plan's predicted step "
-             "time against the measured one; overruns: spans whose real work ran past their declared time (0: the "
-             "figures are the declared devices')"]
-    if any(a.get("same_plan_as") for r in results for a in r["allocations"].values()):
-        notes.append("(= name): the same plan as that allocation's, measured once")
-    for r in results:
-        rows = dict(r["allocations"])
-        for name, peer in r["peers"].items():
-            if isinstance(peer, dict):
-                rows[name] = peer
-            else:
-                notes.append(f"{r['cluster']}: {name}: {peer}")
-
-        def vs(a: dict, name: str) -> str:
-            theirs = rows.get(name, {}).get("samples_per_s")
-            return f"{a['samples_per_s'] / theirs:.2f}x" if theirs else "-"
-
-        for name, a in rows.items():
-            label = f"{name} (= {a['same_plan_as']})" if a.get("same_plan_as") else name
-            if "failed" in a:   # reported beside the others, with its reason
-                notes.append(f"{r['cluster']}: {name} could not run: {a['failed']}")
-                table.add_row(r["cluster"], str(r["zero_stage"]), label, "failed", *["-"] * 7)
-                continue
-            error = f"{100 * a['prediction_error']:+.1f}%" if "prediction_error" in a else "-"
-            table.add_row(r["cluster"], str(r["zero_stage"]), label, f"{a['samples_per_s']:.1f}",
-                          vs(a, "uniform"), vs(a, "proportional"), vs(a, "measured-peak"), vs(a, "deepspeed"),
-                          f"{100 * a['samples_per_s'] / r['ideal_samples_per_s']:.0f}%", error,
-                          str(a.get("overruns", "-")))
-        table.add_row(r["cluster"], str(r["zero_stage"]), "ideal", f"{r['ideal_samples_per_s']:.1f}",
-                      "-", "-", "-", "-", "100%", "-", "-")
-    return table, notes

@@ -7,9 +7,9 @@ import pytest
 
 import poplar.compare.bench
 import poplar.planner
-import poplar.profile.profiler
-from tests.compare.peers.test_deepspeed import BOTH_DIFFER_PROFILE
+from poplar.compare.comparison import Comparison, Contender
 from tests.compare.peers.workers import WORKLOAD
+from tests.helpers.comparisons import profiled_at_once
 
 
 @pytest.fixture
@@ -23,19 +23,18 @@ def measured(monkeypatch):
         return [{"step_s": p.global_batch_size / (100.0 * (i + 1)), "busy_s": [0.1] * p.world_size,
                  "samples_per_s": 100.0 * (i + 1), "steps": steps, "overruns": i} for i, p in enumerate(plans)]
 
-    monkeypatch.setattr(poplar.profile.profiler, "profile_cluster", lambda *a, **k: (BOTH_DIFFER_PROFILE, {}))
+    profiled_at_once(monkeypatch)
     monkeypatch.setattr(poplar.compare.bench, "measure_plans", measure)
     return seen
 
 
 def test_every_distinct_plan_is_measured(measured):
     result = poplar.compare.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3, peers=False)
-    rows = result["allocations"]
-    assert list(rows) == ["poplar", "uniform", "proportional", "measured-peak"]
+    assert [a.name for a in result.allocations] == ["poplar", "uniform", "proportional", "measured-peak"]
     firsts = {}
-    for name, row in rows.items():   # a plan seen before is that allocation's measurement
-        first = firsts.setdefault(repr(row["plan"]), name)
-        assert row.get("same_plan_as") == (None if first == name else first)
+    for a in result.allocations:   # a plan seen before is that allocation's measurement
+        first = firsts.setdefault(repr(a.plan.to_dict()), a.name)
+        assert a.same_plan_as == ("" if first == a.name else first)
     assert len(measured) == 1 and [repr(p) for p in measured[0]] == list(firsts)
 
 
@@ -49,7 +48,7 @@ def test_an_allocation_with_another_ones_plan_is_measured_once_and_says_so(measu
         return result
 
     monkeypatch.setattr(poplar.planner, "make_plan", poplar_keeps_proportional)
-    result = poplar.compare.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3, peers=False)
+    result = poplar.compare.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3, peers=False).to_dict()
     rows = result["allocations"]
     assert rows["poplar"]["plan"] == rows["proportional"]["plan"] != rows["uniform"]["plan"]
     # two plans measured, poplar's first; proportional's row is that measurement
@@ -59,6 +58,7 @@ def test_an_allocation_with_another_ones_plan_is_measured_once_and_says_so(measu
     assert rows["uniform"]["samples_per_s"] == 200.0
     assert (rows["poplar"]["overruns"], rows["proportional"]["overruns"], rows["uniform"]["overruns"]) == (0, 0, 1)
     assert result["poplar_vs_proportional"] == 1.0 and result["poplar_vs_uniform"] == 0.5
+    assert result["overruns"] == 1      # each plan's run counted once
 
 
 def test_the_table_and_a_missing_peers_hint_read_whole_in_a_log(measured, monkeypatch):
@@ -115,6 +115,9 @@ def test_a_cluster_that_fails_is_one_line_and_the_others_figures_are_kept(measur
 def test_a_plan_that_leaves_cards_out_is_measured_on_the_cards_it_names(monkeypatch):
     """A kind that fits no stage is left out by the planner: every allocation is measured on the other ranks'
     cluster, and a plan that fails is reported beside the others with its reason."""
+    import json
+
+    from poplar.cli.tables import bench_table
     from poplar.cluster.spec import parse_cluster
     from poplar.profile.profile import DOES_NOT_FIT
     from tests.planner.profiles import make_profile
@@ -131,16 +134,20 @@ def test_a_plan_that_leaves_cards_out_is_measured_on_the_cards_it_names(monkeypa
                 {"step_s": 0.1, "busy_s": [0.1], "samples_per_s": 80.0, "steps": steps, "overruns": 0}
                 for i, _ in enumerate(plans)]
 
-    monkeypatch.setattr(poplar.profile.profiler, "profile_cluster", lambda *a, **k: (prof, {}))
+    profiled_at_once(monkeypatch, prof)
     monkeypatch.setattr(poplar.compare.bench, "measure_plans", measure)
     spec = {"devices": [{"kind": "big", "gpu": "A100-80GB"}, {"kind": "small", "gpu": "T4-16GB", "count": 2}]}
     monkeypatch.setattr(poplar.compare.bench, "load_cluster", lambda name: parse_cluster(spec))
     result = poplar.compare.bench.bench_cluster("x", WORKLOAD, 8, steps=3, peers=False)
     assert [(d["kind"], d.get("count", 1)) for d in clusters[0]["devices"]] == [("big", 1)]
-    rows = result["allocations"]
-    assert rows["poplar"]["samples_per_s"] == 80.0
+    assert result.poplar.samples_per_s == 80.0
     # a plan that could not run is a row of its own, its reason under the table, the others' ratios unharmed
-    failed = {"plan": rows["poplar"]["plan"], "failed": "rank 0: OutOfMemoryError: emulated"}
-    table, notes = poplar.compare.bench.results_table([{**result, "allocations": {"poplar": rows["poplar"],
-                                                                           "uniform": failed}}], "t")
+    failed = Contender("uniform", result.poplar.plan, failed="rank 0: OutOfMemoryError: emulated")
+    assert failed.samples_per_s is None and failed.measured is None
+    shown = dataclasses.replace(result, allocations=(result.poplar, failed))
+    table, notes = bench_table([shown], "t")
     assert "x: uniform could not run: rank 0: OutOfMemoryError: emulated" in notes and table.row_count == 3
+    # and in the JSON: its reason where the figures would be, the ratio to it None; read back whole
+    saved = shown.to_dict()
+    assert saved["allocations"]["uniform"]["failed"] == failed.failed and saved["poplar_vs_uniform"] is None
+    assert Comparison.from_dict(json.loads(json.dumps(saved))) == shown

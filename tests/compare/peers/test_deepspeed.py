@@ -16,13 +16,11 @@ from poplar.compare.measure import measure_plans
 from poplar.compare.peers import PeerFailed
 from poplar.compare.peers.deepspeed import INSTALL_HINT
 from tests.compare.peers.workers import WORKLOAD, BrokenSetup, deepspeed_time_and_memory
-from tests.planner.profiles import make_profile
+from tests.helpers.comparisons import profiled_at_once
 
 # the same memory (20 and 4 GB), different compute: by the data sheets the T4 has 8.1 fp32 TFLOP/s
 # and 320 GB/s beside the A100's 19.5 and 2,039
 A100_T4 = {"memory_scale": 0.25, "devices": [{"kind": "a100", "gpu": "A100-80GB"}, {"kind": "t4", "gpu": "T4-16GB"}]}
-# both-differ's device kinds, profiled as lines: the planner's input without the profiler's minute
-BOTH_DIFFER_PROFILE = make_profile({"a800-80gb": (1, 0.01, 0.002, 16), "v100s-32gb": (1, 0.02, 0.004, 8)}, seq_len=32)
 DILATION = 40    # the pace: every figure is in the declared devices' seconds whatever it is
 
 
@@ -76,7 +74,7 @@ def test_bench_measures_deepspeed_beside_poplar(tmp_path, monkeypatch):
 
     from poplar.cli.main import app
 
-    monkeypatch.setattr(poplar.compare.bench, "profile_cluster", lambda *a, **k: (BOTH_DIFFER_PROFILE, {}))
+    profiled_at_once(monkeypatch)
     monkeypatch.setenv("COLUMNS", "200")
     out = tmp_path / "bench.json"
     run = CliRunner().invoke(app, ["bench", "--cluster", "both-differ", "--model", "llama-tiny", "--seq-len", "32",
@@ -93,8 +91,8 @@ def test_bench_measures_deepspeed_beside_poplar(tmp_path, monkeypatch):
     assert ds["tokens_per_s"] == pytest.approx(32 * ds["samples_per_s"])
     poplar_speed = result["allocations"]["poplar"]["samples_per_s"]
     assert result["poplar_vs_deepspeed"] == pytest.approx(poplar_speed / ds["samples_per_s"])
-    assert "vs deepspeed" in run.output
-    assert any(line.split("│")[3].strip() == "deepspeed" for line in run.output.splitlines() if line.count("│") > 4)
+    assert "vs deepspeed" in run.output      # and its row in the table, beside Poplar's
+    assert any("both-differ" in line and " deepspeed " in line for line in run.output.splitlines())
 
 
 @pytest.mark.slow
@@ -123,7 +121,7 @@ def fake_measure(calls):
 @pytest.fixture
 def no_processes(monkeypatch):
     calls = []
-    monkeypatch.setattr(poplar.compare.bench, "profile_cluster", lambda *a, **k: (BOTH_DIFFER_PROFILE, {}))
+    profiled_at_once(monkeypatch)
     monkeypatch.setattr(poplar.compare.bench, "measure_plans", fake_measure(calls))
     return calls
 
@@ -131,20 +129,20 @@ def no_processes(monkeypatch):
 def test_without_deepspeed_the_row_is_absent_and_the_output_says_why(no_processes, monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a))
-    result = poplar.compare.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3)
+    result = poplar.compare.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3).to_dict()
     assert result["peers"] == {"deepspeed": INSTALL_HINT} and result["poplar_vs_deepspeed"] is None
     assert set(result["allocations"]) == {"poplar", "uniform", "proportional", "measured-peak"} and no_processes == [[]]
     # and without peers asked for, none is tried and nothing is said
     result = poplar.compare.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3, peers=False)
-    assert result["peers"] == {} and no_processes == [[], []]
+    assert result.peers == {} and no_processes == [[], []]
 
 
 def test_a_failing_peer_is_reported_and_poplar_measured_without_it(no_processes, monkeypatch):
     monkeypatch.setattr(poplar.compare.bench, "deepspeed_setup", lambda result, workload: (BrokenSetup(), None))
     result = poplar.compare.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3)
-    assert result["peers"] == {"broken": "broken: it failed"} and result["poplar_vs_deepspeed"] is None
+    assert result.peers == {"broken": "broken: it failed"} and result.to_dict()["poplar_vs_deepspeed"] is None
     assert no_processes == [["broken:4"], []]
-    assert all(a["samples_per_s"] == 100.0 for a in result["allocations"].values())
+    assert all(a.samples_per_s == 100.0 for a in result.allocations)
 
 
 def test_deepspeed_out_of_memory_gets_the_next_smaller_micro_batch(no_processes, monkeypatch):
@@ -153,7 +151,7 @@ def test_deepspeed_out_of_memory_gets_the_next_smaller_micro_batch(no_processes,
 
     setup = DeepSpeedSetup(zero_stage=0, micro_batch_size=8, accum_steps=1, world_size=2, hidden_size=64)
     monkeypatch.setattr(poplar.compare.bench, "deepspeed_setup", lambda result, workload: (setup, None))
-    result = poplar.compare.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3)
+    result = poplar.compare.bench.bench_cluster("both-differ", WORKLOAD, 16, steps=3).to_dict()
     ds = result["peers"]["deepspeed"]
     # 8 samples per rank: 8 x 1 did not fit, 4 x 2 did (7, 6 and 5 do not divide 8)
     assert no_processes == [["deepspeed:8"], ["deepspeed:4"]]

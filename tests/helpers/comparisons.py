@@ -1,0 +1,15 @@
+"""What the comparisons' tests share (tests/compare): a profile of both-differ's kinds, handed to the benchmark
+instead of profiling them."""
+
+from __future__ import annotations
+
+import poplar.profile.profiler
+from tests.planner.profiles import make_profile
+
+# both-differ's device kinds, profiled as lines: the planner's input without the profiler's minute
+BOTH_DIFFER_PROFILE = make_profile({"a800-80gb": (1, 0.01, 0.002, 16), "v100s-32gb": (1, 0.02, 0.004, 8)}, seq_len=32)
+
+
+def profiled_at_once(monkeypatch, profile=BOTH_DIFFER_PROFILE) -> None:
+    """Every cluster profiled as ``profile``, at once and in this process."""
+    monkeypatch.setattr(poplar.profile.profiler, "profile_cluster", lambda *a, **k: (profile, {}))
