@@ -14,9 +14,14 @@ def verify(steps: int = typer.Option(10, min=1, help="optimizer steps per ZeRO s
     Example:
       poplar verify --steps 5
     """
+    from rich.console import Console
+
+    from poplar.cli.tables import verify_table
     from poplar.compare.verify import run_verify
 
-    rows = run_verify(steps)
+    console = Console()
+    rows = run_verify(steps, console)
+    console.print(verify_table(rows))
     worst = max(r["max_param_error"] for r in rows)
     if worst > 1e-4:
         typer.echo(f"parameters differ from single-device training by {worst:.2e}", err=True)
