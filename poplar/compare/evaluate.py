@@ -24,7 +24,7 @@ import time
 
 from poplar.cluster.spec import ClusterSpec
 from poplar.compare.alone import AloneRuns
-from poplar.compare.comparison import Contender, Comparison, KindShare, planned
+from poplar.compare.comparison import Comparison, Contender, KindShare, planned
 from poplar.models.workload import Workload
 from poplar.planner import make_plan
 from poplar.planner.planner import PlanResult

@@ -8,8 +8,7 @@ import pytest
 import poplar.compare.bench
 import poplar.planner
 from poplar.compare.comparison import Comparison, Contender
-from tests.compare.peers.workers import WORKLOAD
-from tests.helpers.comparisons import profiled_at_once
+from tests.helpers.comparisons import WORKLOAD, profiled_at_once
 
 
 @pytest.fixture

@@ -11,12 +11,12 @@ import statistics
 import pytest
 
 import poplar.compare.bench
-from poplar.processes.spawn import spawn
 from poplar.compare.measure import measure_plans
 from poplar.compare.peers import PeerFailed
 from poplar.compare.peers.deepspeed import INSTALL_HINT
-from tests.compare.peers.workers import WORKLOAD, BrokenSetup, deepspeed_time_and_memory
-from tests.helpers.comparisons import profiled_at_once
+from poplar.processes.spawn import spawn
+from tests.compare.peers.workers import BrokenSetup, deepspeed_time_and_memory
+from tests.helpers.comparisons import WORKLOAD, profiled_at_once
 
 # the same memory (20 and 4 GB), different compute: by the data sheets the T4 has 8.1 fp32 TFLOP/s
 # and 320 GB/s beside the A100's 19.5 and 2,039

@@ -10,9 +10,7 @@ import torch
 from poplar.cluster.spec import parse_cluster
 from poplar.devices.emulated import EmulatedDevice
 from poplar.emulate import GpuModel, WorkCounter
-from poplar.models.workload import Workload
-
-WORKLOAD = Workload(model="llama-tiny", seq_len=32, vocab_size=512)
+from tests.helpers.comparisons import WORKLOAD
 
 
 def deepspeed_time_and_memory(rank: int, world_size: int, cluster: dict, stage: int, steps: int,
