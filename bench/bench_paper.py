@@ -100,14 +100,14 @@ def main() -> None:
                     json.dump(rows, open(args.out, "w"), indent=1)
                     print(f"{pair} {each}+{each} {model}: no plan: {e}", flush=True)
                     continue
-                rows.append({"pair": pair, "each": each, "precision": options.precision, **ev.model_dump(),
+                rows.append({"pair": pair, "each": each, "precision": options.precision, **ev.to_dict(),
                              "wall_s": time.perf_counter() - start})
                 json.dump(rows, open(args.out, "w"), indent=1)
-                base = {k: (ev.speedup(v) or 0) for k, v in ev.baselines.items()}
+                base = {b.name: (ev.speedup(b.samples_per_s) or 0) for b in ev.baselines}
                 alone = ", ".join(f"{a.kind} alone {ev.speedup(a.samples_per_s) or 0:.2f}x" for a in ev.alone)
-                print(f"{pair} {each}+{each} {model} {options.precision}: {ev.label}, {ev.samples_per_s:.2f} samples/s, "
+                print(f"{pair} {each}+{each} {model} {options.precision}: {ev.label}, {ev.poplar.samples_per_s:.2f} samples/s, "
                       f"x uniform {base['uniform']:.2f}, x proportional {base['proportional']:.2f}, {alone}, "
-                      f"{100 * ev.samples_per_s / ev.ideal_samples_per_s:.1f}% of ideal "
+                      f"{100 * ev.poplar.samples_per_s / ev.ideal_samples_per_s:.1f}% of ideal "
                       f"({time.perf_counter() - start:.0f} s)", flush=True)
 
 

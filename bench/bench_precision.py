@@ -52,7 +52,7 @@ def main() -> None:
         stages.update({(p, kind.kind): profile.stage(kind.kind, 0) for kind in spec.devices})
         if not args.simulate:
             runs[p] = bench_cluster(args.cluster, wl, args.global_batch, args.steps, peers=False, precision=p,
-                                   timeout_s=args.launch_timeout)
+                                   timeout_s=args.launch_timeout).to_dict()
             print(f"{p}: " + ", ".join(f"{name} {row.get('samples_per_s', 0):,.0f} samples/s ({row.get('overruns')} "
                                        f"overruns)" for name, row in runs[p]["allocations"].items()), flush=True)
     print(f"{args.cluster}, {wl.name} ({args.seq_len} tokens), global batch {args.global_batch}")
