@@ -1,7 +1,7 @@
 """The order an epoch visits a data set's samples in: :func:`epoch_order`, one seed rule for every front end.
 
 ``poplar train``'s global batches (:class:`poplar.data.text.GlobalBatches`) and the
-integrations' samplers (:class:`poplar.integrations.data.PlanBatchSampler`) both draw an
+integrations' samplers (:class:`poplar.integrations.sampler.PlanBatchSampler`) both draw an
 epoch's order here and cut global batch ``k`` of the epoch as ``order[k*G:(k+1)*G]``, so a
 run resumed through another front end, with the same samples, seed and global batch, cuts
 the very batches it would have.

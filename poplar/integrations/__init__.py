@@ -7,6 +7,6 @@
 
 What they share is here: :mod:`~poplar.integrations.session` (one rank's process group,
 device, plan and engine, on :mod:`poplar.runtime`: a rank's life for every front end) and
-:mod:`~poplar.integrations.data` (each rank's slice of every global batch, from any
+:mod:`~poplar.integrations.sampler` (each rank's slice of every global batch, from any
 map-style dataset). Each integration only translates its framework's calls into these.
 """

@@ -228,7 +228,7 @@ class Session(RankRuntime):
         return self.following.replans
 
     def follow(self, sampler) -> None:
-        """Cut ``sampler``'s batches (a :class:`~poplar.integrations.data.PlanBatchSampler`) by this session's
+        """Cut ``sampler``'s batches (a :class:`~poplar.integrations.sampler.PlanBatchSampler`) by this session's
         schedule: re-planning starts here, as a new plan now reaches the data too."""
         if sampler.schedule is not self.schedule:
             self.schedule.pending.extend(sampler.schedule.pending)

@@ -3,7 +3,7 @@
 A framework's loader reads ahead: Lightning fetches the next batch before it runs a step,
 a ``DataLoader`` with workers cuts several; HF's resume skips batches it has cut. So a plan
 cannot simply change under the loader. :class:`PlanSchedule` is shared by a rank's
-:class:`~poplar.integrations.data.PlanBatchSampler` and its runtime: the sampler cuts each
+:class:`~poplar.integrations.sampler.PlanBatchSampler` and its runtime: the sampler cuts each
 step's batch with the plan in force at that step and queues which one it was; the runtime
 takes, at each step, the plan of the batch it is about to train (the engine switches where
 it differs, :meth:`~poplar.engine.engine.Engine.set_plan`). :class:`FollowedPlan` holds the

@@ -50,9 +50,9 @@ def ours(text: str, cluster: str) -> list[str]:
 
 def one_device_batches(tensors, n_samples: int, global_batch: int, seed: int, n_steps: int) -> list[tuple]:
     """The global batches a run over ``tensors`` draws, in order, as one rank taking them whole: the plan's sampler
-    (:class:`poplar.integrations.data.PlanBatchSampler`, shuffled with ``seed``), epoch after epoch."""
+    (:class:`poplar.integrations.sampler.PlanBatchSampler`, shuffled with ``seed``), epoch after epoch."""
     import poplar
-    from poplar.integrations.data import PlanBatchSampler
+    from poplar.integrations.sampler import PlanBatchSampler
 
     sampler = PlanBatchSampler(n_samples, poplar.Plan(0, [global_batch]), 0, shuffle=True, seed=seed)
     out, epoch = [], 0

@@ -8,7 +8,7 @@ import torch
 
 import poplar
 from poplar.data.text import GlobalBatches
-from poplar.integrations.data import PlanBatchSampler
+from poplar.integrations.sampler import PlanBatchSampler
 
 N_SAMPLES, GLOBAL_BATCH = 23, 6     # three global batches an epoch, five samples left out
 

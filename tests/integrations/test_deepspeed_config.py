@@ -13,8 +13,8 @@ import torch
 
 import poplar
 from poplar.engine.loss_scale import LossScaleConfig
-from poplar.integrations.data import PlanBatchSampler
-from poplar.integrations.deepspeed.config import read_ds_config
+from poplar.integrations.sampler import PlanBatchSampler
+from poplar.integrations.deepspeed.ds_config import read_ds_config
 from poplar.integrations.session import optimizer_factory, resolve_plan
 from poplar.runtime.plans import load_plan
 from poplar.processes.spawn import spawn

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import poplar
-from poplar.integrations.data import PlanBatchSampler
+from poplar.integrations.sampler import PlanBatchSampler
 from poplar.processes.spawn import spawn
 from tests.integrations import assert_profiling_shown
 from tests.integrations import hf_workers as W

@@ -10,7 +10,7 @@ from collections import deque
 import pytest
 
 import poplar
-from poplar.integrations.data import PlanBatchSampler
+from poplar.integrations.sampler import PlanBatchSampler
 from poplar.integrations.step_plans import PlanSchedule
 
 PLANS = [poplar.Plan(1, [3, 1, 2]), poplar.Plan(1, [1, 4, 1]), poplar.Plan(1, [2, 2, 2]), poplar.Plan(1, [1, 1, 4])]

@@ -25,7 +25,7 @@ calls ``setup.start(workload, device.comm)`` and steps the :class:`DeepSpeedPeer
 - Time: the caller steps it inside its device's ``step(held)`` as it does Poplar's
   engine, and for as long as the step runs every ``torch.distributed`` collective, and
   the references DeepSpeed's backend caches to all-gather and reduce-scatter, go
-  through the rank's ``device.comm`` (:func:`poplar.compare.peers.collectives.seam_collectives`):
+  through the rank's ``device.comm`` (:func:`poplar.compare.peers.seams.seam_collectives`):
   on an emulated device DeepSpeed's operators take the modelled GPU's time and its
   collectives the declared network's, exactly as Poplar's.
 - Memory: :meth:`DeepSpeedPeer.held_state` gives the device the bytes of every tensor
@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from poplar.engine.collectives import Comm
-from poplar.compare.peers.collectives import seam_collectives
+from poplar.compare.peers.seams import seam_collectives
 from poplar.compare.peers.uniform import UniformSetup
 from poplar.plan import Plan
 from poplar.models.workload import Workload

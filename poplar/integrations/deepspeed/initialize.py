@@ -2,7 +2,7 @@
 
 The call takes DeepSpeed's arguments and returns what ``deepspeed.initialize`` returns,
 ``(engine, optimizer, training_dataloader, lr_scheduler)``, so switching is a change of
-import. The config is read by :mod:`~poplar.integrations.deepspeed.config`; the plan comes from
+import. The config is read by :mod:`~poplar.integrations.deepspeed.ds_config`; the plan comes from
 ``plan=`` (or the config's ``poplar.plan``, or ``POPLAR_PLAN``), or is profiled and
 planned on ``cluster=`` (the model given, or ``workload=``; or ``poplar.cluster``/``poplar.models.workload``,
 ``POPLAR_CLUSTER``/``POPLAR_WORKLOAD``). With neither, the config is taken as DeepSpeed takes
@@ -30,8 +30,8 @@ import torch
 from poplar.engine.batch import batch_size
 from poplar.engine.config import EngineConfig
 from poplar.integrations.batch_settings import launched_rank, launched_world_size
-from poplar.integrations.data import plan_loader
-from poplar.integrations.deepspeed.config import build_optimizer, read_ds_config
+from poplar.integrations.sampler import plan_loader
+from poplar.integrations.deepspeed.ds_config import build_optimizer, read_ds_config
 from poplar.integrations.session import Session, from_environment, resolve_planning
 
 _UNUSED_ARGS = ("args", "mpu", "mesh_param", "distributed_port", "dist_init_required")

@@ -7,7 +7,7 @@
   groups (so the Trainer's LR scheduler sets the engine's learning rate), with a ``step`` that
   does nothing, since the engine's update already ran inside the training step;
 - :class:`PlanLoader`: a ``DataLoader`` of this rank's plan slices whose ``set_epoch`` reaches
-  its :class:`~poplar.integrations.data.PlanBatchSampler`;
+  its :class:`~poplar.integrations.sampler.PlanBatchSampler`;
 - :func:`one_group_optimizer`: the optimizer ``TrainingArguments`` name, on one parameter group.
 """
 

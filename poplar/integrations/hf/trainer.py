@@ -17,7 +17,7 @@ does with DDP; one line on rank 0 says so)::
 What changes from the plain Trainer, and why:
 
 - data: the train loader gives each rank its plan slice of every global batch
-  (:class:`~poplar.integrations.data.PlanBatchSampler`: the same global batches on any world
+  (:class:`~poplar.integrations.sampler.PlanBatchSampler`: the same global batches on any world
   size), and the Trainer runs one batch per optimizer step (the plan accumulates);
 - the step: :meth:`PoplarTrainer.training_step` runs the whole optimizer step in the engine.
   A loss the model normalises by ``num_items_in_batch`` (a causal LM's mean over label
@@ -48,7 +48,7 @@ from transformers import Trainer, TrainingArguments
 from poplar.engine.batch import batch_size
 from poplar.engine.config import EngineConfig
 from poplar.integrations.batch_settings import HF, BatchSettings
-from poplar.integrations.data import PlanBatchSampler
+from poplar.integrations.sampler import PlanBatchSampler
 from poplar.integrations.hf.parts import EngineOptimizer, PlanLoader, global_batch_of, one_group_optimizer, poplar_args
 from poplar.integrations.session import Session, resolve_planning
 from poplar.runtime.plans import load_plan

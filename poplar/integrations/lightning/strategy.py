@@ -27,7 +27,7 @@ What changes, and why:
   master weights; fp16 with the engine's dynamic loss scale, ``EngineConfig.loss_scale``).
 - ``configure_optimizers`` returns one optimizer (with one set of hyperparameters); the engine
   steps that very object on its flat shards, so learning-rate schedulers keep working.
-- A checkpoint is a directory (see :mod:`~poplar.integrations.lightning.checkpoint`) that any
+- A checkpoint is a directory (see :mod:`~poplar.integrations.lightning.checkpoint_io`) that any
   world size and plan of the same global batch resumes from, mid-epoch too.
 - Evaluation inside ``fit`` runs on the engine's weights, ``validate``/``test``/``predict`` alone
   on rank 0's; every rank evaluates the whole loader it is given (Lightning injects no
@@ -67,8 +67,8 @@ except ImportError:   # pragma: no cover - only without Lightning
 
 from poplar.engine.config import EngineConfig
 from poplar.engine.dist import choose_backend, init_distributed, shutdown
-from poplar.integrations.lightning import checkpoint as checkpoints
-from poplar.integrations.lightning.data import even_settings, module_source, plan_train_loader
+from poplar.integrations.lightning import checkpoint_io as checkpoints
+from poplar.integrations.lightning.loader import even_settings, module_source, plan_train_loader
 from poplar.integrations.lightning.options import engine_config, loss_of, take_accumulation, take_weights
 from poplar.integrations.session import (Session, cluster_spec, from_environment, optimizer_factory, resolve_plan,
                                          resolve_planning)

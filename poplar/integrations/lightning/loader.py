@@ -4,7 +4,7 @@ where it is each rank's (:func:`even_settings`: no plan and no cluster).
 
 Lightning hands the strategy the user's train ``DataLoader``; :func:`plan_train_loader` keeps its
 dataset, ``collate_fn`` and worker settings and replaces its sampling with a
-:class:`~poplar.integrations.data.PlanBatchSampler` (the user's ``shuffle`` and sampler are not
+:class:`~poplar.integrations.sampler.PlanBatchSampler` (the user's ``shuffle`` and sampler are not
 used: the plan's global batch and the strategy's ``shuffle``/``seed`` decide; its ``batch_size`` is
 each rank's micro-batch only in the even split).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch.utils.data import DataLoader, IterableDataset
 
 from poplar.integrations.batch_settings import LIGHTNING, BatchSettings
-from poplar.integrations.data import PlanBatchSampler
+from poplar.integrations.sampler import PlanBatchSampler
 from poplar.plan import Plan
 
 
