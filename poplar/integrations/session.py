@@ -35,7 +35,8 @@ from poplar.integrations.step_plans import FollowedPlan, PlanSchedule
 from poplar.plan import Plan
 from poplar.runtime.plans import basis_of, load_plan, profile_and_plan
 from poplar.runtime.rank import RankRuntime
-from poplar.runtime.replanner import replan_config, replanner_for
+from poplar.runtime.replan_settings import replan_config
+from poplar.runtime.replanner import replanner_for
 
 
 def resolve_plan(world_size: int, plan=None, **planning) -> Plan:

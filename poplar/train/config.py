@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from poplar.data.records import DataFields
 from poplar.engine.config import EngineConfig
 from poplar.models.lora import LoraSettings
-from poplar.runtime.replanner import ReplanConfig
+from poplar.runtime.replan_settings import ReplanConfig
 
 # engine options accepted at the top level of a training config, as earlier configs wrote them
 FLAT_ENGINE_FIELDS = ("clip_grad_norm", "mixed_precision", "on_nonfinite")

@@ -4,7 +4,7 @@
 
 import pytest
 
-from poplar.runtime.replanner import ReplanConfig, replan_config
+from poplar.runtime.replan_settings import ReplanConfig, replan_config
 
 
 @pytest.mark.parametrize("given, mode", [(None, "auto"), ("off", "off"), ("auto", "auto"), (False, "off"),

@@ -86,7 +86,7 @@ def read_ds_config(config: str | Path | dict, world_size: int) -> DsSettings:
         raise ValueError(f"config: poplar.{unknown[0]} is not a Poplar field; the poplar section takes "
                          f"{', '.join(sorted(_POPLAR_KEYS))}")
     if "replan" in poplar:
-        from poplar.runtime.replanner import replan_config
+        from poplar.runtime.replan_settings import replan_config
 
         try:
             replan_config(poplar["replan"])

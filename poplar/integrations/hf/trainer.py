@@ -52,7 +52,7 @@ from poplar.integrations.sampler import PlanBatchSampler
 from poplar.integrations.hf.parts import EngineOptimizer, PlanLoader, global_batch_of, one_group_optimizer, poplar_args
 from poplar.integrations.session import Session, resolve_planning
 from poplar.runtime.plans import load_plan
-from poplar.runtime.replanner import replan_config
+from poplar.runtime.replan_settings import replan_config
 
 __all__ = ["PoplarTrainer", "POPLAR_DIR"]
 

@@ -73,7 +73,7 @@ from poplar.integrations.lightning.options import engine_config, loss_of, take_a
 from poplar.integrations.session import (Session, cluster_spec, from_environment, optimizer_factory, resolve_plan,
                                          resolve_planning)
 from poplar.runtime.plans import load_plan
-from poplar.runtime.replanner import replan_config
+from poplar.runtime.replan_settings import replan_config
 from poplar.plan import Plan
 
 __all__ = ["PoplarStrategy"]
