@@ -225,20 +225,30 @@ class ClusterSpec(BaseModel):
 
 
 def _field_errors(e: ValidationError) -> str:
-    lines = []
+    """What is wrong, a message once for all the fields it is said of (a file of one entry a node repeats an
+    entry's mistake on every node it lists)."""
+    said: dict[str, list[str]] = {}
     allowed = ", ".join(f for f in DeviceGroup.model_fields if f != "cuda")
     for err in e.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
         if err["type"] == "extra_forbid" or err["type"] == "extra_forbidden":
             if where.endswith(".speed"):
-                lines.append(f"{where}: a device is no longer a speed relative to this host: give gpu: NAME "
-                             "(see poplar.cluster.catalogue) or tflops and memory_bandwidth_gbs")
+                what = ("a device is no longer a speed relative to this host: give gpu: NAME "
+                        "(see poplar.cluster.catalogue) or tflops and memory_bandwidth_gbs")
             else:
-                lines.append(f"{where}: unknown field (allowed under devices: {allowed}; at the top: devices, "
-                             "memory_scale, network)")
+                what = (f"unknown field (allowed under devices: {allowed}; at the top: devices, "
+                        "memory_scale, network)")
         else:   # a validator's own message reads as it was written
-            lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
-    return "; ".join(lines)
+            what = err["msg"].removeprefix("Value error, ")
+        said.setdefault(what, []).append(where)
+    return "; ".join(f"{_places(wheres)}: {what}" for what, wheres in said.items())
+
+
+def _places(wheres: list[str]) -> str:
+    """Fields a message is said of: all of them, or past three the first two, the last and how many."""
+    if len(wheres) <= 3:
+        return ", ".join(wheres)
+    return f"{wheres[0]}, {wheres[1]}, ..., {wheres[-1]} ({len(wheres)} entries)"
 
 
 def parse_cluster(data, source: str = "cluster") -> ClusterSpec:

@@ -9,9 +9,11 @@ from poplar.planner.planner import PlanResult, StagePlan
 
 
 class RankRow(NamedTuple):
-    """Ranks of one kind with the same work, together (``label``: ``0-511``)."""
+    """Ranks of one kind with the same work, together wherever they stand (``label``: ``0-511``, or the runs of
+    ranks, :func:`ranks_label`; ``count``: how many ranks)."""
 
     label: str
+    count: int
     kind: str
     samples: int
     micro_batch: int
@@ -36,23 +38,40 @@ class AllocationRow(NamedTuple):
 
 
 def rank_rows(result: PlanResult, sp: StagePlan) -> list[RankRow]:
-    """Each rank's work in ``sp``'s plan, with what the planner predicts it is busy and idle a step."""
+    """Each rank's work in ``sp``'s plan, with what the planner predicts it is busy and idle a step: one row for
+    every kind and work (samples, micro-batch, accumulation), whatever order the cluster file lists the ranks in,
+    in the order of their first rank."""
     alloc = sp.poplar
     plan, pred = alloc.plan, alloc.predicted
-    groups: list[list] = []
+    groups: dict[tuple, list[tuple[int, int]]] = {}
     for i, r in enumerate(sp.ranks):
         key = (result.profile.ranks[r], plan.local_batch_sizes[i], plan.micro_batch_sizes[i], plan.accum_steps[i])
-        if groups and groups[-1][1] == key and groups[-1][0][-1] == r - 1:
-            groups[-1][0].append(r)
-            groups[-1][2].append(i)
-        else:
-            groups.append([[r], key, [i]])
+        groups.setdefault(key, []).append((r, i))
     rows = []
-    for ranks, (kind, samples, mbs, accum), idx in groups:
-        label = str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
-        busy = max(pred.busy_s[i] for i in idx)
-        rows.append(RankRow(label, kind, samples, mbs, accum, busy, pred.step_s - busy))
+    for (kind, samples, mbs, accum), members in groups.items():
+        busy = max(pred.busy_s[i] for _, i in members)
+        rows.append(RankRow(ranks_label([r for r, _ in members]), len(members), kind, samples, mbs, accum, busy,
+                            pred.step_s - busy))
     return rows
+
+
+def ranks_label(ranks: list[int], shown: int = 3) -> str:
+    """Ranks (ascending) as their runs: ``0-7``, ``0-7, 48-55``; past ``shown`` runs the first two, the last and
+    how many ranks in how many runs.
+
+    >>> ranks_label([0, 1, 2, 3]), ranks_label([0, 1, 8, 9]), ranks_label([0, 8, 16, 24, 32])
+    ('0-3', '0-1, 8-9', '0, 8, ..., 32 (5 ranks in 5 runs)')
+    """
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
+    if len(text) <= shown:
+        return ", ".join(text)
+    return f"{text[0]}, {text[1]}, ..., {text[-1]} ({len(ranks)} ranks in {len(runs)} runs)"
 
 
 def allocation_rows(result: PlanResult) -> list[AllocationRow]:

@@ -26,12 +26,7 @@ def _drawn(table) -> str:
 def test_a_plan_s_rows_are_values_and_its_tables_show_them():
     result = make_plan(PROFILE, 40, (0, 1))
     ranks = rank_rows(result, result.chosen)    # ranks of one kind and the same work together: "0-1"
-
-    def count(label: str) -> int:
-        first, _, last = label.partition("-")
-        return int(last or first) - int(first) + 1
-
-    assert sum(r.samples * count(r.label) for r in ranks) == 40 and {r.kind for r in ranks} <= {"fast", "slow"}
+    assert sum(r.samples * r.count for r in ranks) == 40 and {r.kind for r in ranks} <= {"fast", "slow"}
     rows = allocation_rows(result)
     chosen = [r for r in rows if r.chosen]
     assert len(chosen) == 1 and chosen[0].name == "poplar" and chosen[0].samples_per_s == result.predicted.samples_per_s
@@ -53,3 +48,20 @@ def test_a_profile_s_rows_say_where_each_came_from():
 def test_the_module_s_examples():
     failed, tried = doctest.testmod(poplar.cli.tables)
     assert tried and not failed
+
+
+def test_ranks_listed_kinds_in_turn_read_as_the_same_rows_as_ranks_listed_kind_by_kind():
+    """One entry a node with the kinds in turn, or one entry a kind: the same rows (one a kind and work), only
+    the ranks named otherwise."""
+    blocked = make_profile({"fast": (8, 0.01, 0.002, 16), "slow": (8, 0.02, 0.004, 8)}, stages=(1,))
+    in_turn = blocked.model_copy(update={"ranks": [("fast", "slow")[(r // 2) % 2] for r in range(16)]})
+    rows = {}
+    for name, profile in (("blocked", blocked), ("in turn", in_turn)):
+        result = make_plan(profile, 96, (1,))
+        rows[name] = rank_rows(result, result.chosen)
+        assert sum(r.samples * r.count for r in rows[name]) == 96
+    assert [r[1:] for r in rows["blocked"]] == [r[1:] for r in rows["in turn"]]
+    assert [r.label for r in rows["blocked"]] == ["0-7", "8-15"]
+    assert [r.label for r in rows["in turn"]] == ["0-1, 4-5, ..., 12-13 (8 ranks in 4 runs)",
+                                                  "2-3, 6-7, ..., 14-15 (8 ranks in 4 runs)"]
+

@@ -120,6 +120,19 @@ def test_an_unknown_gpu_names_the_ones_the_catalogue_knows():
     assert all(name in message for name in CATALOGUE)
 
 
+@pytest.mark.parametrize("nodes", [1, 3, 4, 512])
+def test_a_mistake_repeated_on_every_node_is_said_once(nodes):
+    """A file of one entry a node repeats an entry's mistake on each node it lists: one message, its entries
+    named (past three: the first two, the last and how many), whatever the count."""
+    good = {"kind": "a", "gpu": "A100-80GB", "count": 8, "gpus_per_node": 8}
+    devices = [dict(good, kind="b", gpu="L40S-48GB") if n % 2 else good for n in range(2 * nodes)]
+    message = error({"devices": devices})
+    assert message.count("unknown GPU 'L40S-48GB'") == 1, message
+    wrong = [f"devices.{n}" for n in range(1, 2 * nodes, 2)]
+    places = ", ".join(wrong) if nodes <= 3 else f"{wrong[0]}, {wrong[1]}, ..., {wrong[-1]} ({nodes} entries)"
+    assert message.startswith(f"cluster: {places}: unknown GPU 'L40S-48GB': did you mean L40S?"), message
+
+
 @pytest.mark.parametrize("name, close", [
     ("A100-80G", "did you mean A100-80GB, "),             # a letter short: the close names, nearest first
     ("rtx4090", "did you mean RTX-4090, RTX-3090?"),
