@@ -7,7 +7,9 @@ again: the profile and which of its ranks the plan's ranks are. :meth:`PlanBasis
 is the cost model with each plan rank's compute times multiplied by its ``speeds`` factor
 (1: as profiled; 2: twice the time), ranks of one kind with unlike factors split into kinds
 of their own; :meth:`PlanBasis.replan` searches the best split of the same global batch on
-it in the plan's ZeRO stage and shape (the engine keeps those; it cuts other shares of the states in place).
+it in the plan's ZeRO stage and shape (the engine keeps those; it cuts other shares of the states in place), and
+:meth:`PlanBasis.regroup` plans it over the whole profile, as the planner plans a cluster (who takes part too: the
+plan's ranks at their speeds, the profile's others as profiled).
 """
 
 from __future__ import annotations
@@ -58,10 +60,12 @@ def rescaled(profile: Profile, ranks: list[int], speeds: list[float]) -> Profile
 
 @dataclass(frozen=True)
 class PlanBasis:
-    """What a run keeps of its planning to plan again: the profile, and the profile rank of each plan rank."""
+    """What a run keeps of its planning to plan again: the profile, the profile rank of each plan rank, and the
+    speed each plan rank was last measured at (None: as profiled; a run re-launched on other ranks carries them)."""
 
     profile: Profile
     ranks: list[int]
+    speeds: list[float] | None = None
 
     def cost(self, plan: Plan, speeds: list[float] | None = None) -> CostModel:
         """The cost model of ``plan``'s stage, shape and shares, each rank's compute times ``speeds`` times as long."""
@@ -115,12 +119,30 @@ class PlanBasis:
                 best = chosen.plan, chosen.predicted
         return best
 
+    def regroup(self, plan: Plan, speeds: list[float]) -> tuple[Plan, Prediction, list[int]] | None:
+        """The planner's plan of ``plan``'s global batch over the whole profile (:func:`~poplar.planner.make_plan`,
+        every stage the profile measured): the plan's ranks at ``speeds``, the profile's other ranks as profiled;
+        with its prediction and the profile ranks it takes (None: the planner finds none)."""
+        from poplar.planner.planner import make_plan
+        from poplar.planner.result import PlanningError
+
+        profile = rescaled(self.profile, self.ranks, speeds)
+        stages = sorted(set().union(*(set(d.stages) for d in self.profile.devices.values())))
+        try:
+            result = make_plan(profile, plan.global_batch_size, stages)
+        except PlanningError:
+            return None
+        return result.plan, result.predicted, [int(r) for r in result.ranks]
+
     def to_dict(self) -> dict:
-        return {"profile": self.profile.model_dump(mode="json"), "ranks": list(self.ranks)}
+        return {"profile": self.profile.model_dump(mode="json"), "ranks": list(self.ranks),
+                **({"speeds": list(self.speeds)} if self.speeds is not None else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> PlanBasis:
-        return cls(Profile.model_validate(data["profile"]), [int(r) for r in data["ranks"]])
+        speeds = data.get("speeds")
+        return cls(Profile.model_validate(data["profile"]), [int(r) for r in data["ranks"]],
+                   None if speeds is None else [float(s) for s in speeds])
 
 
 def _as(plan: Plan, found: Plan) -> Plan:

@@ -32,7 +32,9 @@ class Run:
     none given); ``data``: the model and its data, prepared once; ``plan``: the plan the ranks start with;
     ``planning``: the planner's result (None: the plan was given); ``basis``: what the ranks plan again from
     (None: the plan is kept); ``cluster_file``: where the run's cluster was written, where the planner left
-    devices out (what the run directory's config names, for a resume)."""
+    devices out (what the run directory's config names, for a resume); ``whole``: the cluster whose devices the
+    basis's profile ranks are, where the launcher can start the run again on any of them (a re-plan that changes
+    who takes part; None: it cannot, torchrun's ranks or a cluster file of some of them)."""
 
     config: TrainConfig
     launch: Launch
@@ -42,6 +44,7 @@ class Run:
     planning: PlanResult | None = None
     basis: PlanBasis | None = None
     cluster_file: str | None = None
+    whole: ClusterSpec | None = None
 
     @property
     def model(self):
@@ -51,6 +54,11 @@ class Run:
     @property
     def world_size(self) -> int:
         return self.launch.world_size
+
+    def device_rank(self, rank: int) -> int:
+        """The rank of launched rank ``rank``'s device in the whole cluster, where the run may be started again on
+        others (``whole``: the basis's profile rank); ``rank`` otherwise."""
+        return rank if self.whole is None else self.basis.ranks[rank]
 
     def record(self) -> dict:
         """The config as the run directory records it (``config.yaml``, what a resume starts from; what the

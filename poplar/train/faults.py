@@ -6,7 +6,10 @@ the backward pass of step 3 (counted from 1) begins. What: ``kill`` (SIGKILL),
 memory shrinks to the fraction ``to`` of itself, as when another process takes some:
 ``shrink@step:rank=1:step=3:to=0.5``), or ``slow`` (an emulated device computes at the
 fraction ``to`` of its declared speed from that step on, as a card that throttles;
-``until=U``: at its speed again from step ``U``: ``slow@step:rank=1:step=5:to=0.6:until=12``).
+``until=U``: at its speed again from step ``U``: ``slow@step:rank=1:step=5:to=0.6:until=12``; a run resumed or
+started again on other ranks inside that span computes slowed from its first step). ``rank`` is the device's
+rank in the whole cluster where a re-plan can start the run again on other devices (``Run.device_rank``), the
+launched rank otherwise.
 Where:
 
 - ``forward``, ``backward``: as the model's forward / backward pass starts;
@@ -116,11 +119,12 @@ class FaultInjector:
     def on_step_start(self, step: int) -> None:
         self.step = step
         f = self.fault
-        if f.what == "slow" and f.rank == self.rank and step in (f.step, f.until):
+        slowed = f.step <= step < (f.until or step + 1)   # as it is from a resume on too (a card stays slow)
+        if f.what == "slow" and f.rank == self.rank and (step in (f.step, f.until) or (slowed and not self.fired)):
             if not hasattr(self._device, "slow"):
                 raise ValueError("POPLAR_FAULT=slow@...: only an emulated device can be slowed")
             self.fired = True
-            self._device.slow(f.to if step == f.step else 1.0)
+            self._device.slow(f.to if slowed else 1.0)
         if self.fired or f.what != "shrink" or (f.rank, f.step) != (self.rank, step):
             return
         if getattr(self._device, "capacity", None) is None:

@@ -10,7 +10,9 @@
    the run's own on resume, or profile + plan) and the run's files are written
    (:mod:`poplar.train.run_dir`), refusing bad input before anything is written: all of it one
    immutable :class:`~poplar.train.description.Run`;
-3. every rank trains it (:func:`~poplar.train.trainer.train_rank`).
+3. every rank trains it (:func:`~poplar.train.trainer.train_rank`); where a re-plan takes other ranks of the
+   emulated cluster, the ranks stop after a checkpoint and the launcher starts the run again on them
+   (:mod:`poplar.train.relaunch`: the log reads as one run's).
 
 The steps are the same whether the ranks are spawned here or this process is one of them;
 what differs (who runs the ranks, who prepares, how they wait for each other) is
@@ -36,6 +38,7 @@ from poplar.train.evaluation import check_eval_data, say_evaluation
 from poplar.train.export import check_export_dir, check_exportable, export_run
 from poplar.train.launching import InProcess, Spawned, on_planned_ranks, settle
 from poplar.train.planning import get_plan, given_plan
+from poplar.train.relaunch import joined, relaunched, whole_cluster
 from poplar.train.reporters import check_reporters
 from poplar.train.run_dir import check_out, write_run_files
 from poplar.train.trainer import train_rank
@@ -76,25 +79,31 @@ def run_training(cfg: TrainConfig, return_state: bool = False, timeout_s: float 
                                        progress)
         if ranks.lead:
             Path(cfg.out).mkdir(parents=True, exist_ok=True)     # only now: a run refused writes nothing
+        whole = whole_cluster(launch, cluster, basis)   # where a re-plan may start the run again on others
         launch, cluster, cluster_file = on_planned_ranks(launch, plan, result.ranks if result else None, cluster,
                                                          cfg.out)
-        run = Run(cfg, launch, cluster, data, plan, result, basis, cluster_file)
+        run = Run(cfg, launch, cluster, data, plan, result, basis, cluster_file, whole)
         if ranks.lead:
             write_run_files(run)
         ranks.barrier()                     # the run's files are written before any rank starts
         mine = ranks.train(train_rank, run, return_state)
-    return _finished(run, mine) if ranks.lead else {**mine, "exported": None}
+        while mine.get("relaunch"):         # a re-plan took other ranks: started again on them (spawned ranks)
+            run = relaunched(run, mine["relaunch"])
+            write_run_files(run)
+            mine = joined(mine, ranks.train(train_rank, run, return_state))
+    return _finished(run, mine, result) if ranks.lead else {**mine, "exported": None}
 
 
-def _finished(run: Run, mine: dict) -> dict:
-    """Rank 0's (or the launcher's) result: its figures and the plan it ended with, the planner's result, the log
-    summarised and drawn; and, once the ranks are done (their group left), the model written where ``--export``
-    says, of a run that reached its last step (not one preempted or stopped early: `poplar export` later)."""
+def _finished(run: Run, mine: dict, planning) -> dict:
+    """Rank 0's (or the launcher's) result: its figures and the plan it ended with, the planner's result
+    (``planning``), the log summarised and drawn; and, once the ranks are done (their group left), the model
+    written where ``--export`` says, of a run that reached its last step (not one preempted or stopped early:
+    `poplar export` later)."""
     from poplar.train.report import plot_runs, read_log, summarize
 
     cfg, out_dir = run.config, Path(run.config.out)
     records = read_log(out_dir / "log.jsonl")
     report = plot_runs({cfg.baseline: records}, out_dir / "report.png", title=f"{cfg.model}, {mine['plan']}")
     done = not mine.get("preempted") and (cfg.stop_at or cfg.steps) >= cfg.steps
-    return {**mine, "planning": run.planning, "summary": summarize(records), "report": report,
+    return {**mine, "planning": planning, "summary": summarize(records), "report": report,
             "exported": export_run(cfg.out, cfg.export) if cfg.export and done else None}

@@ -92,7 +92,7 @@ def write_run_files(run: Run) -> None:
 
     out_dir = Path(run.config.out)
     write_plan(out_dir, run.plan, run.planning, run.config.baseline)
-    if run.basis is not None and run.planning is not None:
+    if run.basis is not None:    # (on a re-launch, with the speeds measured)
         (out_dir / "basis.json").write_text(json.dumps(run.basis.to_dict()) + "\n")
     keep_aside(out_dir / "config.yaml")
     (out_dir / "config.yaml").write_text(yaml.safe_dump(run.record(), sort_keys=False))

@@ -8,7 +8,8 @@ optimizer step; ``train`` is the loop. Everything else is a component with one j
   :class:`~poplar.train.reporters.Reporters`: ``log.jsonl``, TensorBoard, W&B);
 - :class:`~poplar.train.evaluation.Evaluator`: the loss of the evaluation data, every rank its share, when due;
 - :class:`~poplar.runtime.recovery.StepRecovery`: a rank out of memory mid-step, recovered;
-- :class:`~poplar.runtime.replanner.Replanner`: the steps held to the plan's prediction, a better plan taken;
+- :class:`~poplar.runtime.replanner.Replanner`: the steps held to the plan's prediction, a better plan taken (one
+  on other ranks: the run stops after this step's checkpoint, its launcher starts them, :mod:`poplar.train.relaunch`);
 - :class:`~poplar.runtime.preemption.Preemption`: SIGTERM, a checkpoint and a clean exit;
 - :class:`~poplar.runtime.watchdog.Watchdog`: a dead rank stops every rank, with one line;
 - :class:`~poplar.train.faults.FaultInjector`: a fault armed by a test (``POPLAR_FAULT``).
@@ -41,11 +42,12 @@ from poplar.runtime.watchdog import Watchdog, lost_peer, store_address
 
 def train_rank(rank: int, world_size: int, run: Run, return_state: bool = False) -> dict:
     """One rank of ``run``: its device (the launch's), its :class:`Trainer`, the loop; rank 0's figures, its full
-    parameters where asked, and the plan it ended with (re-planned, or lowered where a rank ran out of memory)."""
+    parameters where asked (not where the run is to go on on other ranks: ``relaunch``), and the plan it ended with
+    (re-planned, or lowered where a rank ran out of memory)."""
     with run.launch.device(rank, run.model, run.cluster, run.config.engine.mixed_precision) as device:
         trainer = Trainer(run, device, rank)
         out = trainer.train()
-        state = trainer.engine.full_state_dict() if return_state else None
+        state = trainer.engine.full_state_dict() if return_state and out["relaunch"] is None else None
         plan = trainer.engine.plan
         trainer.close()
     return {**out, "state": state if rank == 0 else None, "plan": plan}
@@ -65,7 +67,7 @@ class Trainer:
         self.runtime = RankRuntime(device, model, optimizer, plan, cfg.engine, weights=weights)   # as integrations
         self.engine = self.runtime.engine
         self.comm = Comm()   # the loop's own small collectives (SIGTERM agreed, figures gathered): unpaced
-        self.faults = FaultInjector.for_rank(rank)
+        self.faults = FaultInjector.for_rank(run.device_rank(rank))
         self.callbacks = [self.faults.attach(model, device)] if self.faults else []
         self.checkpointer = Checkpointer(cfg.checkpointing, self.engine, wl, world_size,
                                          on_shard_written=self.faults.on_shard_written if self.faults else None)
@@ -86,9 +88,10 @@ class Trainer:
         self.evaluator = evaluator_for(run.data.eval_samples, cfg.eval_every, self.engine, wl.loss, self.comm,
                                        self.last)
         self.replanner = replanner_for(cfg.replan, run.basis, self.engine.plan, world_size, cfg.baseline,
-                                       restage=True)
+                                       restage=True, who="relaunch" if run.whole is not None else "said")
         self.losses: list[float] = []
         self.preempted: int | None = None
+        self.moving = None     # a re-plan onto other ranks: the run stops after this step for its launcher
 
     def train_step(self, step: int) -> float:
         """Optimizer step ``step`` (from 0) on this rank's slice of the global batch; the global mean loss."""
@@ -118,10 +121,19 @@ class Trainer:
             raise
         finally:
             self.log.close(failed)
-        return {"losses": self.losses, "start": self.start, "preempted": self.preempted}
+        return {"losses": self.losses, "start": self.start, "preempted": self.preempted, "relaunch": self._moving()}
+
+    def _moving(self) -> dict | None:
+        """Where the run goes on (a re-plan onto other ranks, not preempted): the ``step`` its checkpoint ends, the
+        profile ``ranks``, the ``plan`` and the ranks' ``speeds``; None: it ends here."""
+        if self.moving is None or self.preempted:
+            return None
+        return {"step": self.step + 1, "ranks": self.moving.ranks, "plan": self.moving.after,
+                "speeds": self.moving.after_speeds}
 
     def _one_step(self, step: int) -> bool:
-        """Step ``step`` with what surrounds it; True when the run stops here (preempted)."""
+        """Step ``step`` with what surrounds it; True when the run stops here (preempted, or to go on on other
+        ranks: its checkpoint written)."""
         self.step = step
         for c in self.callbacks:
             c.on_step_start(step + 1)
@@ -133,7 +145,7 @@ class Trainer:
         for c in self.callbacks:
             c.on_step_end(step + 1)
         stop = self.preemption.agreed()
-        self.checkpointer.step_done(step + 1, self.last, stopping=stop)
+        self.checkpointer.step_done(step + 1, self.last, stopping=stop or self.moving is not None)
         if not stop and self.evaluator is not None and self.evaluator.due(step):
             self.log.write_eval(step, self.evaluator.evaluate())
         if stop:
@@ -142,7 +154,7 @@ class Trainer:
                 print(f"poplar: preempted (SIGTERM) after step {step + 1}: checkpoint {self.checkpointer.root}/step-"
                       f"{step + 1:08d} written; continue with `poplar train --resume --out {self.cfg.out}`",
                       flush=True)
-        return stop
+        return stop or self.moving is not None
 
     def _figures(self, step: int, loss: float, skipped: bool) -> None:
         """The step's figures gathered (where logged, or held to the plan's prediction), logged; a re-plan taken."""
@@ -152,19 +164,24 @@ class Trainer:
         figures = self.log.gather(self.engine.last_grad_norm)
         change = (self.replanner.observe(step + 1, figures)
                   if self.replanner is not None and step + 1 < self.last else None)   # none after the last step
+        said = None if self.replanner is None else (self.replanner.stopped or self.replanner.notice())
+        if said and self.rank == 0:
+            print(f"poplar: {said}", flush=True)
         if self.replanner is not None and self.replanner.stopped:
-            if self.rank == 0:
-                print(f"poplar: {self.replanner.stopped}", flush=True)
             self.replanner = None
         if due or change is not None:
             self.log.write(step, loss, figures, skipped, replan=None if change is None else change.record(),
                            loss_scale=self.engine.loss_scale if self.engine.config.mixed_precision == "fp16" else None)
-        if change is not None:
+        if change is None:
+            return
+        if change.ranks is not None:    # other ranks: this step's checkpoint, then the launcher starts them
+            self.moving = change
+        else:
             self.runtime.change_plan(change.after, Path(self.cfg.out) / "restage")   # another stage: a checkpoint
             self.checkpointer.plan_changed(change.after, step + 2)
-            if self.rank == 0:
-                print(change.line(), flush=True)
-                write_plan(Path(self.cfg.out), change.after)
+        if self.rank == 0:
+            print(change.line(), flush=True)
+            write_plan(Path(self.cfg.out), change.after)
 
     def _plan_lowered(self, plan, notice: dict) -> None:
         """A rank ran out of memory: its micro-batch is lowered (every rank alike) and the step runs again; the
