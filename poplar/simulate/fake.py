@@ -23,75 +23,138 @@ META = torch.device("meta")
 
 class HostValues(TorchDispatchMode):
     """Values read back to the host are a finite step's: floats 1.0 (a finite loss and norm), flags true,
-    counts 0. Each operator it runs is handed to its ``counters`` (:func:`counting`)."""
+    counts 0. Each operator it runs is handed to its ``counters`` (:func:`counting`), with what its output and
+    cost depend on (:func:`operands`: None where that is not plain)."""
 
     def __init__(self):
         super().__init__()
         self.counters: list = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def dispatch(self, func, types, args=(), kwargs=None):
+        """The mode's ``__torch_dispatch__`` (set after the class, so that torch does not wrap it to keep its
+        compiler out: nothing here is compiled, and the wrapper took a tenth of each operator's time)."""
         kwargs = kwargs or {}
-        out = self._run(func, args, kwargs)
+        key = operands(func, args, kwargs)
+        out = self._run(func, args, kwargs, key)
         for counter in self.counters:
-            counter.count(func, args, kwargs, out)
+            counter.count(func, args, kwargs, out, key)
         return out
 
-    def _run(self, func, args, kwargs):
-        if func is torch.ops.aten._local_scalar_dense.default:
+    def _run(self, func, args, kwargs, key):
+        if func is _LOCAL_SCALAR:
             t = args[0]
             return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 0)
         if func is _GROUPED_MM and args[0].dtype != torch.bfloat16:
             return _grouped_mm_of(args, kwargs)
-        kind = _pointwise(func)
-        key = _pointwise_key(func, args, kwargs) if kind else None
         if key is None:
             return func(*args, **kwargs)
-        if key not in OUTPUTS:
+        known = OUTPUTS.get(key, _UNSEEN)
+        if known is _UNSEEN:
             out = func(*args, **kwargs)
-            OUTPUTS[key] = (out.shape, out.stride(), out.dtype)
+            OUTPUTS[key] = _read_again(func, args, out)
             return out
-        if kind == "in place":    # checked as these very arguments were: only values change, and there are none
+        if known is None:
+            return func(*args, **kwargs)
+        if known is _SELF:    # checked as these very arguments were: only values change, and there are none
             return args[0]
-        shape, stride, dtype = OUTPUTS[key]
-        return torch.empty_strided(shape, stride, dtype=dtype, device=META)
+        outs = tuple(_EMPTY(shape, stride, dtype=dtype, device=META) for shape, stride, dtype in known[1])
+        return outs if known[0] else outs[0]
 
 
-# A pointwise operator's output (its shape, strides and dtype) is a function of its inputs' shapes, strides and
-# dtypes and of its other arguments: torch's shape functions for most (its Python references: 100-250 us a call,
-# a third of a simulated step) are asked once for each.
-OUTPUTS: dict[tuple, tuple] = {}
-_SCALARS = (int, float, bool, str, type(None), torch.dtype)
+HostValues.__torch_dispatch__ = HostValues.dispatch
+
+
+# An operator's output (its shape, strides and dtype) is a function of its inputs' shapes, strides and dtypes and
+# of its other arguments: torch's shape functions (many of them Python references: 100-250 us a call, a third of a
+# simulated step) are asked once for each, for every operator that makes new tensors; a pointwise operator that
+# writes its first argument is run once for each. Values: what to hand back (:func:`_read_again`).
+OUTPUTS: dict[tuple, object] = {}
+_UNSEEN, _SELF = object(), object()
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+_EMPTY = torch.empty_strided
+_ANY_SHAPE = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 
 
 @functools.cache
-def _pointwise(func) -> str | None:
-    """A pointwise operator's kind: one that makes one new tensor ("new"), one that writes its first argument's
-    values ("in place"); None for any other operator."""
-    returns = func._schema.returns
-    if torch.Tag.pointwise not in func.tags or len(returns) != 1 or str(returns[0].type) != "Tensor":
+def _kind(func) -> str | None:
+    """What an operator's output is: new tensors, none an alias of an argument ("new"); a pointwise operator's
+    first argument, its values written ("in place"); None for any other (a view, an ``out=`` variant, an output of
+    a size its values give)."""
+    schema = func._schema
+    if any(tag in func.tags for tag in _ANY_SHAPE):
         return None
-    alias = returns[0].alias_info
-    if alias is None:
-        return None if torch.Tag.inplace in func.tags else "new"
-    return "in place" if torch.Tag.inplace in func.tags and alias.is_write else None
+    if torch.Tag.pointwise in func.tags and torch.Tag.inplace in func.tags and len(schema.returns) == 1:
+        alias = schema.returns[0].alias_info
+        return "in place" if alias is not None and alias.is_write else None
+    if func.is_view or any(a.alias_info is not None for a in (*schema.arguments, *schema.returns)):
+        return None
+    return "new" if schema.returns and all(str(r.type) == "Tensor" for r in schema.returns) else None
 
 
-def _pointwise_key(func, args, kwargs) -> tuple | None:
-    """What a pointwise operator's output depends on; None where that is not plain (a list, a complex tensor, or
-    tensors of no dimension only: whether a number was wrapped then sets the dtype, and it is not seen here)."""
-    key: list = [func]
-    dims = False
-    for name, a in (*enumerate(args), *kwargs.items()):
+def _read_again(func, args, out):
+    """What a call with the same operands hands back: the first argument (``_SELF``); ``(tuple?, [(shape, stride,
+    dtype)])`` for new meta tensors, each the whole of a storage of its own (as an empty one of its shape and
+    strides: the same bytes count against a device); None, the operator run each time."""
+    kind = _kind(func)
+    if kind == "in place":
+        return _SELF if out is args[0] else None
+    if kind is None:
+        return None
+    outs = out if isinstance(out, tuple) else (out,)
+    mine = {a.untyped_storage()._cdata for a in _tensors_in(args)}
+    for t in outs:
+        if (not isinstance(t, torch.Tensor) or t.device != META or t.storage_offset() or t.untyped_storage()._cdata in mine
+                or t.untyped_storage().nbytes() != _EMPTY(t.shape, t.stride(), dtype=t.dtype, device=META)
+                .untyped_storage().nbytes()):
+            return None
+    return isinstance(out, tuple), [(t.shape, t.stride(), t.dtype) for t in outs]
+
+
+def _tensors_in(values) -> list[torch.Tensor]:
+    out = []
+    for a in values:
         if isinstance(a, torch.Tensor):
-            if a.is_complex():
+            out.append(a)
+        elif type(a) in (list, tuple):
+            out.extend(_tensors_in(a))
+    return out
+
+
+def operands(func, args, kwargs) -> tuple | None:
+    """What an operator's output and its cost depend on: each tensor's shape, strides, dtype and device, every
+    other argument; None where that is not plain (an argument of another type, a complex tensor, or tensors of no
+    dimension only: whether a number was wrapped then sets the dtype, and it is not seen here)."""
+    parts: list = [func]
+    dims = _described(args, parts)
+    if kwargs and dims is not None:
+        parts.append(tuple(kwargs))
+        more = _described(kwargs.values(), parts)
+        dims = None if more is None else dims or more
+    return tuple(parts) if dims else None
+
+
+def _described(values, parts: list) -> bool | None:
+    """``values`` written into ``parts``; whether a tensor of some dimension is among them (None: not plain)."""
+    dims = False
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            shape, dtype = a.shape, a.dtype
+            if dtype.is_complex:
                 return None
-            dims = dims or a.dim() > 0
-            key.append((name, a.shape, a.stride(), a.dtype, a.device))
+            dims = dims or len(shape) > 0
+            parts.append((shape, a.stride(), dtype, a.device))
         elif type(a) in _SCALARS:
-            key.append((name, type(a), a))
+            parts.append((type(a), a))
+        elif type(a) in (list, tuple):
+            parts.append(len(a))
+            inner = _described(a, parts)
+            if inner is None:
+                return None
+            dims = dims or inner
         else:
             return None
-    return tuple(key) if dims else None
+    return dims
 
 
 _GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)

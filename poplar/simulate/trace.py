@@ -32,6 +32,8 @@ from poplar.simulate.fake import counting
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the compute dtypes a price depends on
 LINE_SIZES = (2, 3, 4)   # the micro-batches a line is drawn through (the first two) and checked at (the third)
 _OP_IDS: dict = {}     # each operator a number, for a step's operators to be compared (poplar.simulate.layers)
+COSTS: dict[tuple, tuple | None] = {}    # an operator's cost by its operands (poplar.simulate.fake.operands)
+_UNSEEN = object()
 
 
 def operator_name(number: int) -> str:
@@ -58,9 +60,15 @@ class Recorder(TorchDispatchMode):
         self.count(func, args, kwargs, out)
         return out
 
-    def count(self, func, args, kwargs, out) -> None:
-        """One operator that ran: written down if it launches a kernel."""
-        cost = op_cost(func, args, kwargs, out)
+    def count(self, func, args, kwargs, out, key: tuple | None = None) -> None:
+        """One operator that ran: written down if it launches a kernel. ``key``: what its output and cost depend
+        on (:func:`poplar.simulate.fake.operands`), where plain: its cost counted once for each."""
+        if key is None:
+            cost = op_cost(func, args, kwargs, out)
+        else:
+            cost = COSTS.get(key, _UNSEEN)
+            if cost is _UNSEEN:
+                cost = COSTS[key] = op_cost(func, args, kwargs, out)
         if cost is not None:
             self.flops.append(cost[0])
             self.nbytes.append(cost[1])
