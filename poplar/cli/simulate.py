@@ -113,10 +113,13 @@ def _workload(model: str, seq_len: int | None, activation_checkpointing: bool, l
 def _report(console, comparison, result, writes: list[tuple[Path | None, str]]) -> None:
     """The tables, the choice, and the files asked for (``writes``: (path, what); None paths are skipped)."""
     from poplar.cli.output import say
-    from poplar.cli.tables import allocations_table, kinds_table, stage_table, summary_table
+    from poplar.cli.tables import allocations_table, candidates_table, kinds_table, stage_table, summary_table
 
-    for table in (stage_table(result, result.chosen), allocations_table(result), summary_table(comparison),
-                  kinds_table(comparison)):
+    tables = [stage_table(result, result.chosen), allocations_table(result), summary_table(comparison),
+              kinds_table(comparison)]
+    if len(result.candidates) > 1:
+        tables.insert(2, candidates_table(result))
+    for table in tables:
         console.print(table)
     say(console, f"chosen: {comparison.reason}")
     model = result.profile.model

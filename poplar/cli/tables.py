@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from poplar.compare.comparison import Comparison, Contender
-from poplar.planner.report import allocation_rows, rank_rows
+from poplar.planner.report import allocation_rows, candidate_rows, rank_rows
 
 
 def _table(title: str, columns: tuple[str, ...], **style) -> Table:
@@ -49,7 +49,19 @@ def allocations_table(result) -> Table:
             continue
         table.add_row(f"{r.stage}{'*' if r.chosen else ''}", r.name, _ms(r.step_s), f"{r.samples_per_s:.1f}",
                       f"{r.tokens_per_s:,.0f}", "-" if r.vs_uniform is None else f"{r.vs_uniform:.2f}x",
-                      f"{100 * r.of_ideal:.0f}%")
+                      "-" if r.of_ideal is None else f"{100 * r.of_ideal:.0f}%")
+    return table
+
+
+def candidates_table(result) -> Table:
+    """What each subset of the kinds, stage and shape the planner weighed was predicted to give, the fastest first
+    (:func:`poplar.planner.report.candidate_rows`)."""
+    rows, weighed = candidate_rows(result)
+    table = _table(f"the kinds, stages and shapes weighed: the fastest {len(rows)} of {weighed}",
+                   ("kinds", "stage and shape", "samples/s", "at most"), overflow="fold")
+    for r in rows:
+        table.add_row(r.kinds, f"{r.plan}{' *' if r.chosen else ''}",
+                      "-" if r.samples_per_s is None else f"{r.samples_per_s:,.1f}", f"{r.floor_samples_per_s:,.1f}")
     return table
 
 

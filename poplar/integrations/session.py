@@ -110,7 +110,7 @@ def _profile_and_plan(world_size: int, cluster, workload, global_batch: int, sta
     start = time.monotonic()
     result = profile_and_plan(wl, spec, global_batch, stages, config, distributed=True,
                               progress=progress if out is not None else None,
-                              title=profiling_title(name, wl.name, spec, stages))
+                              title=profiling_title(name, wl.name, spec, stages), may_leave_out=False)
     if out is not None:
         how = "profiled and planned" if any(p.heard for p in shown) else "planned (the profile read from the cache)"
         plan = str(result.plan) if result.plan.world_size <= 8 else result.plan.summary()

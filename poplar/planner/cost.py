@@ -38,7 +38,9 @@ another's next step, and the step is that of a run of steps, not one from a comm
 Shaped (``shaped=True``, on several nodes): the plan runs hybrid over the nodes (the
 two-level all-reduce in stage 0). Each node's collectives take the times the profiler
 measured inside it, the sums across nodes theirs, and each kind's stage profile is the
-flat one estimated for its node's copy of the states (:mod:`poplar.planner.shape`).
+flat one estimated for its node's copy of the states (:mod:`poplar.planner.shape`). Given a
+``shape`` of groups of several nodes (:mod:`poplar.planner.groups`), the same with its
+groups' figures, each kind's profile estimated for its smallest group's copy.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ from functools import cached_property
 import numpy as np
 
 from poplar.plan import Plan
-from poplar.planner.schedule import StepSchedule
-from poplar.planner.shape import node_shape, shaped_stage
+from poplar.planner.schedule import Shape, StepSchedule
+from poplar.planner.shape import flat_comm, node_shape, shaped_stage
 from poplar.planner.shares import fractions, gather_buffer_bytes, gather_scale, stage_at_share
 from poplar.profile.profile import Profile, StageProfile
 
@@ -97,6 +99,38 @@ class KindCost:
         return r * self.g[np.minimum(q + 1, self.max_micro_batch + 1)] + (accum - r) * self.g[q] + self.per_step_s
 
 
+def unhidden_comm_s(comm, model, stage: int, accum: int) -> float:
+    """The flat collectives of a step of ``accum`` micro-steps in ``stage`` that nothing can hide: the root's (its
+    gradient is the last ready; in ZeRO-3 it is gathered before anything runs), and in ZeRO-1/2 the parameters'
+    all-gather after the update; 0 without collectives (``comm`` None)."""
+    if comm is None:
+        return 0.0
+    full = float(model.trained_params)
+    last = float(model.unit_numels[0]) if model.unit_numels else full
+    if stage == 0:
+        return comm.seconds("all_reduce", last)
+    gather = comm.seconds("all_gather", full) if stage in (1, 2) else accum * comm.seconds("all_gather", last)
+    return gather + (accum if stage >= 2 else 1) * comm.seconds("reduce_scatter", last)
+
+
+def link_floor_s(comm, model, stage: int, accum: int = 1) -> float:
+    """The seconds a link carries in a step of ``accum`` micro-steps in ``stage`` (``comm``: its collectives among
+    the ranks that share a copy of the states; 0 without): each collective of the whole model's parameters at once
+    (no step is shorter, whatever overlaps it: the units' own latencies only add). ZeRO-0 all-reduces the
+    gradients once; ZeRO-1 reduce-scatters them once and gathers the parameters after the update; ZeRO-2 reduce-
+    scatters on every micro-step; ZeRO-3 also gathers the parameters for each micro-step's forward and backward."""
+    if comm is None:
+        return 0.0
+    full = float(model.trained_params)
+    if stage == 0:
+        return comm.seconds("all_reduce", full)
+    reduces = comm.seconds("reduce_scatter", full) * (accum if stage >= 2 else 1)
+    if stage < 3:
+        return reduces + comm.seconds("all_gather", full)
+    root = float(model.unit_numels[0]) if model.unit_numels else 0.0    # gathered once a micro-step, the rest twice
+    return reduces + accum * comm.seconds("all_gather", 2 * full - root)
+
+
 @dataclass
 class Prediction:
     """Predicted figures of one plan."""
@@ -137,6 +171,7 @@ class CostModel:
     ranks: list[int] = field(default_factory=list)
     shaped: bool = False
     shares: list[float] | None = None   # flat, stages 1-3: each plan rank's weight of the states (None: even)
+    shape: Shape | None = None          # shaped: the groups (None: the nodes, poplar.planner.groups for others)
 
     def __post_init__(self):
         if not self.ranks:
@@ -146,7 +181,13 @@ class CostModel:
         if missing:
             raise ValueError(f"the profile has no stage {self.stage} for {', '.join(missing)}: profile that stage "
                              "or leave it out (--stages)")
-        self.shape = node_shape(self.profile, self.ranks) if self.shaped else None
+        self.shaped = self.shaped or self.shape is not None
+        if self.shaped and self.shape is None:
+            self.shape = node_shape(self.profile, self.ranks)
+        if not self.shaped and self.profile.comm is not None:    # a flat plan within one node: its own links
+            comm = flat_comm(self.profile, self.ranks)
+            if comm is not self.profile.comm:
+                self.profile = self.profile.model_copy(update={"comm": comm})
         if self.shaped and self.shape is None:
             raise ValueError("a shaped plan needs several nodes, and a profile that timed the collectives on them")
         first = {k: i for i, k in reversed(list(enumerate(kinds)))}   # each kind's first plan rank
@@ -180,34 +221,21 @@ class CostModel:
             return stage_at_share(sp, stage=self.stage, precision=model.dtype, n_params=model.trained_params,
                                   world=self.profile.world_size, capacity=dev.memory_gb * 2**30,
                                   fraction=self.fraction[self._first[kind]], full=full,
-                                  buffers=self._buffers, uneven=len(set(self.fraction)) > 1)
+                                  buffers=self._buffers, uneven=len(set(self.fraction)) > 1,
+                                  bandwidth_gbs=dev.memory_bandwidth_gbs)
         if self.shape is None:
             return sp
         sizes = [len(g) for g in self.shape.groups if any(self.profile.ranks[self.ranks[i]] == kind for i in g)]
         return shaped_stage(sp, stage=self.stage, n_params=model.trained_params, world=self.profile.world_size,
                             group=min(sizes), capacity=dev.memory_gb * 2**30, precision=model.dtype,
-                            full=full)
+                            full=full, bandwidth_gbs=dev.memory_bandwidth_gbs)
 
     # -- communication ------------------------------------------------------------------
-    def _coll(self, which: str, numel: float) -> float:
-        comm = self.profile.comm
-        if comm is None or len(self.ranks) < 2:    # a rank alone has no one to move anything to
-            return 0.0
-        return comm.seconds(which, numel)
-
     def comm_s(self, accum: int) -> float:
         """Communication of a step of ``accum`` micro-steps that nothing can hide, however the compute falls:
         the root's collectives (a lower bound of what :meth:`predict` finds exposed)."""
-        model = self.profile.model
-        full = float(model.trained_params)
-        last = float(model.unit_numels[0]) if model.unit_numels else full
-        if self.stage == 0:
-            return self._coll("all_reduce", last)
-        if self.stage == 1:
-            return self._coll("reduce_scatter", last) + self._coll("all_gather", full)
-        if self.stage == 2:
-            return accum * self._coll("reduce_scatter", last) + self._coll("all_gather", full)
-        return accum * (self._coll("all_gather", last) + self._coll("reduce_scatter", last))
+        comm = self.profile.comm if len(self.ranks) > 1 else None    # a rank alone has no one to move anything to
+        return unhidden_comm_s(comm, self.profile.model, self.stage, accum)
 
     # -- a whole plan -------------------------------------------------------------------
     def predict(self, plan: Plan) -> Prediction:

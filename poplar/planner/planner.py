@@ -28,7 +28,9 @@ from poplar.planner.cost import CostModel
 from poplar.planner.result import (BASELINES, EVEN_SHARES, MEMORY_SHARES, Allocation, PlanningError,  # noqa: F401
                                    PlanResult, StagePlan)
 from poplar.planner.search import Infeasible, allocate, measured_proportional, proportional, uniform
+from poplar.planner.schedule import Shape
 from poplar.planner.shape import node_shape
+from poplar.planner.subsets import MOST_PREDICTED, Candidate, kind_ranks, shapes_of, weigh_kinds
 from poplar.planner.shares import (POWERS, PROPORTIONAL, fractions, gather_buffer_bytes, room_shares, stage_at_share,
                                     weights)
 from poplar.profile.profile import Profile
@@ -38,6 +40,11 @@ ALLOCATIONS = {"poplar": allocate, "uniform": uniform, "proportional": proportio
                "measured-peak": measured_proportional}
 TIE = 0.01   # predicted gains below this are not worth a split other than a baseline's (see plan_stage)
 SLOW_SHARE = 0.5   # a kind whose step of one sample is this much of the plan's step: planned without it too
+
+
+EXHAUSTIVE_RANKS = 256   # up to this many ranks every candidate above the fastest found is predicted (else at most
+                         # MOST_PREDICTED of them, the likeliest first: poplar.planner.subsets)
+CANDIDATES_KEPT = 12     # candidates a result keeps to show
 
 
 RUNS_SHOWN = 4   # a rank list of more runs of consecutive ranks says how many, and the first and last runs
@@ -92,17 +99,21 @@ def _not_profiled_to_plan(profile: Profile, stage: int, ranks: list[int], label:
 
 
 def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int] | None = None,
-               shaped: bool = False) -> StagePlan:
-    """Poplar's allocation, the baselines and the ideal bound for one stage (``shaped``: over the nodes)."""
+               shaped: bool = False, shape: Shape | None = None, shape_name: str = "",
+               ideal: bool = True) -> StagePlan:
+    """Poplar's allocation, the baselines and the ideal bound for one stage (``shaped``: over the nodes; ``shape``:
+    over other shard groups, named ``shape_name``, :mod:`poplar.planner.groups`; ``ideal``: False, no bound, 0: it
+    is the costly part at thousands of ranks, and a stage not chosen need not show one)."""
     ranks = ranks if ranks is not None else list(range(profile.world_size))
-    out = StagePlan(stage=stage, ranks=ranks, shaped=shaped)
+    shaped = shaped or shape is not None
+    out = StagePlan(stage=stage, ranks=ranks, shaped=shaped, shape_name=shape_name if shape is not None else "")
     out.excluded = _not_profiled_to_plan(profile, stage, ranks, out.label)
     if out.excluded:
         if not shaped and _fits_with_less(profile, stage, ranks):   # only some uneven shares may hold it
             out.allocations = {n: Allocation(n, None, None, why_not=out.excluded) for n in ALLOCATIONS}
             _plan_shares(out, profile, global_batch)
         return out
-    cost = CostModel(profile, stage, ranks, shaped)
+    cost = CostModel(profile, stage, ranks, shaped, shape=shape)
     # a shape may not fit where the flat profile did: hybrid states, sharded over fewer ranks, are larger
     unfit = [r for r in ranks if not cost.kinds[profile.ranks[r]].fits()]
     if unfit:
@@ -132,7 +143,7 @@ def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int]
         out.allocations["poplar"] = Allocation("poplar", fastest.plan, fastest.predicted)
     if out.poplar.plan is None:
         out.excluded = out.poplar.why_not
-    out.ideal_samples_per_s = ideal_samples_per_s(cost, global_batch)
+    out.ideal_samples_per_s = ideal_samples_per_s(cost, global_batch) if ideal else 0.0
     if not shaped and not out.excluded and _shares_known(profile, stage, ranks):
         _plan_shares(out, profile, global_batch)
     return out
@@ -241,8 +252,11 @@ def _collector_paused(planner):
 
 
 @_collector_paused
-def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanResult:
+def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3), may_leave_out: bool = True) -> PlanResult:
     """Plan ``global_batch`` samples per step on the profiled cluster; see the module's docstring.
+    ``may_leave_out``: False where every rank must take part (a process group already started: the integrations,
+    torchrun): every kind is weighed together only (each stage and shape), and a kind left out is refused (a plan
+    of fewer ranks than the launch).
 
     Raises :class:`PlanningError` when no stage can run (the message says what to change).
     """
@@ -255,8 +269,8 @@ def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanR
             f"a global batch of {global_batch} cannot give each of the {world} ranks a sample: raise it to at "
             f"least {world} (or, better, a few samples per rank), or launch fewer ranks")
     every = list(range(world))
-    results = {s: plan_stage(profile, s, global_batch, every) for s in stages}
-    results, excluded_ranks, why_out = _leaving_out(profile, stages, global_batch, results)
+    whole = {s: plan_stage(profile, s, global_batch, every) for s in stages}
+    results, excluded_ranks, why_out = _leaving_out(profile, stages, global_batch, whole)
     if all(r.excluded for r in results.values()):
         why = "; ".join(f"stage {s}: {r.excluded}" for s, r in results.items())
         raise PlanningError(f"no stage can run this job: {why}. {_smallest_need(profile, stages)}Use a smaller "
@@ -264,6 +278,12 @@ def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanR
     ranks = next(r.ranks for r in results.values() if not r.excluded)
     shaped = ({s: plan_stage(profile, s, global_batch, ranks, shaped=True) for s in stages}
               if node_shape(profile, ranks) is not None else {})
+    candidates = weigh_kinds(profile, stages, global_batch, _best_speed({**results, **{-1 - s: sp for s, sp in
+                                                                                         shaped.items()}}),
+                             MOST_PREDICTED if world > EXHAUSTIVE_RANKS else None, every_kind=not may_leave_out)
+    taking_part = _taking_part(profile, stages, global_batch, whole, (results, shaped, ranks), candidates)
+    if taking_part is not None:
+        results, shaped, ranks, excluded_ranks, why_out = taking_part
     options = [r for r in [*results.values(), *shaped.values()] if not r.excluded]
     ranked = sorted(options, key=lambda r: -r.poplar.predicted.samples_per_s)
     best = ranked[0]
@@ -282,7 +302,50 @@ def make_plan(profile: Profile, global_batch: int, stages=(0, 1, 2, 3)) -> PlanR
         reason += (f". {_ranks(excluded_ranks).capitalize()} ({', '.join(kinds)}) {why_out}: this plan is for "
                    f"{_ranks(ranks)} (poplar train and bench run it there, the others sitting out)")
     return PlanResult(plan=best.poplar.plan, stage=best.stage, predicted=pred, stages=results, ranks=best.ranks,
-                      reason=reason, excluded_ranks=excluded_ranks, profile=profile, shaped=shaped)
+                      reason=reason, excluded_ranks=excluded_ranks, profile=profile, shaped=shaped,
+                      candidates=candidates[:CANDIDATES_KEPT], weighed=len(candidates))
+
+
+def _taking_part(profile: Profile, stages: list[int], global_batch: int, whole: dict[int, StagePlan],
+                 planned: tuple[dict, dict, list[int]], candidates: list[Candidate]):
+    """The plans of the kinds and shape the weighed candidates find fastest, where that is :data:`TIE` faster than
+    ``planned`` (the flat and node-shaped stages, and their ranks): the flat and shaped stage plans, the ranks, those
+    left out and why; None where ``planned`` stands."""
+    results, shaped, ranks = planned
+    beat = _best_speed({**results, **{-1 - s: sp for s, sp in shaped.items()}})
+    top = candidates[0] if candidates else None
+    if top is None or top.samples_per_s <= beat * (1 + TIE):
+        return None
+    mine, flat = kind_ranks(profile, top.kinds), top.name == "flat"
+    # at scale, the stages without their bound, the chosen one's its floor (plan_stage: the bound's cost)
+    bounded = profile.world_size <= EXHAUSTIVE_RANKS
+    if mine != ranks:
+        results = _beside(profile, {s: plan_stage(profile, s, global_batch, mine, ideal=bounded) for s in stages},
+                          whole)
+        shaped = ({s: plan_stage(profile, s, global_batch, mine, shaped=True, ideal=bounded) for s in stages}
+                  if node_shape(profile, mine) is not None else {})
+    if not flat:
+        shape = shapes_of(profile, mine, top.stage)[top.name]
+        shaped = {**shaped, top.stage: plan_stage(profile, top.stage, global_batch, mine, shape=shape, ideal=bounded,
+                                                  shape_name="" if shape == node_shape(profile, mine) else top.name)}
+    chosen = (results if flat else shaped)[top.stage]
+    if not chosen.excluded and not chosen.ideal_samples_per_s:
+        chosen.ideal_samples_per_s = max(top.floor_samples_per_s, chosen.poplar.predicted.samples_per_s)
+    out = [r for r in range(profile.world_size) if r not in set(mine)]
+    return results, shaped, mine, out, _why_without(candidates, top) if out else ""
+
+
+def _why_without(candidates: list[Candidate], top: Candidate) -> str:
+    """Why the kinds ``top`` leaves out sit out: the fastest plan weighed with every kind, beside ``top``'s."""
+    everyone = max(len(c.kinds) for c in candidates)
+    alike = [c for c in candidates if len(c.kinds) == everyone and c.floor_samples_per_s]
+    weighed = f"{len(candidates)} subsets of the kinds, stages and shapes weighed"
+    if not alike:
+        return f"{'hold' if len(top.kinds) > 1 else 'holds'} the model in no stage or shape with them ({weighed})"
+    best = max(alike, key=lambda c: (c.samples_per_s, c.floor_samples_per_s))
+    with_them = (f"{best.samples_per_s:,.0f} samples/s with them ({best.label})" if best.samples_per_s else
+                 f"at most {best.floor_samples_per_s:,.0f} samples/s with them")
+    return f"{top.samples_per_s:,.0f} samples/s predicted without them ({top.label}), {with_them}; {weighed}"
 
 
 def _leaving_out(profile: Profile, stages: list[int], global_batch: int,
@@ -320,12 +383,16 @@ def _leaving_out(profile: Profile, stages: list[int], global_batch: int,
             best = (without, out, how + f", {_best_speed(without) / with_them:.2f}x as fast without"
                     if with_them else how)
     plans, out, why = best
-    if not out:
-        return plans, out, why
-    running = [sp for sp in results.values() if not sp.excluded]
+    return (_beside(profile, plans, results) if out else plans), out, why
+
+
+def _beside(profile: Profile, plans: dict[int, StagePlan], whole: dict[int, StagePlan]) -> dict[int, StagePlan]:
+    """``plans`` (some ranks left out) each beside the whole cluster's baselines in its stage, or where the whole
+    cluster cannot run it, in the stage it runs fastest."""
+    running = [sp for sp in whole.values() if not sp.excluded]
     fastest = max(running, key=lambda sp: sp.poplar.predicted.samples_per_s, default=None)
-    return {s: _beside_the_whole_cluster(sp, results[s] if s in results and not results[s].excluded else fastest)
-            for s, sp in plans.items()}, out, why
+    return {s: _beside_the_whole_cluster(sp, whole[s] if s in whole and not whole[s].excluded else fastest)
+            for s, sp in plans.items()}
 
 
 def _beside_the_whole_cluster(without: StagePlan, whole: StagePlan | None) -> StagePlan:
@@ -335,8 +402,8 @@ def _beside_the_whole_cluster(without: StagePlan, whole: StagePlan | None) -> St
     if whole is None or without.excluded:
         return without
     allocations = {"poplar": without.poplar, **{n: a for n, a in whole.allocations.items() if n != "poplar"}}
-    return replace(without, allocations=allocations,
-                   ideal_samples_per_s=max(without.ideal_samples_per_s, whole.ideal_samples_per_s))
+    bound = max(without.ideal_samples_per_s, whole.ideal_samples_per_s) if without.ideal_samples_per_s else 0.0
+    return replace(without, allocations=allocations, ideal_samples_per_s=bound)   # (0: not bounded, plan_stage)
 
 
 def _best_speed(results: dict[int, StagePlan]) -> float:
@@ -364,10 +431,10 @@ def _coarse_hybrid_note(profile: Profile, shaped: dict[int, StagePlan]) -> str:
     """Where a hybrid stage's update was scaled from the flat one without ZeRO-0's (the whole model's) to go by."""
     if not any(s >= 1 and not sp.excluded for s, sp in shaped.items()):
         return ""
-    if all(0 in d.stages and d.stages[0].points for d in profile.devices.values()):
+    if all(0 in d.stages and d.stages[0].points or d.memory_bandwidth_gbs for d in profile.devices.values()):
         return ""
     return ("; hybrid stages' update estimated as the flat one's times the world over the node's ranks (ZeRO-0 "
-            "not timed on every kind): profile stage 0 too for a closer estimate")
+            "not timed on every kind, no memory bandwidth known): profile stage 0 too for a closer estimate")
 
 
 def _shape_note(best: StagePlan, flat: dict[int, StagePlan], shaped: dict[int, StagePlan]) -> str:

@@ -91,7 +91,35 @@ def allocation_rows(result: PlanResult) -> list[AllocationRow]:
             p = alloc.predicted
             rows.append(AllocationRow(s, name, sp is result.chosen and name == "poplar", p.step_s, p.samples_per_s,
                                       p.tokens_per_s, p.samples_per_s / base.samples_per_s if base else None,
-                                      p.samples_per_s / sp.ideal_samples_per_s))
-        rows.append(AllocationRow(s, "ideal", False, samples_per_s=sp.ideal_samples_per_s,
-                                  tokens_per_s=sp.ideal_samples_per_s * seq, of_ideal=1.0))
+                                      p.samples_per_s / sp.ideal_samples_per_s if sp.ideal_samples_per_s else None))
+        if sp.ideal_samples_per_s:    # (not bounded: a stage beside the chosen one at scale, poplar.planner)
+            rows.append(AllocationRow(s, "ideal", False, samples_per_s=sp.ideal_samples_per_s,
+                                      tokens_per_s=sp.ideal_samples_per_s * seq, of_ideal=1.0))
     return rows
+
+
+class CandidateRow(NamedTuple):
+    """One subset of the kinds in one stage and shape that the planner weighed (:mod:`poplar.planner.subsets`)."""
+
+    kinds: str            # "every kind", or the kinds in it
+    plan: str             # "stage 3 one node a group"
+    samples_per_s: float | None     # followed through the schedule (None: its floor was below the fastest)
+    floor_samples_per_s: float
+    chosen: bool
+
+
+def candidate_rows(result: PlanResult, shown: int = 8) -> tuple[list[CandidateRow], int]:
+    """The fastest ``shown`` candidates the planner weighed, and how many it weighed in all (its floors and
+    predictions: the table of what each subset, stage and shape was predicted to give)."""
+    every = list(dict.fromkeys(result.profile.ranks)) if result.profile else []
+    chosen = set(result.ranks)
+    rows = []
+    for c in result.candidates[:shown]:
+        kinds = "every kind" if len(c.kinds) == len(every) else ", ".join(c.kinds)
+        mine = bool(c.samples_per_s) and c.plan == result.plan and set(_ranks_of(result, c.kinds)) == chosen
+        rows.append(CandidateRow(kinds, c.label, c.samples_per_s or None, c.floor_samples_per_s, mine))
+    return rows, result.weighed
+
+
+def _ranks_of(result: PlanResult, kinds) -> list[int]:
+    return [r for r, k in enumerate(result.profile.ranks) if k in kinds]

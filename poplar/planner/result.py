@@ -33,10 +33,13 @@ class StagePlan:
     ideal_samples_per_s: float = 0.0
     excluded: str = ""                                 # why this stage was left out
     shaped: bool = False                               # hybrid over the nodes (two-level in stage 0)
+    shape_name: str = ""                               # shaped over groups of several nodes: "2 nodes a group"
 
     @property
     def label(self) -> str:
-        return f"stage {self.stage} {shaped_name(self.stage)}" if self.shaped else f"stage {self.stage}"
+        if not self.shaped:
+            return f"stage {self.stage}"
+        return f"stage {self.stage} {shaped_name(self.stage)}" + (f", {self.shape_name}" if self.shape_name else "")
 
     @property
     def poplar(self) -> Allocation:
@@ -56,6 +59,8 @@ class PlanResult:
     excluded_ranks: list[int] = field(default_factory=list)
     profile: Profile | None = None
     shaped: dict[int, StagePlan] = field(default_factory=dict)   # every stage shaped to the nodes (several nodes)
+    candidates: list = field(default_factory=list)   # the kinds, stages and shapes weighed, the fastest first
+    weighed: int = 0                                 # how many were (poplar.planner.subsets)
 
     @property
     def chosen(self) -> StagePlan:
@@ -103,6 +108,8 @@ class PlanResult:
         }
         if self.shaped:
             d["meta"]["shaped_stages"] = {s: _stage_dict(sp) for s, sp in self.shaped.items()}
+        if self.candidates:
+            d["meta"]["candidates"] = [c.to_dict() for c in self.candidates]
         return d
 
     def save(self, path) -> None:

@@ -13,7 +13,9 @@ stage flat; from that measurement this module estimates the shaped one:
   beside the larger states is at least the room left divided by that;
 - the update's time (``per_step_s``) grows with the shard: linearly between the stage's
   own (a shard of ``1/N``) and ZeRO-0's (the whole model) where ZeRO-0 was profiled, so
-  an update that is mostly fixed costs (kernel launches) stays so; else ``N / n`` times.
+  an update that is mostly fixed costs (kernel launches) stays so; else the states it holds more read and
+  written at the kind's memory bandwidth, where the profile knows it; else ``N / n`` times
+  (:func:`~poplar.planner.shares.update_at`).
 
 Stage 0 shards nothing: its two-level all-reduce changes only the communication.
 
@@ -32,23 +34,20 @@ from __future__ import annotations
 import math
 
 from poplar.planner.schedule import Shape
+from poplar.planner.shares import update_at
 from poplar.profile.profile import Profile, StageProfile
 from poplar.stages import stage as zero_stage
 
 
 def shaped_stage(sp: StageProfile, *, stage: int, n_params: int, world: int, group: int, capacity: float,
-                 precision: str, full: StageProfile | None = None) -> StageProfile:
+                 precision: str, full: StageProfile | None = None, bandwidth_gbs: float | None = None) -> StageProfile:
     """``sp`` (measured flat over ``world`` ranks) estimated for a shard group of ``group`` ranks (``full``: the
-    kind's ZeRO-0 profile, where there is one)."""
+    kind's ZeRO-0 profile, where there is one; ``bandwidth_gbs``: its memory bandwidth, where known)."""
     if group >= world or stage == 0:
         return sp
     more = zero_stage(stage).sharded_bytes_per_param(precision) * n_params * (1 / group - 1 / world)
     state = sp.state_bytes + more
-    if full is not None:
-        grown = (1 / group - 1 / world) / (1 - 1 / world)
-        per_step = sp.per_step_s + max(0.0, full.per_step_s - sp.per_step_s) * grown
-    else:
-        per_step = sp.per_step_s * world / group
+    per_step = update_at(sp, 1 / group, 1 / world, full, more, bandwidth_gbs)
     if sp.max_micro_batch == 0 or state >= capacity:
         return sp.model_copy(update={"state_bytes": int(state), "max_micro_batch": 0, "points": [],
                                      "per_step_s": per_step})
@@ -78,3 +77,16 @@ def node_shape(profile: Profile, ranks: list[int]) -> Shape | None:
         return None
     order = sorted(range(len(groups)), key=lambda j: groups[j][0])   # as a Plan lists its groups
     return Shape([groups[j] for j in order], [inside[j] for j in order], shaped)
+
+
+def flat_comm(profile: Profile, ranks: list[int]):
+    """The collectives of a flat plan of ``ranks`` (profile ranks): those inside their node where they all sit on
+    one node of a cluster of several (a node alone does not cross the slow link), else the profile's."""
+    shaped = profile.comm.shaped if profile.comm is not None else None
+    if shaped is None:
+        return profile.comm
+    mine = set(ranks)
+    for node, comm in zip(shaped.groups, shaped.inside):
+        if mine <= set(node):
+            return comm
+    return profile.comm

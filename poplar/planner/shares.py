@@ -62,13 +62,17 @@ def gather_buffer_bytes(fraction: list[float], stage: int, unit_numels: list[int
 
 def stage_at_share(sp: StageProfile, *, stage: int, precision: str, n_params: int, world: int, fraction: float,
                    capacity: float, full: StageProfile | None = None, buffers: float = 0.0,
-                   uneven: bool = False) -> StageProfile:
+                   uneven: bool = False, bandwidth_gbs: float | None = None) -> StageProfile:
     """``sp`` (measured at an even share over ``world`` ranks) for a rank holding ``fraction`` of the states, and
-    ``buffers`` bytes more (:func:`gather_buffer_bytes`); ``uneven``: the ranks' shares differ."""
+    ``buffers`` bytes more (:func:`gather_buffer_bytes`); ``uneven``: the ranks' shares differ; ``bandwidth_gbs``:
+    the kind's memory bandwidth (:func:`update_at`)."""
     even = 1 / world
-    state = sp.state_bytes + zero_stage(stage).sharded_bytes_per_param(precision) * n_params * (fraction - even)
-    state += buffers
-    per_step = _per_step_at(sp, fraction, even, full, uneven)
+    more = zero_stage(stage).sharded_bytes_per_param(precision) * n_params * (fraction - even)
+    state = sp.state_bytes + more + buffers
+    if uneven and len({f for f, _ in sp.share_steps}) >= 2:
+        per_step = _on_line(sp.share_steps, fraction)
+    else:
+        per_step = update_at(sp, fraction, even, full, more, bandwidth_gbs, grow_only=True)
     largest = sp.max_micro_batch_at(state, capacity) if sp.points else 0
     if largest == 0 or not sp.points:
         return sp.model_copy(update={"state_bytes": int(state), "max_micro_batch": 0, "points": [],
@@ -86,15 +90,23 @@ def stage_at_share(sp: StageProfile, *, stage: int, precision: str, n_params: in
                                  "anatomy": _gathers_at(sp, fraction, uneven)})
 
 
-def _per_step_at(sp: StageProfile, fraction: float, even: float, full: StageProfile | None, uneven: bool) -> float:
-    """The once-per-step part holding ``fraction`` of the states: on the line through the steps timed at unlike
-    shares where the shares are unlike and it was timed so; else on the line from the even share's to ZeRO-0's
-    (the whole model's update), where the kind has one; else the even share's."""
-    if uneven and len({f for f, _ in sp.share_steps}) >= 2:
-        return _on_line(sp.share_steps, fraction)
+UPDATE_PASSES = 2   # an update reads each byte of the states it shards and writes it back
+
+
+def update_at(sp: StageProfile, fraction: float, even: float, full: StageProfile | None, more_bytes: float,
+              bandwidth_gbs: float | None, grow_only: bool = False) -> float:
+    """The once-per-step part (the update) of a rank holding ``fraction`` of the sharded states, ``more_bytes``
+    more than at the profile's ``even`` share: on the line from the even share's to ZeRO-0's (the whole model's
+    update) where the kind has one; else the even share's plus those bytes read and written at the kind's memory
+    bandwidth, where it is known (the even share's is mostly fixed costs at a large world: launches, the norm);
+    else, for a larger share, the even share's times ``fraction / even`` (``grow_only``: the even share's)."""
     if full is not None and even < 1:
         return max(0.0, sp.per_step_s + (full.per_step_s - sp.per_step_s) * (fraction - even) / (1 - even))
-    return sp.per_step_s
+    if fraction <= even:
+        return sp.per_step_s
+    if bandwidth_gbs:
+        return sp.per_step_s + UPDATE_PASSES * more_bytes / (bandwidth_gbs * 1e9)
+    return sp.per_step_s if grow_only else sp.per_step_s * fraction / even
 
 
 def _on_line(points: list[tuple[float, float]], fraction: float) -> float:

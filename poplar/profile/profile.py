@@ -158,6 +158,9 @@ class DeviceProfile(BaseModel):
     memory_gb: float
     rated_tflops: float | None = Field(None, description="the data sheet's (or the cluster file's) peak dense "
                                        "TFLOP/s in the profile's dtype: the rating a Whale-style split uses")
+    memory_bandwidth_gbs: float | None = Field(None, description="the data sheet's (or the cluster file's) memory "
+                                               "bandwidth, GB/s: what an update of a larger shard than the profile's "
+                                               "costs more (a shard group's, poplar.planner.shape)")
     stages: dict[int, StageProfile] = Field(default_factory=dict)
 
 

@@ -19,7 +19,7 @@ import statistics
 
 import torch.distributed as dist
 
-from poplar.cluster.catalogue import peak_tflops
+from poplar.cluster.catalogue import gpu, peak_tflops
 from poplar.cluster.spec import ClusterSpec, DeviceGroup, parse_cluster
 from poplar.engine.config import EngineConfig
 from poplar.profile.cache import ProfileCache, cache_key, default_cache_dir
@@ -168,6 +168,15 @@ def _rated_tflops(kind: DeviceGroup, precision: str) -> float | None:
     return peak_tflops(kind.cuda.name, precision) if kind.cuda is not None else kind.peak_tflops(precision)
 
 
+def _rated_bandwidth(kind: DeviceGroup) -> float | None:
+    """The data sheet's memory bandwidth (a discovered GPU's by its name in the catalogue), or the cluster file's;
+    None where neither knows it."""
+    try:
+        return gpu(kind.cuda.name).memory_bandwidth_gbs if kind.cuda is not None else kind.bandwidth_gbs
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def merged_comm(ranks: list[RankProfile]) -> CommProfile:
     """Rank 0's collectives, with each node's own timed by its first rank."""
     comm = ranks[0].comm
@@ -183,7 +192,7 @@ def assemble(wl: Workload, spec: ClusterSpec, precision: str, config: EngineConf
     """The profile of ``stages`` and ``comm`` on ``spec``; ``info``: the model's (:func:`model_info`), where known."""
     kinds = {d.kind: d for d in spec.devices}
     devices = {k: DeviceProfile(kind=k, memory_gb=spec.memory_bytes(d) / 2**30,
-                                rated_tflops=_rated_tflops(d, precision),
+                                rated_tflops=_rated_tflops(d, precision), memory_bandwidth_gbs=_rated_bandwidth(d),
                                 stages={s: sp for (kk, s), sp in sorted(stages.items()) if kk == k})
                for k, d in kinds.items()}
     engine = EngineOptions(**config.model_dump(include=set(EngineOptions.model_fields)))

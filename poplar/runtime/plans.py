@@ -49,11 +49,13 @@ def load_plan(plan: Plan | dict | str | Path, *, name: str = "plan", model: tupl
 
 
 def profile_and_plan(wl, spec, global_batch: int, stages, config, distributed: bool = False,
-                     use_cache: bool = True, progress=None, title: str = ""):
+                     use_cache: bool = True, progress=None, title: str = "", may_leave_out: bool = True):
     """Profile ``wl`` on ``spec`` (or read the cache) as ``config`` (an
     :class:`~poplar.engine.config.EngineConfig`) will train it, and plan ``global_batch`` over ``stages``: the
     planner's :class:`~poplar.planner.result.PlanResult`. ``distributed``: this process is one rank of the profiled
-    group (every rank calls this). ``progress(title)``: a context that hears the profiler's events (``put``)."""
+    group (every rank calls this). ``progress(title)``: a context that hears the profiler's events (``put``).
+    ``may_leave_out``: whether the launch can run a plan of some of the ranks (a launcher that starts the ranks it
+    is told: not a group already started, :func:`~poplar.planner.make_plan`)."""
     from poplar.planner import make_plan
     from poplar.profile.options import ProfileOptions
     from poplar.profile.profiler import profile_cluster
@@ -62,7 +64,7 @@ def profile_and_plan(wl, spec, global_batch: int, stages, config, distributed: b
                              precision=config.mixed_precision)
     with progress(title) if progress is not None else contextlib.nullcontext() as events:
         profile, _ = profile_cluster(wl, spec, options, config=config, distributed=distributed, progress=events)
-    return make_plan(profile, global_batch, list(stages))
+    return make_plan(profile, global_batch, list(stages), may_leave_out=may_leave_out)
 
 
 def basis_of(result):

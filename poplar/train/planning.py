@@ -76,7 +76,8 @@ def plan_on(cfg: TrainConfig, wl: Workload, spec, distributed: bool, progress=No
     """Profile (or read the cache) on ``spec`` and plan; the chosen allocation's plan and the planner's result."""
     title = f"{cfg.cluster or 'the GPUs here'}: profiling {wl.name} (cached after the first run)"
     result = profile_and_plan(wl, spec, cfg.global_batch, cfg.stages, cfg.engine, distributed,
-                              use_cache=cfg.profile_cache, progress=progress, title=title)
+                              use_cache=cfg.profile_cache, progress=progress, title=title,
+                              may_leave_out=not distributed)   # torchrun's group is started: every rank trains
     if cfg.baseline == "poplar":
         return result.plan, result
     alloc = result.allocations()[cfg.baseline]
