@@ -336,16 +336,19 @@ def _taking_part(profile: Profile, stages: list[int], global_batch: int, whole: 
 
 
 def _why_without(candidates: list[Candidate], top: Candidate) -> str:
-    """Why the kinds ``top`` leaves out sit out: the fastest plan weighed with every kind, beside ``top``'s."""
-    everyone = max(len(c.kinds) for c in candidates)
-    alike = [c for c in candidates if len(c.kinds) == everyone and c.floor_samples_per_s]
-    weighed = f"{len(candidates)} subsets of the kinds, stages and shapes weighed"
-    if not alike:
-        return f"{'hold' if len(top.kinds) > 1 else 'holds'} the model in no stage or shape with them ({weighed})"
-    best = max(alike, key=lambda c: (c.samples_per_s, c.floor_samples_per_s))
-    with_them = (f"{best.samples_per_s:,.0f} samples/s with them ({best.label})" if best.samples_per_s else
-                 f"at most {best.floor_samples_per_s:,.0f} samples/s with them")
-    return f"{top.samples_per_s:,.0f} samples/s predicted without them ({top.label}), {with_them}; {weighed}"
+    """Why the kinds ``top`` leaves out sit out, each in a few words: the fastest plan weighed of ``top``'s kinds
+    and it (or that no stage and shape of them holds the model), beside ``top``'s."""
+    every = dict.fromkeys(k for c in candidates for k in c.kinds)
+    said = []
+    for kind in (k for k in every if k not in top.kinds):
+        mine = {*top.kinds, kind}
+        with_it = [c for c in candidates if set(c.kinds) == mine and c.floor_samples_per_s]
+        best = max(with_it, key=lambda c: (c.samples_per_s, c.floor_samples_per_s), default=None)
+        said.append(f"with {kind} " + ("no stage or shape holds the model" if best is None else
+                                       f"{best.samples_per_s:,.0f} samples/s ({best.label})" if best.samples_per_s
+                                       else f"at most {best.floor_samples_per_s:,.0f} samples/s"))
+    return (f"sit out, {top.samples_per_s:,.0f} samples/s predicted without them ({top.label}); {'; '.join(said)} "
+            f"({len(candidates)} subsets of the kinds, stages and shapes weighed)")
 
 
 def _leaving_out(profile: Profile, stages: list[int], global_batch: int,

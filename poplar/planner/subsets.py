@@ -35,6 +35,7 @@ from poplar.planner.groups import across_groups, fewest_nodes, group_sizes, kind
 from poplar.planner.schedule import Shape
 from poplar.planner.search import Infeasible, allocate, fastest_accum_table
 from poplar.planner.shape import flat_comm, node_shape, shaped_stage
+from poplar.planner.shares import stage_at_share
 from poplar.plan import Plan
 from poplar.profile.profile import Profile
 
@@ -118,21 +119,23 @@ class KindsSearch:
         self.mixed = any(len(k) > 1 for k in node_kinds)
         self.nodes_of = {k: sum(k in ks for ks in node_kinds) for k in self.kinds}
         self.node_ranks = {k: min((len(g) for g, ks in zip(nodes, node_kinds) if k in ks), default=0) for k in self.kinds}
-        self._costs: dict[tuple[str, int, int], KindCost | None] = {}
+        self._costs: dict[tuple[str, int, int, bool], KindCost | None] = {}
         self._fewest: dict[tuple[str, int], int | None] = {}
 
-    def _kind_cost(self, kind: str, stage: int, group: int) -> KindCost | None:
-        """A rank of ``kind`` in ``stage`` holding ``1 / group`` of the states, as the cost model prices it (None:
-        it holds no sample)."""
-        key = (kind, stage, group)
+    def _kind_cost(self, kind: str, stage: int, group: int, flat: bool) -> KindCost | None:
+        """A rank of ``kind`` in ``stage`` holding ``1 / group`` of the states, as the cost model prices it (flat: at
+        that share of the states, :func:`~poplar.planner.shares.stage_at_share`; else its shard group's copy,
+        :func:`~poplar.planner.shape.shaped_stage`); None where it holds no sample."""
+        key = (kind, stage, group, flat)
         if key not in self._costs:
             dev, model = self.profile.devices[kind], self.profile.model
             sp = dev.stages.get(stage)
             if sp is not None and sp.points and stage and group < self.profile.world_size:
                 full = dev.stages.get(0) if 0 in dev.stages and dev.stages[0].points else None
-                sp = shaped_stage(sp, stage=stage, n_params=model.trained_params, world=self.profile.world_size,
-                                  group=group, capacity=dev.memory_gb * 2**30, precision=model.dtype, full=full,
-                                  bandwidth_gbs=dev.memory_bandwidth_gbs)
+                how = dict(stage=stage, n_params=model.trained_params, world=self.profile.world_size,
+                           capacity=dev.memory_gb * 2**30, precision=model.dtype, full=full,
+                           bandwidth_gbs=dev.memory_bandwidth_gbs)
+                sp = stage_at_share(sp, fraction=1 / group, **how) if flat else shaped_stage(sp, group=group, **how)
             self._costs[key] = KindCost(kind, sp) if sp is not None and sp.points and sp.max_micro_batch else None
         return self._costs[key]
 
@@ -157,12 +160,12 @@ class KindsSearch:
                         for label, per_kind in sizes.items()})
         return out
 
-    def _compute_s(self, subset: tuple[str, ...], stage: int, groups: dict[str, int]) -> float:
+    def _compute_s(self, subset: tuple[str, ...], stage: int, groups: dict[str, int], flat: bool) -> float:
         """The least time ``subset``'s ranks compute the batch in ``stage`` holding ``1 / groups[kind]`` of the
         states, levelled, each rank a sample at least (inf: a kind holds no sample, or the batch gives some rank
         none)."""
         ranks = sum(self.counts[k] for k in subset)
-        costs = {k: self._kind_cost(k, stage, groups[k]) for k in subset}
+        costs = {k: self._kind_cost(k, stage, groups[k], flat) for k in subset}
         if ranks > self.global_batch or any(kc is None for kc in costs.values()):
             return float("inf")
         most = 1 << max(min(self.global_batch - ranks + 1, -(-self.global_batch // ranks) * 2) - 1, 1).bit_length()
@@ -177,7 +180,7 @@ class KindsSearch:
         ranks a group) may give: its compute levelled and the collectives it must run on its busiest link (0: a
         kind holds no sample); and, to order the candidates by, the same with the link's time after the
         compute (no collective hidden)."""
-        compute = self._compute_s(subset, stage, groups)
+        compute = self._compute_s(subset, stage, groups, name == "flat")
         if compute == float("inf"):
             return 0.0, 0.0
         if name == "flat":
@@ -209,8 +212,8 @@ class KindsSearch:
         """The most samples a second any plan of ``subset`` may give: its best stage's flat compute (every rank
         holding the fewest states it can), no collective."""
         ranks = sum(self.counts[k] for k in subset)
-        return max((self.global_batch / self._compute_s(subset, s, {k: ranks for k in subset}) for s in self.stages),
-                   default=0.0)
+        return max((self.global_batch / self._compute_s(subset, s, {k: ranks for k in subset}, True)
+                    for s in self.stages), default=0.0)
 
     def subsets(self) -> list[tuple[str, ...]]:
         """Every non-empty subset of the kinds (of the :data:`MOST_KINDS` with the highest bounds alone, and the
