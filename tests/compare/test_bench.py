@@ -40,8 +40,8 @@ def test_every_distinct_plan_is_measured(measured):
 def test_an_allocation_with_another_ones_plan_is_measured_once_and_says_so(measured, monkeypatch):
     make_plan = poplar.planner.make_plan
 
-    def poplar_keeps_proportional(profile, global_batch, stages=(0, 1, 2, 3)):
-        result = make_plan(profile, global_batch, stages)
+    def poplar_keeps_proportional(profile, global_batch, stages=(0, 1, 2, 3), **how):
+        result = make_plan(profile, global_batch, stages, **how)
         allocs = result.stages[result.stage].allocations
         allocs["poplar"] = dataclasses.replace(allocs["poplar"], plan=allocs["proportional"].plan)
         return result

@@ -119,7 +119,7 @@ def test_cli_writes_a_plan_and_rejects_bad_input(tmp_path):
 
 @pytest.mark.parametrize("stage", [0, 2])
 def test_a_gain_within_the_cost_models_error_keeps_the_simpler_split(stage, monkeypatch):
-    import poplar.planner.planner as planner
+    import poplar.planner.stage_plan as planner
     from tests.planner.profiles import make_profile
 
     def plans(slower: float):
