@@ -29,7 +29,7 @@ from poplar.simulate import simulate_profile
 
 CARDS = ("A100-80GB", "A100-40GB", "V100-16GB", "T4-16GB", "L40S")
 SCALES = (0.002, 0.003, 0.004)
-CASES = 8
+CASES = 6
 WITHIN = 0.01
 BY_TURNS = 0.02   # the search by turns at scale (it weighs fewer group sizes than brute force)
 
