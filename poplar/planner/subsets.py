@@ -9,15 +9,18 @@ groups of several nodes sized to the kinds: :mod:`poplar.planner.groups`), and r
 each candidate's prediction, the fastest first.
 
 Predictions follow the engine's schedule, the costly part at thousands of ranks, so the
-search bounds first and predicts only what the bounds leave open:
+search floors every candidate first, kind by kind with no per-rank work, and predicts only
+what the floors leave open:
 
-- a subset's *compute bound*: the batch levelled over its ranks at the flat profile's
-  cheapest times (no rank holds fewer states than there, none waits for a collective);
-  a subset whose bound is below the fastest plan found is not weighed further;
-- a candidate's *floor*: the least busy split of the batch (its compute alone), its
-  step no shorter than that split's busiest rank or busiest link
-  (:meth:`~poplar.planner.cost.CostModel.floor_s`); candidates are predicted fastest
-  floor first, and those whose floor is below the fastest prediction are left there.
+- a subset's *bound*: the batch levelled over its ranks at their flat compute (the fewest
+  states a rank of it holds), each rank a sample at least, no collective;
+- a candidate's *floor*: the same at the share of the states its shape gives each kind,
+  against the collectives its busiest link must carry in a step (a group's inside it, the
+  sum across groups, or flat the world's: :func:`~poplar.planner.cost.link_floor_s`); no
+  plan of it is faster. Its *likely* figure puts the link's time after the compute;
+- candidates are followed through the schedule, the likeliest first, where their floor is
+  above the fastest prediction found: every one on a small cluster, by turns at scale
+  (:meth:`KindsSearch.weigh`). Those not followed keep their floor (``at most``).
 
 >>> round(_levelled({"a": (2, np.array([0.0, 1.0, 2.0]), 1.0), "b": (1, np.array([0.0, 0.5, 1.0]), 0.5)}, 3), 6)
 0.75
