@@ -256,12 +256,15 @@ def _split_by_speed(cost: CostModel, global_batch: int, peak: dict[str, float]) 
 
     Each device's memory limit only clips its micro-batch: a rank whose share does not fit
     in one micro-batch accumulates (in ZeRO-2/3 every rank then runs the most micro-steps
-    any rank needs).
+    any rank needs). Ties (kinds of the same speed, a remainder) go by kind, in the order the kinds first appear,
+    then by rank: the split is the same however a cluster file lists its nodes.
     """
     n = _require_feasible(cost, global_batch)
-    speed = [peak[k] for k in cost.rank_kinds]
-    samples = 1 + np.array(apportion(global_batch - n, speed))          # at least one sample each
-    limits = np.array([cost.kinds[k].max_micro_batch for k in cost.rank_kinds])
+    first = {k: i for i, k in reversed(list(enumerate(dict.fromkeys(cost.rank_kinds))))}
+    order = sorted(range(n), key=lambda r: (first[cost.rank_kinds[r]], r))   # by kind, then by rank
+    kinds = [cost.rank_kinds[r] for r in order]
+    samples = 1 + np.array(apportion(global_batch - n, [peak[k] for k in kinds]))    # at least one sample each
+    limits = np.array([cost.kinds[k].max_micro_batch for k in kinds])
     accum = [int(a) for a in -(-samples // limits)]
     if cost.stage >= 2:
         a = max(accum)
@@ -276,4 +279,7 @@ def _split_by_speed(cost: CostModel, global_batch: int, peak: dict[str, float]) 
             raise Infeasible(f"no proportional split of {global_batch} samples gives every rank the {a} "
                              f"micro-steps stage {cost.stage} needs")
         accum = [a] * n
-    return Plan.from_local_batches(cost.stage, [int(b) for b in samples], accum)
+    mine, steps = [0] * n, [0] * n
+    for at, r in enumerate(order):
+        mine[r], steps[r] = int(samples[at]), int(accum[at])
+    return Plan.from_local_batches(cost.stage, mine, steps)

@@ -14,6 +14,10 @@ from poplar.planner.subsets import Candidate, kind_ranks, shapes_of
 from poplar.profile.profile import Profile
 
 SLOW_SHARE = 0.5   # a kind whose step of one sample is this much of the plan's step: planned without it too
+# A plan of other ranks is taken where it is predicted this much faster than the best of the ranks planned: a
+# measured profile's points carry about 5% of noise (search.MORE_STEPS_GAIN), and a card left out on its noise
+# is a card lost (its figures sit out; a re-plan weighs it again only when the others slow)
+OTHER_RANKS_GAIN = 0.05
 EXHAUSTIVE_RANKS = 256   # up to this many ranks every candidate above the fastest found is predicted (else at most
                          # MOST_PREDICTED of them, the likeliest first: poplar.planner.subsets)
 
@@ -21,11 +25,15 @@ EXHAUSTIVE_RANKS = 256   # up to this many ranks every candidate above the faste
 def taking_part(profile: Profile, stages: list[int], global_batch: int, whole: dict[int, StagePlan],
                  planned: tuple[dict, dict, list[int]], candidates: list[Candidate]):
     """The plans of the kinds and shape the weighed candidates find fastest, where that is :data:`TIE` faster than
-    ``planned`` (the flat and node-shaped stages, and their ranks): the flat and shaped stage plans, the ranks, those
-    left out and why; None where ``planned`` stands."""
+    ``planned`` (the flat and node-shaped stages, and their ranks), and where it changes who takes part,
+    :data:`OTHER_RANKS_GAIN` faster than every plan of ``planned``'s ranks: the flat and shaped stage plans, the
+    ranks, those left out and why; None where ``planned`` stands."""
     results, shaped, ranks = planned
     beat = best_speed({**results, **{-1 - s: sp for s, sp in shaped.items()}})
-    top = candidates[0] if candidates else None
+    same = [c for c in candidates if kind_ranks(profile, c.kinds) == ranks]
+    kept = max([beat, *(c.samples_per_s for c in same)])
+    others = [c for c in candidates if c not in same and c.samples_per_s > kept * (1 + OTHER_RANKS_GAIN)]
+    top = max(others or same, key=lambda c: c.samples_per_s, default=None)
     if top is None or top.samples_per_s <= beat * (1 + TIE):
         return None
     mine, flat = kind_ranks(profile, top.kinds), top.name == "flat"
