@@ -115,7 +115,6 @@ class KindsSearch:
         self.most_predicted, self.every_kind = most_predicted, every_kind
         self.kinds = list(dict.fromkeys(profile.ranks))
         self.counts = {k: profile.ranks.count(k) for k in self.kinds}
-        self.compute_only = profile.model_copy(update={"comm": None})
         shaped = profile.comm.shaped if profile.comm is not None else None
         nodes = shaped.groups if shaped is not None else []
         node_kinds = [{profile.ranks[r] for r in g} for g in nodes]
