@@ -79,6 +79,9 @@ def test_bench_on_an_emulated_cluster(tmp_path):
     # and Poplar's split with even and with memory-proportional shares of the states (the kinds' memory differs)
     assert set(result["allocations"]) == {"poplar", "uniform", "proportional", "measured-peak", "even-shares",
                                           "memory-shares"}
-    assert result["zero_stage"] in (1, 2)                                # either may win at this fast pace
+    # at this fast pace the stages' predictions lie within the host's noise, so any may win (CI's host chose ZeRO-0
+    # once, this one ZeRO-2): the bench measures the stage its plan chose and says so
+    stage = result["zero_stage"]
+    assert stage in (0, 1, 2, 3) and result["label"].startswith(f"stage {stage}") and result["reason"].startswith(f"stage {stage}:")
     assert all(a["samples_per_s"] > 0 for a in result["allocations"].values())
     assert result["ideal_samples_per_s"] > 0 and result["poplar_of_ideal"] > 0
