@@ -15,76 +15,14 @@ True
 from __future__ import annotations
 
 import json
-import math
-import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from poplar.plan.fields import (check_accum_steps, check_unsharded_shares, checked_group_stages, checked_shard_groups,
+                                checked_shard_shares, positive_ints)
 from poplar.split import near_equal
-from poplar.stages import STAGES, stage
-
-
-def _positive_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise ValueError(f"{name} must be a list of positive integers, one per rank; got {values!r}")
-    if len(values) == 0:
-        raise ValueError(f"{name} is empty: give one positive integer per rank")
-    if set(map(type, values)) == {int} and min(values) > 0:    # the common case, checked at C speed
-        return tuple(values)
-    out = []
-    for rank, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(
-                f"{name}[{rank}] = {v!r}: every entry must be a positive integer "
-                f"(rank {rank} needs at least one sample per micro-batch and one micro-step)"
-            )
-        out.append(int(v))
-    return tuple(out)
-
-
-def _shard_groups(groups, world: int) -> tuple[tuple[int, ...], ...] | None:
-    """``groups`` checked to be a partition of the ``world`` ranks, each sorted; None when flat (one group)."""
-    if groups is None:
-        return None
-    example = f"e.g. {[list(range(world // 2)), list(range(world // 2, world))]}" if world > 1 else "or none"
-    try:
-        if all(set(map(type, g)) <= {int} for g in groups):    # the common case, at C speed
-            parts, lengths_ok = tuple(tuple(sorted(g)) for g in groups), True
-        else:
-            parts = tuple(tuple(sorted(int(r) for r in g if not isinstance(r, bool) and int(r) == r)) for g in groups)
-            lengths_ok = all(len(p) == len(g) for p, g in zip(parts, groups))
-    except (TypeError, ValueError):
-        parts, lengths_ok = (), False
-    flat = sorted(r for p in parts for r in p)
-    if not lengths_ok or not all(parts) or flat != list(range(world)):
-        raise ValueError(f"shard_groups {groups!r} must split the ranks 0..{world - 1} into non-empty groups, "
-                         f"each rank in exactly one ({example})")
-    return None if len(parts) == 1 else tuple(sorted(parts))
-
-
-def _shard_shares(shares, world: int, zero_stage: int, groups) -> tuple[float, ...] | None:
-    """Each rank's share of the states its group shards (weights, normalised within each group); None where
-    every group's are equal (the even layout)."""
-    if shares is None:
-        return None
-    if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence) or len(shares) != world:
-        raise ValueError(f"shard_shares must be a list of {world} numbers >= 0, one per rank; got {shares!r}")
-    simple = set(map(type, shares)) <= {int, float} and min(shares) >= 0 and math.isfinite(max(shares))
-    for rank, v in enumerate(() if simple else shares):    # the common case above, checked at C speed
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"shard_shares[{rank}] = {v!r}: a share is a finite number >= 0 (the part of each "
-                             "unit's states the rank holds, relative to its group's; 0: none)")
-    if not stage(zero_stage).shards_optimizer:
-        raise ValueError("ZeRO stage 0 shards nothing, so it takes no shard_shares: drop them or use stage 1, 2 or 3")
-    values = tuple(float(v) for v in shares)
-    for g in groups or [range(world)]:
-        if sum(values[r] for r in g) <= 0:
-            raise ValueError(f"shard_shares: ranks {list(g)} hold one copy of the states together and all their "
-                             "shares are 0: give at least one of them a share")
-    if all(len({values[r] for r in g}) == 1 for g in groups or [range(world)]):
-        return None
-    return values
+from poplar.stages import stage
 
 
 def shaped_name(zero_stage: int) -> str:
@@ -134,9 +72,16 @@ class Plan:
     gradient shard, and in stage 3 of its parameters). A share may be 0 (the rank holds
     none, and steps nothing). ``None``, or equal shares: every rank an equal slice.
 
+    ``group_stages`` (optional, with ``shard_groups``) gives each group its own ZeRO stage, in
+    the groups' order (``[0, 3]``: the first group replicates, the second shards everything);
+    ``zero_stage`` is then the highest of them. Each group shards its copy as its stage says,
+    and the sum across groups is the same whatever the stages. ``None`` (or all alike): every
+    group in ``zero_stage``.
+
     ``accum_steps`` may be a single integer, meaning the same count on every rank.
     Stages 2 and 3 reduce-scatter gradients on every micro-step, so they require the
-    same ``accum_steps`` on every rank (balance them with ``micro_batch_sizes``).
+    same ``accum_steps`` on every rank (balance them with ``micro_batch_sizes``); with
+    ``group_stages``, on every rank of a group in stage 2 or 3 (its collectives are the group's).
     """
 
     zero_stage: int
@@ -146,34 +91,29 @@ class Plan:
     local_batch_sizes: tuple[int, ...]
     shard_groups: tuple[tuple[int, ...], ...] | None
     shard_shares: tuple[float, ...] | None
+    group_stages: tuple[int, ...] | None
 
     def __init__(self, zero_stage: int, micro_batch_sizes: Sequence[int], accum_steps: Sequence[int] | int = 1,
                  local_batch_sizes: Sequence[int] | None = None,
                  shard_groups: Sequence[Sequence[int]] | None = None,
-                 shard_shares: Sequence[float] | None = None):
+                 shard_shares: Sequence[float] | None = None, group_stages: Sequence[int] | None = None):
         zs = stage(zero_stage)
-        mbs = _positive_ints("micro_batch_sizes", micro_batch_sizes)
+        mbs = positive_ints("micro_batch_sizes", micro_batch_sizes)
         if isinstance(accum_steps, int) and not isinstance(accum_steps, bool):
             accum_steps = [accum_steps] * len(mbs)
-        acc = _positive_ints("accum_steps", accum_steps)
+        acc = positive_ints("accum_steps", accum_steps)
         if len(acc) != len(mbs):
             raise ValueError(
                 f"micro_batch_sizes has {len(mbs)} entries but accum_steps has {len(acc)}: "
                 "give exactly one of each per rank"
             )
-        if zs.equal_accum_steps and len(set(acc)) > 1:
-            # the collectives of a rank's extra micro-steps would have no partner
-            free = " or ".join(str(n) for n, s in STAGES.items() if not s.equal_accum_steps)
-            raise ValueError(
-                f"ZeRO stage {zs.number} reduce-scatters gradients on every micro-step, so every rank "
-                f"must run the same number of accumulation steps; got accum_steps={list(acc)}. "
-                "Give every rank the same accum_steps and balance the work with micro_batch_sizes, "
-                f"or use zero_stage {free}, which synchronise once per step and allow unequal counts."
-            )
+        groups = checked_shard_groups(shard_groups, len(mbs))
+        stages = checked_group_stages(group_stages, zs.number, shard_groups, groups)
+        check_accum_steps(acc, zs.number, groups, stages)
         if local_batch_sizes is None:
             local = tuple(m * a for m, a in zip(mbs, acc))
         else:
-            local = _positive_ints("local_batch_sizes", local_batch_sizes)
+            local = positive_ints("local_batch_sizes", local_batch_sizes)
             if len(local) != len(mbs):
                 raise ValueError(f"local_batch_sizes has {len(local)} entries but micro_batch_sizes has "
                                  f"{len(mbs)}: give exactly one of each per rank")
@@ -188,27 +128,31 @@ class Plan:
         object.__setattr__(self, "micro_batch_sizes", mbs)
         object.__setattr__(self, "accum_steps", acc)
         object.__setattr__(self, "local_batch_sizes", local)
-        object.__setattr__(self, "shard_groups", _shard_groups(shard_groups, len(mbs)))
-        object.__setattr__(self, "shard_shares", _shard_shares(shard_shares, len(mbs), zs.number, self.shard_groups))
+        object.__setattr__(self, "shard_groups", groups)
+        object.__setattr__(self, "shard_shares", checked_shard_shares(shard_shares, len(mbs), zs.number, groups))
+        check_unsharded_shares(self.shard_shares, groups, stages)
+        object.__setattr__(self, "group_stages", stages)
 
     @classmethod
     def from_local_batches(cls, zero_stage: int, local_batch_sizes: Sequence[int],
                            accum_steps: Sequence[int] | int = 1,
                            shard_groups: Sequence[Sequence[int]] | None = None,
-                           shard_shares: Sequence[float] | None = None) -> "Plan":
+                           shard_shares: Sequence[float] | None = None,
+                           group_stages: Sequence[int] | None = None) -> "Plan":
         """``local_batch_sizes[i]`` samples on rank ``i`` in ``accum_steps[i]`` near-equal micro-batches.
 
         >>> Plan.from_local_batches(0, [37, 5], [2, 1]).micro_batches(0)
         [19, 18]
         """
-        local = _positive_ints("local_batch_sizes", local_batch_sizes)
+        local = positive_ints("local_batch_sizes", local_batch_sizes)
         if isinstance(accum_steps, int) and not isinstance(accum_steps, bool):
             accum_steps = [accum_steps] * len(local)
-        acc = _positive_ints("accum_steps", accum_steps)
+        acc = positive_ints("accum_steps", accum_steps)
         if len(acc) != len(local):
             raise ValueError(f"local_batch_sizes has {len(local)} entries but accum_steps has {len(acc)}: "
                              "give exactly one of each per rank")
-        return cls(zero_stage, [-(-b // a) for b, a in zip(local, acc)], acc, local, shard_groups, shard_shares)
+        return cls(zero_stage, [-(-b // a) for b, a in zip(local, acc)], acc, local, shard_groups, shard_shares,
+                   group_stages)
 
     def lower_micro_batch(self, rank: int, largest: int) -> "Plan":
         """This plan with rank ``rank``'s micro-batches at most ``largest`` samples (more of them).
@@ -227,30 +171,63 @@ class Plan:
             raise ValueError(f"rank {rank}: no micro-batch smaller than one sample")
         local, acc = list(self.local_batch_sizes), list(self.accum_steps)
         acc[rank] = max(acc[rank], -(-local[rank] // largest))
-        if stage(self.zero_stage).equal_accum_steps:
-            a = max(acc)
-            if self.global_batch_size < a * len(local):
-                raise ValueError(f"ZeRO stage {self.zero_stage} needs {a} micro-batches on every rank, and "
-                                 f"{self.global_batch_size} samples cannot give each of {len(local)} ranks {a}: "
+        alike = self._equal_accum_ranks(rank)
+        if alike is not None:
+            a = max(acc[r] for r in alike)
+            if sum(local) < a * len(alike) + sum(acc[r] for r in range(len(local)) if r not in alike):
+                who = "every rank" if len(alike) == len(local) else f"ranks {alike}"
+                raise ValueError(f"ZeRO stage {self.stage_of(rank)} needs {a} micro-batches on {who}, and "
+                                 f"{self.global_batch_size} samples cannot give each of {len(alike)} ranks {a}: "
                                  "use ZeRO stage 0 or 1, or a larger global batch")
-            acc = [a] * len(local)
-            for short in (i for i in range(len(local)) if local[i] < a):
+            for r in alike:
+                acc[r] = a
+            for short in (i for i in alike if local[i] < a):
                 while local[short] < a:    # one sample at a time from the rank with the most to spare
-                    donor = max((i for i in range(len(local)) if local[i] > a), key=lambda i: local[i])
+                    donor = max((i for i in range(len(local)) if local[i] > acc[i]), key=lambda i: local[i] - acc[i])
                     local[donor] -= 1
                     local[short] += 1
-        return Plan.from_local_batches(self.zero_stage, local, acc, self.shard_groups, self.shard_shares)
+        return Plan.from_local_batches(self.zero_stage, local, acc, self.shard_groups, self.shard_shares,
+                                       self.group_stages)
 
-    def with_shard_groups(self, shard_groups) -> "Plan":
-        """This plan with other shard groups (None: flat), and even shares."""
-        return Plan(self.zero_stage, self.micro_batch_sizes, self.accum_steps, self.local_batch_sizes, shard_groups)
+    def _equal_accum_ranks(self, rank: int) -> list[int] | None:
+        """The ranks that must run as many micro-steps as ``rank`` (its stage reduce-scatters every micro-step with
+        them): every rank in a plan of one stage, its group's in a plan of a stage per group; None if free."""
+        if not stage(self.stage_of(rank)).equal_accum_steps:
+            return None
+        if self.group_stages is None:
+            return list(range(self.world_size))
+        return list(next(g for g in self.shard_groups if rank in g))
+
+    def with_shard_groups(self, shard_groups, group_stages=None) -> "Plan":
+        """This plan with other shard groups (None: flat), and even shares; ``group_stages``: one stage per group
+        (None: ``zero_stage`` in every group)."""
+        return Plan(self.zero_stage, self.micro_batch_sizes, self.accum_steps, self.local_batch_sizes, shard_groups,
+                    group_stages=group_stages)
 
     def with_shard_shares(self, shard_shares) -> "Plan":
         """This plan with other shares of the states (None: even)."""
         return Plan(self.zero_stage, self.micro_batch_sizes, self.accum_steps, self.local_batch_sizes,
-                    self.shard_groups, shard_shares)
+                    self.shard_groups, shard_shares, self.group_stages)
 
     # -- derived figures ---------------------------------------------------------------
+    def stage_of(self, rank: int) -> int:
+        """The ZeRO stage ``rank`` runs in: its group's where the groups have their own, else the plan's.
+
+        >>> plan = Plan(3, [2, 2, 2], 1, shard_groups=[[0], [1, 2]], group_stages=[0, 3])
+        >>> [plan.stage_of(r) for r in range(3)], plan.shape
+        ([0, 3, 3], 'hybrid [0]z0 [1,2]z3')
+        """
+        rank = self._check_rank(rank)
+        if self.group_stages is None:
+            return self.zero_stage
+        return next(s for g, s in zip(self.shard_groups, self.group_stages) if rank in g)
+
+    def same_shape(self, other: "Plan") -> bool:
+        """Whether ``other`` has this plan's ZeRO stage, shard groups and stage per group (one engine runs both:
+        only the split of the batch or the shares differ)."""
+        return (self.zero_stage, self.shard_groups, self.group_stages) == (
+            other.zero_stage, other.shard_groups, other.group_stages)
+
     @property
     def share_fractions(self) -> tuple[float, ...]:
         """Each rank's fraction of its group's copy of the states (1/n of a group of n where even).
@@ -314,6 +291,7 @@ class Plan:
             "local_batch_sizes": list(self.local_batch_sizes),
             **({"shard_groups": [list(g) for g in self.shard_groups]} if self.shard_groups else {}),
             **({"shard_shares": list(self.shard_shares)} if self.shard_shares else {}),
+            **({"group_stages": list(self.group_stages)} if self.group_stages else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -324,15 +302,17 @@ class Plan:
         if not isinstance(data, dict):
             raise ValueError(f"a plan is a JSON object with zero_stage, micro_batch_sizes, accum_steps; got {data!r}")
         expected = {"zero_stage", "micro_batch_sizes", "accum_steps"}
-        unknown = set(data) - expected - {"local_batch_sizes", "shard_groups", "shard_shares", "predicted", "meta"}
+        optional = {"local_batch_sizes", "shard_groups", "shard_shares", "group_stages"}
+        unknown = set(data) - expected - optional - {"predicted", "meta"}
         missing = expected - set(data)
         if missing or unknown:
             raise ValueError(
                 f"plan fields: missing {sorted(missing) or 'none'}, unknown {sorted(unknown) or 'none'}; "
-                f"a plan has {sorted(expected)} and optionally local_batch_sizes, shard_groups, shard_shares"
+                f"a plan has {sorted(expected)} and optionally local_batch_sizes, shard_groups, shard_shares, "
+                "group_stages"
             )
         return cls(data["zero_stage"], data["micro_batch_sizes"], data["accum_steps"], data.get("local_batch_sizes"),
-                   data.get("shard_groups"), data.get("shard_shares"))
+                   data.get("shard_groups"), data.get("shard_shares"), data.get("group_stages"))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -367,6 +347,8 @@ class Plan:
             return str(min(values)) if min(values) == max(values) else f"{min(values)}-{max(values)}"
 
         shape = "flat" if not self.shard_groups else f"{shaped_name(self.zero_stage)} over {len(self.shard_groups)} groups"
+        if self.group_stages:
+            shape += f" in stages {','.join(map(str, self.group_stages))}"
         if self.shard_shares:
             shape += f", uneven shares {spread([round(v, 3) for v in self.share_fractions])}"
         return (f"stage {self.zero_stage} {shape}, global batch {self.global_batch_size} on {self.world_size} ranks: "
@@ -374,12 +356,17 @@ class Plan:
 
     @property
     def shape(self) -> str:
-        """How the collectives are shaped: 'flat', or 'hybrid' over its groups ('two-level' in stage 0).
+        """How the collectives are shaped: 'flat', or 'hybrid' over its groups ('two-level' in stage 0); each group's
+        stage after it (``z0``) where the groups have their own (:meth:`stage_of`).
 
         >>> Plan(1, [2, 2, 2], shard_groups=[[0, 1], [2]]).shape
         'hybrid [0,1][2]'
         """
         if not self.shard_groups:
             return "flat"
-        groups = "".join("[" + ",".join(map(str, g)) + "]" for g in self.shard_groups)
+        if self.group_stages:   # each group named with its stage
+            groups = " ".join("[" + ",".join(map(str, g)) + f"]z{s}" for g, s in zip(self.shard_groups,
+                                                                                      self.group_stages))
+        else:
+            groups = "".join("[" + ",".join(map(str, g)) + "]" for g in self.shard_groups)
         return f"{shaped_name(self.zero_stage)} {groups}"
