@@ -20,7 +20,8 @@ def test_each_group_runs_its_own_stage_and_the_plan_says_so():
     plan = mixed()
     assert plan.group_stages == (0, 3) and [plan.stage_of(r) for r in range(5)] == [0, 0, 3, 3, 3]
     assert plan.shape == "hybrid [0,1]z0 [2,3,4]z3"
-    assert str(plan) == "Plan(stage 3, hybrid [0,1]z0 [2,3,4]z3, global batch 23: r0:2x1, r1:1x3, r2:3x2, r3:3x2, r4:3x2)"
+    assert str(plan) == ("Plan(stage 3, hybrid [0,1]z0 [2,3,4]z3, global batch 23: "
+                         "r0:2x1, r1:1x3, r2:3x2, r3:3x2, r4:3x2)")
     assert plan.summary() == ("stage 3 hybrid over 2 groups in stages 0,3, global batch 23 on 5 ranks: "
                               "micro-batch 1-3, accumulation 1-3")
 

@@ -36,7 +36,7 @@ def check_same_everywhere(comm: Comm, plan: Plan, model: nn.Module, device: torc
     group_of = [next(j for j, g in enumerate(groups) if r in g) for r in range(world)]
     shares = zlib.crc32(repr(plan.shard_shares).encode())   # the same number for the same shares
     values = [n_params, plan.zero_stage, *plan.micro_batch_sizes, *plan.accum_steps, *plan.local_batch_sizes,
-              *group_of, shares]
+              *group_of, shares, *(plan.stage_of(r) for r in range(world))]
     lo, hi = comm.agree(values, device)
     if lo[0] != hi[0]:
         raise ValueError(f"ranks hold different models: parameter counts range from {lo[0]} to {hi[0]}; "

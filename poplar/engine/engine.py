@@ -8,7 +8,10 @@ loss over the whole global batch, however unevenly the batch was spread.
 
 This file holds :class:`Engine` (construction, the training step, clipping, the
 optimizer step) and :func:`initialize`. One mechanism serves all four ZeRO stages, the
-stage (:mod:`poplar.stages`) deciding only what is sharded; its parts live beside it:
+stage (:mod:`poplar.stages`) deciding only what is sharded. A plan may give each shard group
+its own stage (``Plan.group_stages``): each rank runs its group's, and what crosses groups
+(the sum of the gradient across groups, the loss, the norm's squares) every rank issues
+alike whatever its stage. Its parts live beside it:
 
 - :mod:`~poplar.engine.flat_unit`: one unit's flat buffers, its shards and their states;
 - :mod:`~poplar.engine.grad_reduce`: gradient hooks and each unit's gradient collective.
@@ -72,7 +75,7 @@ class Engine:
         self.config = config
         self._adopt(plan)
         self.zero_stage = plan.zero_stage
-        self.stage = stage(plan.zero_stage)
+        self.stage = stage(plan.stage_of(self.rank))   # this rank's group's (a plan may give each group its own)
         self.compute_dtype = config.compute_dtype
 
         frozen = self._cast_untrained(model)
@@ -107,7 +110,7 @@ class Engine:
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, not a torch.optim.Optimizer")
         self._update = Update(self.units, self.optimizer, self.stage, self.shard_layout, self.comm, config,
-                              self.device)
+                              self.device, mixed=plan.group_stages is not None)
         self._state = EngineState(model, self.units, self.optimizer, self.device, self.comm)
         self._memory = ModelStateMemory(self.units, self.optimizer, self.compute_dtype, self._reducer, self._unsharder,
                                         frozen)
@@ -232,11 +235,11 @@ class Engine:
 
     def set_plan(self, plan: Plan) -> None:
         """Train with ``plan`` from the next step: another split of the global batch (or another global batch:
-        a batch-size schedule), on the same world, stage and shape; other shares of the states are cut in place.
+        a batch-size schedule), on the same world, stage(s) and shape; other shares of the states are cut in place.
         Every rank calls it, between steps."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a poplar.Plan, got {type(plan).__name__}")
-        if (plan.zero_stage, plan.shard_groups) != (self.zero_stage, self.plan.shard_groups):
+        if not plan.same_shape(self.plan):
             raise ValueError(f"set_plan keeps the ZeRO stage ({self.zero_stage}) and the shape ({self.plan.shape}); "
                              f"got {plan}: build a new engine for another (a checkpoint resumes in any)")
         if plan.share_fractions != self.plan.share_fractions and self.stage.shards_optimizer:

@@ -132,12 +132,13 @@ class FlatUnit:
         if not self.shard_params:
             self.full_param = full.to(dtype) if mixed else full
             if not mixed:   # the optimizer steps on (a slice of) the very buffer the model reads
-                self.master = nn.Parameter(self.full_param if not self.shard_optim else self._my_shard(self.full_param))
+                self.master = nn.Parameter(self.full_param if not self.shard_optim
+                                           else self.owned_slice(self.full_param))
             else:
-                self.master = nn.Parameter(full if not self.shard_optim else self._my_shard(full).clone())
+                self.master = nn.Parameter(full if not self.shard_optim else self.owned_slice(full).clone())
             self.param_shard = None
         else:
-            self.master = nn.Parameter(self._my_shard(full).clone())
+            self.master = nn.Parameter(self.owned_slice(full).clone())
             self.param_shard = self.master.data if not mixed else self.master.data.to(dtype)
             self.full_param = torch.empty(self.padded_numel, dtype=dtype, device=device)
 
@@ -152,7 +153,7 @@ class FlatUnit:
         if not self.shard_optim:
             return
         if not self.shard_params and self.compute_dtype == torch.float32:
-            self.master.data = self._my_shard(self.full_param)    # every rank holds the whole buffer: a view again
+            self.master.data = self.owned_slice(self.full_param)    # every rank holds the whole buffer: a view again
         else:
             self.master.data = move(self.master.data)
         if self.shard_params:
@@ -163,9 +164,6 @@ class FlatUnit:
         self._shard_written = False
 
     # -- parameters ---------------------------------------------------------------------
-    def _my_shard(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.shard_start:self.shard_start + self.shard_numel]
-
     def _free_full(self) -> None:
         self.full_param.untyped_storage().resize_(0)
         self.param_state = ParamState.SHARDED
@@ -349,6 +347,10 @@ class FlatUnit:
             return self.grad_shard
         return self._complete_grad_full()
 
+    def owned_slice(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full (padded) flat buffer of the unit: where a sharding rank's shard would lie."""
+        return flat[self.shard_start:self.shard_start + self.shard_numel]
+
     def attach_grad(self, grad: torch.Tensor | None) -> None:
         """Hand ``grad`` to the optimizer as the master's gradient (None: none)."""
         self.master.grad = grad
@@ -376,7 +378,7 @@ class FlatUnit:
     def load_full_master(self, full: torch.Tensor) -> None:
         """Set the unit's parameters from a full fp32 flat buffer (identical on every rank)."""
         with torch.no_grad():
-            self.master.data.copy_(full if not self.shard_optim else self._my_shard(full))
+            self.master.data.copy_(full if not self.shard_optim else self.owned_slice(full))
             if self.shard_params:
                 self.param_shard.copy_(self.master.data)
             else:

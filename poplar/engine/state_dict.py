@@ -121,13 +121,15 @@ class EngineState:
         :meth:`optimizer_hyperparameters`. Tensors share the engine's storage where they can;
         :meth:`load_sharded_state_dict` copies back what ``dcp.load`` filled.
 
-        Hybrid, each group holds a copy sharded over its own ranks: the first group's is
-        written, and every rank reads back its own slice (``for_load``).
+        Hybrid, each group holds a copy sharded over its own ranks (in its own stage, where the
+        plan gives each group one): the first group's is written, and every rank reads back its
+        own slice (``for_load``) or, replicating, the whole unit.
         """
         layout = self.units[0].layout if self.units else None
         mesh = _mesh(self.device, layout.shard_comm) if any(u.shard_optim for u in self.units) else None
-        # a copy that another group also writes would be written twice, and overlap
-        write = for_load or layout is None or not layout.hybrid or layout.group_index == 0 or mesh is None
+        # a copy that another group also writes would be written twice, and overlap (a group that replicates beside
+        # a sharding one would write it whole where that one writes shards: the first group's copy alone is written)
+        write = for_load or layout is None or not layout.hybrid or layout.group_index == 0
         out: dict = {f"unit{u.index}.master": _global(u, u.master.data, mesh) for u in self.units if write}
         for idx, state in self.optimizer.state_dict()["state"].items():
             u = self.units[idx]

@@ -41,8 +41,10 @@ class Update:
     """Applies (or leaves out) each step's update to the units' fp32 masters."""
 
     def __init__(self, units: list[FlatUnit], optimizer: torch.optim.Optimizer, stage: ZeroStage,
-                 layout: ShardLayout, comm: Comm, config: EngineConfig, device: torch.device):
+                 layout: ShardLayout, comm: Comm, config: EngineConfig, device: torch.device, mixed: bool = False):
         self.units, self.optimizer, self.stage, self.layout = units, optimizer, stage, layout
+        # the norm's squares summed over the world: where this rank shards, or where another group's ranks do
+        self.world_norm = stage.shards_optimizer or mixed
         self.comm, self.config, self.device = comm, config, device
         self.scaler = LossScaler(config.loss_scale) if config.mixed_precision == "fp16" else None
         self.last_grad_norm: float | None = None
@@ -107,10 +109,14 @@ class Update:
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
         """The global L2 norm of the gradient (NaN or infinity when any part of it is)."""
+        if self.world_norm and not self.stage.shards_optimizer:
+            # a replicating group beside sharding ones: each of its ranks adds its slice's squares, so every rank
+            # joins the one sum below and each group's copy counts once, as a sharding group's does
+            grads = [u.owned_slice(g) for u, g in zip(self.units, grads)]
         # one pass over each gradient, no temporary of its size (as clip_grad_norm_ does)
         norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=self.device)]
         sq = torch.linalg.vector_norm(torch.stack(norms).float()).square()
-        if self.stage.shards_optimizer:   # each rank holds a gradient shard: the squares add up across ranks
+        if self.world_norm:   # each rank holds a gradient shard: the squares add up across ranks
             self.comm.all_reduce(sq)      # over the world (each group's copy once): the same bits everywhere
             sq /= self.layout.replicas
         return float(sq.sqrt())

@@ -59,7 +59,7 @@ class RankRuntime:
         written under ``scratch`` (a folder every rank reads, as the run's checkpoints are), read back resharded,
         then removed."""
         now = self.engine.plan
-        if (plan.zero_stage, plan.shard_groups) == (now.zero_stage, now.shard_groups):
+        if plan.same_shape(now):
             self.engine.set_plan(plan)
             return
         from poplar.runtime.checkpoint import load_checkpoint, save_checkpoint

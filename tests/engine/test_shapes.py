@@ -10,10 +10,15 @@ the stage allows it, uneven shares of the states (a rank with none, one with a t
 in stages 1-3, clipping or not.
 
 Every partition trains in every stage (in ``STAGES_AT_5`` of them, drawn, at 5 ranks: lower
-it should that launch grow slow); each case's parameters must be single-device training's
-to 1e-5, and every group's copy the very same bits. One case of each partition, drawn, is
-run again with a counting comm, and each step must issue exactly the collectives its stage
-and layout promise (:func:`tests.helpers.collectives.expected_step`).
+it should that launch grow slow). Every partition of two groups or more also trains with a
+stage per group (``Plan.group_stages``) that differs between groups: every such assignment
+at 2 and 3 ranks (12 for two groups, 60 for three), ``MIXED_DRAWN`` drawn for each partition
+at 4 and 5 ranks; accumulation equal only inside a group in stage 2 or 3, shares only in the
+sharding groups. Each case's parameters must be single-device training's to 1e-5, and every
+group's copy the very same bits (a replicating group's and a sharding one's alike). One case of
+each partition, drawn, and one of its mixed-stage cases, drawn, are run again with a counting
+comm, and each step must issue exactly the collectives its rank's stage and layout promise
+(:func:`tests.helpers.collectives.expected_step`).
 
 One launch per world size runs every case in turn; a case that fails fails its own test,
 named by its shape, and the cases before it still report.
@@ -41,6 +46,8 @@ N_STEPS = 2
 # units of 209 elements (the embedding, 17 x 11, and the final norm) and 539 (each block): prime to 2, 3, 4, 5
 MODEL = {"vocab": 17, "d": 11, "hidden": 22, "layers": 3}
 STAGES_AT_5 = 1               # stages each partition of 5 ranks trains in, drawn (every stage at fewer ranks)
+MIXED_WALKED = 3              # up to this many ranks every partition trains in every assignment of a stage a group
+MIXED_DRAWN = 1               # that differs between groups; beyond, this many assignments drawn a partition
 SHARES = (0, 0.01, 1, 2, 3)   # none, a tiny share, ordinary ones
 CLIP = 0.05                   # below every step's gradient norm here, so clipping really acts
 KINDS = ("train", "counts")   # what a launch runs, in this order
@@ -59,27 +66,43 @@ def partitions(ranks: list[int]):
 
 
 def _case(rng: random.Random, world: int, groups: list[list[int]], zero_stage: int,
-          special: float | None) -> tuple[dict, dict]:
-    """One (plan, config) of this shape and stage, the rest drawn from ``rng``. ``special``: a share one rank
-    of a group of several is given (the others' drawn); None: even shares."""
+          special: float | None, group_stages: list[int] | None = None) -> tuple[dict, dict]:
+    """One (plan, config) of this shape and stage (``group_stages``: one a group, ``zero_stage`` their highest),
+    the rest drawn from ``rng``. ``special``: a share one rank of a sharding group of several is given (the
+    others' drawn); None: even shares."""
     mbs = [rng.randint(1, 3) for _ in range(world)]
-    if stage(zero_stage).equal_accum_steps:
+    stages = group_stages or [zero_stage] * len(groups)
+    acc = [0] * world
+    if group_stages is None and stage(zero_stage).equal_accum_steps:
         acc = [rng.randint(1, 2)] * world
-    else:
-        acc = [rng.randint(1, 3) for _ in range(world)]
+    for g, s in zip(groups, stages):   # a stage-2/3 group's ranks run one count, the others' are free
+        one = rng.randint(1, 2)
+        for r in g:
+            acc[r] = acc[r] or (one if stage(s).equal_accum_steps else rng.randint(1, 3))
     shares = None
     if special is not None:
         shares = [rng.choice(SHARES) for _ in range(world)]
-        several = [g for g in groups if len(g) > 1]
+        several = [g for g, s in zip(groups, stages) if len(g) > 1 and s]
         chosen = rng.choice(rng.choice(several)) if several else None
         if chosen is not None:
             shares[chosen] = special
-        for g in groups:   # a group holds a whole copy: not every share of it may be 0
-            if not any(shares[r] for r in g):
+        for g, s in zip(groups, stages):   # a group holds a whole copy: not every share of it may be 0
+            if not s:                      # (and one in stage 0 shards nothing: its shares alike)
+                for r in g:
+                    shares[r] = 1
+            elif not any(shares[r] for r in g):
                 shares[next(r for r in g if r != chosen)] = 1
     plan = {"zero_stage": zero_stage, "micro_batch_sizes": mbs, "accum_steps": acc, "shard_groups": groups,
-            "shard_shares": shares}
+            "shard_shares": shares, **({"group_stages": group_stages} if group_stages else {})}
     return plan, {"clip_grad_norm": rng.choice([None, CLIP])}
+
+
+def mixed_stages(rng: random.Random, world: int, n_groups: int) -> list[list[int]]:
+    """The stage assignments a partition of ``world`` ranks into ``n_groups`` groups trains in: every one whose
+    stages differ between groups at fewer than 4 ranks (``MIXED_WALKED``), ``MIXED_DRAWN`` drawn (differing)
+    beyond."""
+    every = [list(a) for a in itertools.product(sorted(STAGES), repeat=n_groups) if len(set(a)) > 1]
+    return every if world <= MIXED_WALKED else rng.sample(every, MIXED_DRAWN)
 
 
 @functools.cache
@@ -93,8 +116,11 @@ def cases(world: int) -> tuple[list, list]:
     for groups in partitions(list(range(world))):
         stages = sorted(STAGES) if world < 5 else sorted(rng.sample(sorted(STAGES), STAGES_AT_5))
         mine = [_case(rng, world, groups, s, next(specials) if stage(s).shards_optimizer else None) for s in stages]
-        train += mine
         counted.append((rng.choice(mine)[0], {}))
+        mixed = [_case(rng, world, groups, max(a), next(specials), a)
+                 for a in (mixed_stages(rng, world, len(groups)) if len(groups) > 1 else [])]
+        counted += [(rng.choice(mixed)[0], {})] if mixed else []
+        train += mine + mixed
     return train, counted
 
 
@@ -103,7 +129,9 @@ def case_id(world: int, plan: dict, config: dict) -> str:
     join = lambda values: ",".join(f"{v:g}" for v in values)   # noqa: E731
     shares = f"-shares{join(plan['shard_shares'])}" if plan["shard_shares"] else ""
     clip = f"-clip{config['clip_grad_norm']}" if config.get("clip_grad_norm") else ""
-    return (f"w{world}-{groups}-stage{plan['zero_stage']}-mbs{join(plan['micro_batch_sizes'])}"
+    stages = (f"stages{''.join(map(str, plan['group_stages']))}" if plan.get("group_stages")
+              else f"stage{plan['zero_stage']}")
+    return (f"w{world}-{groups}-{stages}-mbs{join(plan['micro_batch_sizes'])}"
             f"-acc{join(plan['accum_steps'])}{shares}{clip}")
 
 
@@ -191,7 +219,8 @@ def test_every_shape_issues_exactly_its_stages_collectives(world, index):
         assert run["padded_numels"] == [ShardLayout(world, plan.shard_groups, rank).padded(n)
                                         for n in unit_numels(MODEL)]
         layout = ShardLayout(world, plan.shard_groups, rank, plan.shard_shares)
-        expected = expected_step(plan.zero_stage, plan.accum_steps[rank], 4, layout, MODEL)
+        expected = expected_step(plan.stage_of(rank), plan.accum_steps[rank], 4, layout, MODEL,
+                                 every_rank_norm=plan.group_stages is not None)
         for step in run["steps"]:   # the first step (forward order not yet known) and a later one alike
             assert [tuple(c) for c in step] == expected, rank
 
@@ -203,14 +232,23 @@ def test_the_cases_cover_what_they_promise():
     assert all(n % k for n in unit_numels(MODEL) for k in (2, 3, 4, 5))
     for world, bell in zip(WORLDS, (2, 5, 15, 52)):
         train, counted = cases(world)
-        shapes = {}
+        shapes, mixed = {}, {}
         for plan, _ in train:
             Plan.from_dict(plan)
             shape = frozenset(frozenset(g) for g in plan["shard_groups"])
-            shapes.setdefault(shape, set()).add(plan["zero_stage"])
+            if plan.get("group_stages"):
+                assert len(set(plan["group_stages"])) > 1 and Plan.from_dict(plan).group_stages
+                mixed.setdefault(shape, []).append(tuple(plan["group_stages"]))
+            else:
+                shapes.setdefault(shape, set()).add(plan["zero_stage"])
         assert len(shapes) == bell
         assert all(len(s) == (4 if world < 5 else STAGES_AT_5) for s in shapes.values())
         assert len({frozenset(frozenset(g) for g in p["shard_groups"]) for p, _ in counted}) == bell
+        several = [s for s in shapes if len(s) > 1]   # every shape of two groups or more, in mixed stages too
+        assert set(mixed) == set(several) and len(counted) == bell + len(several)
+        for shape, assigned in mixed.items():
+            walked = 4 ** len(shape) - 4 if world <= MIXED_WALKED else MIXED_DRAWN
+            assert len(set(assigned)) == len(assigned) == walked, (world, shape)
 
         def beside_others(p, share):   # a rank with this share in a group of several
             return any(p["shard_shares"] and len(g) > 1 and share in [p["shard_shares"][r] for r in g]

@@ -20,12 +20,14 @@ def unit_numels(model_kw: dict = MODEL) -> list[int]:
 
 
 def expected_step(stage: int, accum: int, itemsize: int, layout: ShardLayout | None = None,
-                  model_kw: dict = MODEL) -> list[tuple[str, int]]:
+                  model_kw: dict = MODEL, every_rank_norm: bool = False) -> list[tuple[str, int]]:
     """One rank's step: every collective as (op, bytes of the full buffer), and ("micro_step", k) where k starts.
 
     ``layout``: the rank's place in the plan's shard groups and shares (default: flat over ``WORLD`` ranks,
     even). Hybrid, its group's collectives are ``op/group``, every unit padded to the group's size; where the
     shares cut a group's slices unevenly, its all-gathers move every slice padded to the largest.
+    ``every_rank_norm``: the plan gives its groups stages of their own, so every rank, a replicating one too,
+    joins the sum of the gradient norm's squares.
     """
     layout = layout or ShardLayout(WORLD, None, 0)
     numels = unit_numels(model_kw)
@@ -56,7 +58,7 @@ def expected_step(stage: int, accum: int, itemsize: int, layout: ShardLayout | N
     if hybrid:
         out = _with_sums_across(out, stage, grad, numels, layout)
     out.append(("all_reduce", 4))                # the loss
-    if stage >= 1:
+    if stage >= 1 or every_rank_norm:
         out.append(("all_reduce", 4))            # the squared gradient norm, summed over the shards
     if stage in (1, 2):
         out += [(gather, param(i)) for i in range(last + 1)]   # the updated parameters
