@@ -57,6 +57,11 @@ from poplar.planner.shares import fractions, gather_buffer_bytes, gather_scale, 
 from poplar.profile.profile import Profile, StageProfile
 
 
+def key_kind(key: str) -> str:
+    """The device kind of a cost model's key (a kind, or where groups' stages differ "kind@z1": in stage 1)."""
+    return key.split("@z")[0]
+
+
 class KindCost:
     """One device kind in one stage: the time of any (samples, accumulation) it can hold."""
 
@@ -172,16 +177,20 @@ class CostModel:
     shaped: bool = False
     shares: list[float] | None = None   # flat, stages 1-3: each plan rank's weight of the states (None: even)
     shape: Shape | None = None          # shaped: the groups (None: the nodes, poplar.planner.groups for others)
+    group_stages: list[int] | None = None   # shaped: each group's own stage (``stage`` the highest; None: all in it)
 
     def __post_init__(self):
         if not self.ranks:
             self.ranks = list(range(self.profile.world_size))
         kinds = [self.profile.ranks[r] for r in self.ranks]
-        missing = sorted({k for k in kinds if self.stage not in self.profile.devices[k].stages})
+        self.shaped = self.shaped or self.shape is not None
+        if self.group_stages is not None:
+            self._check_group_stages()
+        stages = self.rank_stages(len(self.ranks))
+        missing = sorted({f"{k}" for k, s in zip(kinds, stages) if s not in self.profile.devices[k].stages})
         if missing:
             raise ValueError(f"the profile has no stage {self.stage} for {', '.join(missing)}: profile that stage "
                              "or leave it out (--stages)")
-        self.shaped = self.shaped or self.shape is not None
         if self.shaped and self.shape is None:
             self.shape = node_shape(self.profile, self.ranks)
         if not self.shaped and self.profile.comm is not None:    # a flat plan within one node: its own links
@@ -190,6 +199,8 @@ class CostModel:
                 self.profile = self.profile.model_copy(update={"comm": comm})
         if self.shaped and self.shape is None:
             raise ValueError("a shaped plan needs several nodes, and a profile that timed the collectives on them")
+        # a kind in groups of unlike stages is priced in each as its own: "kind@z1"
+        kinds = [k if self.group_stages is None else f"{k}@z{s}" for k, s in zip(kinds, stages)]
         first = {k: i for i, k in reversed(list(enumerate(kinds)))}   # each kind's first plan rank
         if self.shares is not None and (self.shaped or self.stage == 0 or len(self.shares) != len(self.ranks)
                                         or len({(k, s) for k, s in zip(kinds, self.shares)}) != len(first)):
@@ -211,8 +222,28 @@ class CostModel:
         """The plans' shard groups (plan ranks): the nodes when shaped, else None (flat)."""
         return self.shape.groups if self.shape else None
 
-    def _stage_profile(self, kind: str) -> StageProfile:
-        sp = self.profile.stage(kind, self.stage)
+    def shaped_plan(self, plan: Plan) -> Plan:
+        """``plan``'s split in this model's shard groups and their stages."""
+        return plan.with_shard_groups(self.shard_groups, self.group_stages)
+
+    def _check_group_stages(self) -> None:
+        if self.shape is None or len(self.group_stages) != len(self.shape.groups) \
+                or max(self.group_stages) != self.stage:
+            raise ValueError(f"group stages {self.group_stages}: one a shard group, the highest the cost model's "
+                             f"stage ({self.stage})")
+        self.group_stages = list(self.group_stages)
+        if len(set(self.group_stages)) == 1:     # alike: a plain hybrid plan
+            self.group_stages = None
+
+    def rank_stages(self, world: int) -> list[int]:
+        """Each plan rank's ZeRO stage: its group's."""
+        if self.group_stages is None:
+            return [self.stage] * world
+        return [self.group_stages[j] for j in self.shape.rank_groups]
+
+    def _stage_profile(self, key: str) -> StageProfile:
+        kind, stage = key_kind(key), int(key.split("@z")[1]) if "@z" in key else self.stage
+        sp = self.profile.stage(kind, stage)
         dev, model = self.profile.devices[kind], self.profile.model
         # the whole model's update, where the kind's ZeRO-0 step was timed (else its per_step_s is no update: 0)
         full = dev.stages.get(0)
@@ -220,13 +251,13 @@ class CostModel:
         if self.fraction is not None:
             return stage_at_share(sp, stage=self.stage, precision=model.dtype, n_params=model.trained_params,
                                   world=self.profile.world_size, capacity=dev.memory_gb * 2**30,
-                                  fraction=self.fraction[self._first[kind]], full=full,
+                                  fraction=self.fraction[self._first[key]], full=full,
                                   buffers=self._buffers, uneven=len(set(self.fraction)) > 1,
                                   bandwidth_gbs=dev.memory_bandwidth_gbs)
         if self.shape is None:
             return sp
-        sizes = [len(g) for g in self.shape.groups if any(self.profile.ranks[self.ranks[i]] == kind for i in g)]
-        return shaped_stage(sp, stage=self.stage, n_params=model.trained_params, world=self.profile.world_size,
+        sizes = [len(g) for g in self.shape.groups if any(self.rank_kinds[i] == key for i in g)]
+        return shaped_stage(sp, stage=stage, n_params=model.trained_params, world=self.profile.world_size,
                             group=min(sizes), capacity=dev.memory_gb * 2**30, precision=model.dtype,
                             full=full, bandwidth_gbs=dev.memory_bandwidth_gbs)
 
@@ -262,6 +293,10 @@ class CostModel:
             raise ValueError(f"the plan has {plan.world_size} ranks, the cost model {len(self.ranks)}")
         if plan.zero_stage != self.stage:
             raise ValueError(f"the plan is for stage {plan.zero_stage}, the cost model for stage {self.stage}")
+        if plan.shard_groups is not None and plan.group_stages != (tuple(self.group_stages) if self.group_stages
+                                                                    else None):
+            raise ValueError(f"the plan's groups are in stages {plan.group_stages}, the cost model's in "
+                             f"{self.group_stages or 'stage ' + str(self.stage)}")
         if plan.shard_groups is not None and [list(g) for g in plan.shard_groups] != self.shard_groups:
             raise ValueError(f"the plan is {plan.shape}, the cost model for "
                              f"{'flat' if not self.shape else 'the nodes ' + str(self.shard_groups)}")
@@ -273,11 +308,11 @@ class CostModel:
             if over:
                 i = over[0]
                 raise ValueError(f"rank {self.ranks[i]} ({kind}): micro-batch {plan.micro_batch_sizes[i]} is over "
-                                 f"its stage-{self.stage} limit {kc.max_micro_batch}")
+                                 f"its stage-{self.rank_stages(len(self.ranks))[i]} limit {kc.max_micro_batch}")
             busy[idx] = kc.busy(samples[idx], accum[idx])
         return busy.tolist()
 
     @cached_property
     def schedule(self) -> StepSchedule:
         scale = gather_scale(self.fraction) if self.fraction is not None else 1.0
-        return StepSchedule(self.profile, self.stage, self.shape, scale)
+        return StepSchedule(self.profile, self.stage, self.shape, scale, self.group_stages)

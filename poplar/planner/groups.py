@@ -162,11 +162,34 @@ def group_sizes(need: dict[str, int], nodes_of: dict[str, int]) -> dict[str, dic
 def _shape(profile: Profile, nodes: Shape, by_kind: dict[str, list[int]], per_kind: dict[str, int]) -> Shape:
     """Groups of ``per_kind[kind]`` of each kind's nodes, their collectives estimated."""
     runs = [run for kind, js in by_kind.items() for run in node_runs(js, per_kind[kind])]
-    made = sorted(((sorted(r for j in run for r in nodes.groups[j]),
-                    nodes.inside[run[0]] if len(run) == 1 else None) for run in runs), key=lambda gc: gc[0][0])
-    groups = [g for g, _ in made]
-    comms = [c or spanning_comm(profile.comm, len(g), profile.world_size) for g, c in made]
+    groups = sorted((sorted(r for j in run for r in nodes.groups[j]) for run in runs), key=lambda g: g[0])
+    return _of_nodes(profile, nodes, groups)
+
+
+def _of_nodes(profile: Profile, nodes: Shape, groups: list[list[int]]) -> Shape:
+    """``groups`` (plan ranks, each one node's or several whole nodes'), their collectives: a node's as timed,
+    several nodes' estimated (:func:`spanning_comm`), the sum across them from the sum across nodes."""
+    inside = {tuple(g): c for g, c in zip(nodes.groups, nodes.inside)}
+    comms = [inside.get(tuple(g)) or spanning_comm(profile.comm, len(g), profile.world_size) for g in groups]
     return Shape(groups, comms, across_groups(nodes.across, min(len(g) for g in nodes.groups), list(map(len, groups))))
+
+
+def groups_shape(profile: Profile, ranks: list[int], groups) -> Shape | None:
+    """A plan's shard ``groups`` (plan ranks; ``ranks``: the profile ranks of the plan's) as the cost model prices
+    them, where each is one node's ranks or several whole nodes' (a plan the planner made, or a person's of whole
+    nodes); None where a group splits a node, or on one node."""
+    nodes = node_shape(profile, ranks)
+    if nodes is None:
+        return None
+    groups = [sorted(g) for g in groups]
+    if groups == [list(g) for g in nodes.groups]:
+        return nodes
+    node_of = {r: j for j, g in enumerate(nodes.groups) for r in g}
+    for g in groups:
+        covered = {node_of[r] for r in g}
+        if sum(len(nodes.groups[j]) for j in covered) != len(g):
+            return None
+    return _of_nodes(profile, nodes, groups)
 
 
 def across_groups(nodes: ShapedComm, node_ranks: int, sizes: list[int]) -> AcrossGroups:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from poplar.plan import Plan
+from poplar.planner.groups import groups_shape
 from poplar.planner.cost import CostModel, Prediction
 from poplar.planner.search import allocate, measured_proportional, uniform
 from poplar.profile.profile import Profile, StageProfile
@@ -70,8 +71,10 @@ class PlanBasis:
     def cost(self, plan: Plan, speeds: list[float] | None = None) -> CostModel:
         """The cost model of ``plan``'s stage, shape and shares, each rank's compute times ``speeds`` times as long."""
         profile = self.profile if speeds is None else rescaled(self.profile, self.ranks, speeds)
+        shape = groups_shape(profile, list(self.ranks), plan.shard_groups) if plan.shard_groups else None
         return CostModel(profile, plan.zero_stage, list(self.ranks), shaped=plan.shard_groups is not None,
-                         shares=list(plan.shard_shares) if plan.shard_shares else None)
+                         shares=list(plan.shard_shares) if plan.shard_shares else None, shape=shape,
+                         group_stages=list(plan.group_stages) if plan.group_stages else None)
 
     def predict(self, plan: Plan, speeds: list[float] | None = None) -> Prediction:
         return self.cost(plan, speeds).predict(plan)
@@ -148,7 +151,7 @@ class PlanBasis:
 def _as(plan: Plan, found: Plan) -> Plan:
     """``found``'s split with ``plan``'s shard groups and shares."""
     if plan.shard_groups is not None:
-        found = found.with_shard_groups([list(g) for g in plan.shard_groups])
+        found = found.with_shard_groups([list(g) for g in plan.shard_groups], plan.group_stages)
     if plan.shard_shares:
         found = found.with_shard_shares(list(plan.shard_shares))
     return found

@@ -154,13 +154,15 @@ class StepSchedule:
     back inside the group), as :mod:`poplar.engine.grad_reduce` does.
     """
 
-    def __init__(self, profile, stage: int, shape: Shape | None = None, gather_scale: float = 1.0):
+    def __init__(self, profile, stage: int, shape: Shape | None = None, gather_scale: float = 1.0,
+                 group_stages: list[int] | None = None):
         model = profile.model
         self.numels = list(model.unit_numels) or [model.trained_params]
         weights = model.unit_flops if len(model.unit_flops) == len(self.numels) and sum(model.unit_flops) > 0 \
             else self.numels
         self.shares = [w / sum(weights) for w in weights]
         self.stage, self.shape = stage, shape
+        self.stages = list(group_stages) if group_stages else [stage] * (len(shape.groups) if shape else 1)
         self.max_inflight, self.prefetch = profile.engine.max_inflight_reduces, profile.engine.prefetch
         comms = shape.inside if shape else [profile.comm]
         reduce_op = "all_reduce" if stage == 0 and not shape else "reduce_scatter"
@@ -249,7 +251,7 @@ class StepSchedule:
         waits for the other ranks (the loss's all-reduce is issued before the update), nor in hybrid ZeRO-1/2
         anything after the norm's but the group's own gathers: a rank done with its update starts its next
         step while another is still in its own."""
-        return self.stage == 3 or (self.stage in (1, 2) and self.shape is None)
+        return set(self.stages) == {3} or (self.stage in (1, 2) and self.shape is None)
 
     def run(self, ranks: list[tuple]) -> float:
         """The step time for ranks given as (group, each micro-step's (micro-batch, compute seconds), the
@@ -266,7 +268,8 @@ class StepSchedule:
 
     def rank_events(self, micro: list[tuple[float, float]], kind_cost, group: int = 0) -> list:
         """One rank's step: its micro-steps, the update, and in ZeRO-1/2 the parameters gathered after it."""
-        every = self.stage >= 2          # ZeRO-2/3 reduce (and all ranks run as many micro-steps) every time
+        stage = self.stages[group]
+        every = stage >= 2          # ZeRO-2/3 reduce (and all ranks run as many micro-steps) every time
         link = f"n{group}" if self.shape else ""
         gather_s = self.gather_s[group]
         events: list = []
@@ -274,14 +277,15 @@ class StepSchedule:
         for j, (m, c) in enumerate(micro):
             last = j == len(micro) - 1
             tag = f"{link}.{j if every else ''}."
-            micro_events = self._micro_step_events((kind_cost, m, c, group), gathers=self.stage == 3,
+            micro_events = self._micro_step_events((kind_cost, m, c, group), gathers=stage == 3,
                                                    reduces=every or last, max_inflight=self.max_inflight if every
                                                    else None, tag=tag, link=link, prefetch=self.prefetch)
             if last:
                 micro_events, placed = self._finishing(micro_events, tag, self._anatomy(kind_cost, m))
-            events += self._sum_across(micro_events, tag, link, gather_s) if self.shape and last else micro_events
+            events += self._sum_across(micro_events, tag, link, gather_s, stage) if self.shape and last \
+                else micro_events
         anatomy = self._anatomy(kind_cost, micro[-1][0])
-        return self._step_ends(self._checked(events), kind_cost.per_step_s, anatomy, link, gather_s, placed)
+        return self._step_ends(self._checked(events), kind_cost.per_step_s, anatomy, link, gather_s, placed, stage)
 
     def _micro_step_events(self, micro: tuple, **how) -> list:
         """:func:`micro_step_events` of a micro-step ``micro`` (kind's cost, samples, seconds, group), written once
@@ -333,16 +337,17 @@ class StepSchedule:
         return [Issue("check", self.small_s), *events[:first], Wait("check"), *events[first:]]
 
     def _step_ends(self, events: list, per_step_s: float, anatomy, link: str, gather_s: list[float],
-                   placed: float = 0.0) -> list:
+                   placed: float, stage: int) -> list:
         """After the micro-steps: the loss all-reduced (waited for last), in ZeRO-1-3 the squared norm (waited
         for before the update), the update, and in ZeRO-1/2 the parameters gathered after it. The ``anatomy``
         (None: none measured) places the step's own work out of ``per_step_s``: before the loss's all-reduce,
-        before the norm's, and around the gathers; ``placed``: seconds of the first already in the events."""
+        before the norm's, and around the gathers; ``placed``: seconds of the first already in the events. Where
+        the groups' stages differ every rank joins the norm's all-reduce (the engine's)."""
         before_loss, before_norm = (anatomy.before_loss_s, anatomy.before_norm_s) if anatomy else (0.0, 0.0)
-        gathering = self.stage in (1, 2)
+        gathering = stage in (1, 2)
         issue, copy = (anatomy.gather_issue_s, anatomy.gather_copy_s) if anatomy and gathering else (0.0, 0.0)
         events = [*events, Compute(max(0.0, before_loss - placed)), Issue("loss", self.small_s), Compute(before_norm)]
-        if self.stage >= 1:
+        if stage >= 1 or len(set(self.stages)) > 1:
             events += [Issue("norm", self.small_s), Wait("norm")]
         events.append(Compute(max(0.0, per_step_s - before_loss - before_norm - issue - copy)))
         if gathering:
@@ -363,7 +368,7 @@ class StepSchedule:
             out += [Wait(f"{link}.p{i}"), Compute(copy * self.numels[i] / whole)]
         return out
 
-    def _sum_across(self, events: list, tag: str, link: str, gather_s: list[float]) -> list:
+    def _sum_across(self, events: list, tag: str, link: str, gather_s: list[float], stage: int) -> list:
         """The last micro-step's events with each unit's sum across groups issued once its reduce is waited for."""
         out, summed = [], []
         for e in events:
@@ -374,8 +379,8 @@ class StepSchedule:
                 summed.append(i)
         for i in summed:
             out += [Wait(f"x{i}"), Compute(self.sum_s[i])]    # the parts added, once they are across
-            if self.stage == 0:   # the two-level all-reduce's last level: the sums gathered inside the group
+            if stage == 0:   # the two-level all-reduce's last level: the sums gathered inside the group
                 out.append(Issue(f"{link}.ga{i}", gather_s[i], link))
-        if self.stage == 0:
+        if stage == 0:
             out += [Wait(f"{link}.ga{i}") for i in summed]
         return out

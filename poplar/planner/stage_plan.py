@@ -77,10 +77,11 @@ def _not_profiled_to_plan(profile: Profile, stage: int, ranks: list[int], label:
 
 def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int] | None = None,
                shaped: bool = False, shape: Shape | None = None, shape_name: str = "",
-               ideal: bool = True) -> StagePlan:
+               ideal: bool = True, group_stages: list[int] | None = None) -> StagePlan:
     """Poplar's allocation, the baselines and the ideal bound for one stage (``shaped``: over the nodes; ``shape``:
     over other shard groups, named ``shape_name``, :mod:`poplar.planner.groups`; ``ideal``: False, no bound, 0: it
-    is the costly part at thousands of ranks, and a stage not chosen need not show one)."""
+    is the costly part at thousands of ranks, and a stage not chosen need not show one; ``group_stages``: each of
+    ``shape``'s groups in its own stage, ``stage`` the highest)."""
     ranks = ranks if ranks is not None else list(range(profile.world_size))
     shaped = shaped or shape is not None
     out = StagePlan(stage=stage, ranks=ranks, shaped=shaped, shape_name=shape_name if shape is not None else "")
@@ -90,15 +91,15 @@ def plan_stage(profile: Profile, stage: int, global_batch: int, ranks: list[int]
             out.allocations = {n: Allocation(n, None, None, why_not=out.excluded) for n in ALLOCATIONS}
             _plan_shares(out, profile, global_batch)
         return out
-    cost = CostModel(profile, stage, ranks, shaped, shape=shape)
+    cost = CostModel(profile, stage, ranks, shaped, shape=shape, group_stages=group_stages)
     # a shape may not fit where the flat profile did: hybrid states, sharded over fewer ranks, are larger
-    unfit = [r for r in ranks if not cost.kinds[profile.ranks[r]].fits()]
+    unfit = [r for r, k in zip(ranks, cost.rank_kinds) if not cost.kinds[k].fits()]
     if unfit:
         out.excluded = _unfit_message(sorted({profile.ranks[r] for r in unfit}), unfit, out.label)
         return out
     for name, fn in ALLOCATIONS.items():
         try:
-            plan = fn(cost, global_batch).with_shard_groups(cost.shard_groups)
+            plan = cost.shaped_plan(fn(cost, global_batch))
             out.allocations[name] = Allocation(name, plan, cost.predict(plan))
         except Infeasible as e:
             out.allocations[name] = Allocation(name, None, None, why_not=str(e))

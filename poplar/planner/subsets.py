@@ -44,6 +44,7 @@ from poplar.profile.profile import Profile
 
 MOST_KINDS = 10       # kinds weighed in every subset; more, and the subsets are the fastest kinds' first ones
 MOST_PREDICTED = 2    # at scale, candidates followed through the schedule in each turn of the search (weigh)
+EVERY_OWN_KINDS = 3   # clusters of up to this many kinds weigh every way of giving each kind its own stage
 
 
 @dataclass(frozen=True)
@@ -57,13 +58,21 @@ class Candidate:
     floor_samples_per_s: float = 0.0
     why_not: str = ""
     plan: Plan | None = None
+    own: tuple[tuple[str, int], ...] = ()   # each kind's own stage where the groups' stages differ (else ())
 
     @property
     def label(self) -> str:
-        return f"stage {self.stage} {self.name}"
+        lower = [f"{k} ZeRO-{s}" for k, s in self.own if s != self.stage]
+        return f"stage {self.stage} {self.name}" + (f" ({', '.join(lower)})" if lower else "")
+
+    @property
+    def own_stages(self) -> dict[str, int]:
+        """Each kind's stage: its own where the groups' differ, else the candidate's."""
+        return {k: dict(self.own).get(k, self.stage) for k in self.kinds}
 
     def to_dict(self) -> dict:
         return {"kinds": list(self.kinds), "stage": self.stage, "shape": self.name,
+                **({"kind_stages": dict(self.own)} if self.own else {}),
                 "samples_per_s": self.samples_per_s or None, "floor_samples_per_s": self.floor_samples_per_s,
                 **({"why_not": self.why_not} if self.why_not else {})}
 
@@ -162,12 +171,13 @@ class KindsSearch:
                         for label, per_kind in sizes.items()})
         return out
 
-    def _compute_s(self, subset: tuple[str, ...], stage: int, groups: dict[str, int], flat: bool) -> float:
+    def _compute_s(self, subset: tuple[str, ...], stage: int, groups: dict[str, int], flat: bool,
+                   own: dict[str, int] | None = None) -> float:
         """The least time ``subset``'s ranks compute the batch in ``stage`` holding ``1 / groups[kind]`` of the
         states, levelled, each rank a sample at least (inf: a kind holds no sample, or the batch gives some rank
-        none)."""
+        none; ``own``: each kind's own stage, where they differ)."""
         ranks = sum(self.counts[k] for k in subset)
-        costs = {k: self._kind_cost(k, stage, groups[k], flat) for k in subset}
+        costs = {k: self._kind_cost(k, (own or {}).get(k, stage), groups[k], flat) for k in subset}
         if ranks > self.global_batch or any(kc is None for kc in costs.values()):
             return float("inf")
         most = 1 << max(min(self.global_batch - ranks + 1, -(-self.global_batch // ranks) * 2) - 1, 1).bit_length()
@@ -177,12 +187,13 @@ class KindsSearch:
             tables[k] = (self.counts[k], np.concatenate([[0.0], np.maximum.accumulate(t)]), kc.cheapest_sample_s)
         return max(_levelled(tables, self.global_batch), *(t[1] for _, t, _ in tables.values()))
 
-    def floor(self, subset: tuple[str, ...], stage: int, name: str, groups: dict[str, int]) -> tuple[float, float]:
+    def floor(self, subset: tuple[str, ...], stage: int, name: str, groups: dict[str, int],
+              own: dict[str, int] | None = None) -> tuple[float, float]:
         """The most samples a second a plan of ``subset`` in ``stage`` shaped ``name`` (``groups``: each kind's
         ranks a group) may give: its compute levelled and the collectives it must run on its busiest link (0: a
         kind holds no sample); and, to order the candidates by, the same with the link's time after the
-        compute (no collective hidden)."""
-        compute = self._compute_s(subset, stage, groups, name == "flat")
+        compute (no collective hidden); ``own``: each kind's own stage (shaped), where the groups' differ."""
+        compute = self._compute_s(subset, stage, groups, name == "flat", own)
         if compute == float("inf"):
             return 0.0, 0.0
         if name == "flat":
@@ -191,10 +202,11 @@ class KindsSearch:
             alone = compute + unhidden_comm_s(comm, self.profile.model, stage, 1)
             link = link_floor_s(comm, self.profile.model, stage)
             return self.global_batch / max(alone, link), self.global_batch / (compute + link)
-        inside, across = self._links_s(subset, stage, groups)
+        inside, across = self._links_s(subset, stage, groups, own)
         return self.global_batch / max(compute, inside, across), self.global_batch / (compute + inside + across)
 
-    def _links_s(self, subset: tuple[str, ...], stage: int, groups: dict[str, int]) -> tuple[float, float]:
+    def _links_s(self, subset: tuple[str, ...], stage: int, groups: dict[str, int],
+                 own: dict[str, int] | None = None) -> tuple[float, float]:
         """The least a step of ``subset`` with shard groups of ``groups[kind]`` ranks keeps a group's link busy (its
         collectives inside the group: a node's as timed, several nodes' as :func:`spanning_comm` estimates), and the
         slow link with the sum across groups of the whole model (:class:`~poplar.planner.groups.AcrossGroups`)."""
@@ -204,7 +216,7 @@ class KindsSearch:
             node = next(c for g, c in zip(shaped.groups, shaped.inside) if self.profile.ranks[g[0]] == k)
             comm = node if groups[k] <= self.node_ranks[k] else spanning_comm(self.profile.comm, groups[k],
                                                                                self.profile.world_size)
-            inside = max(inside, link_floor_s(comm, model, stage))
+            inside = max(inside, link_floor_s(comm, model, (own or {}).get(k, stage)))
         sizes = [len(run) * self.node_ranks[k] for k in subset
                  for run in node_runs(list(range(self.nodes_of[k])), max(groups[k] // self.node_ranks[k], 1))]
         across = across_groups(shaped, min(self.node_ranks[k] for k in subset), sizes)
@@ -243,6 +255,10 @@ class KindsSearch:
                 for name, groups in self.shapes(subset, stage).items():
                     floor, likely = self.floor(subset, stage, name, groups)
                     weighed.append((likely, Candidate(subset, stage, name, floor_samples_per_s=floor)))
+                    for own in self._own_stages(subset, stage, name, groups):
+                        floor, likely = self.floor(subset, stage, name, groups, own)
+                        weighed.append((likely, Candidate(subset, stage, name, floor_samples_per_s=floor,
+                                                          own=tuple(own.items()))))
         order = [c for _, c in sorted(weighed, key=lambda lc: -lc[0])]
         found: dict[tuple, Candidate] = {}
         best = [beat, None]
@@ -269,16 +285,46 @@ class KindsSearch:
             c, why_not="some kind holds no sample here")) for c in order]
         return sorted(out, key=lambda c: (-c.samples_per_s, -c.floor_samples_per_s))
 
+    def _own_stages(self, subset: tuple[str, ...], stage: int, name: str, groups: dict[str, int]) -> list[dict]:
+        """Each kind in its own stage, its groups as ``name`` sizes them for ``stage`` (the highest): where the
+        cluster has :data:`EVERY_OWN_KINDS` kinds or fewer, every way of the stages that holds (some kind in
+        ``stage``, not all), else each kind in the stage its groups alone run fastest in (:meth:`_kind_alone`);
+        none flat, on nodes that mix kinds, or for one kind."""
+        if name == "flat" or self.mixed or len(subset) < 2 or not stage:
+            return []
+        held = {k: [s for s in self.stages if s <= stage and self._kind_cost(k, s, groups[k], False) is not None]
+                for k in subset}
+        if not all(held.values()):
+            return []
+        if len(self.kinds) <= EVERY_OWN_KINDS:
+            ways = [dict(zip(subset, w)) for w in itertools.product(*held.values())]
+        else:
+            ways = [{k: max(held[k], key=lambda s: self._kind_alone(k, s, subset, groups)) for k in subset}]
+        return [w for w in ways if max(w.values()) == stage and len(set(w.values())) > 1]
+
+    def _kind_alone(self, kind: str, stage: int, subset: tuple[str, ...], groups: dict[str, int]) -> float:
+        """Samples a second ``kind``'s groups alone give in ``stage``, its ranks' even part of the batch: their
+        compute, against their link's collectives."""
+        part = max(round(self.global_batch * self.counts[kind] / sum(self.counts[k] for k in subset)),
+                   self.counts[kind])
+        kc = self._kind_cost(kind, stage, groups[kind], False)
+        per_rank = -(-part // self.counts[kind])
+        t, _ = fastest_accum_table(kc, np.arange(per_rank, per_rank + 1))
+        inside, _ = self._links_s((kind,), stage, groups)
+        return part / max(float(t[0]), inside)
+
     @staticmethod
     def _key(c: Candidate) -> tuple:
-        return c.kinds, c.stage, c.name
+        return c.kinds, c.stage, c.name, c.own
 
     def _predicted(self, c: Candidate) -> Candidate:
         """``c`` followed through the schedule: Poplar's split on its cost model, predicted."""
         ranks = kind_ranks(self.profile, c.kinds)
         try:
-            cost = CostModel(self.profile, c.stage, ranks, shape=shapes_of(self.profile, ranks, c.stage)[c.name])
-            plan = allocate(cost, self.global_batch).with_shard_groups(cost.shard_groups)
+            shape = shapes_of(self.profile, ranks, c.stage)[c.name]
+            stages = [c.own_stages[self.profile.ranks[ranks[g[0]]]] for g in shape.groups] if c.own else None
+            cost = CostModel(self.profile, c.stage, ranks, shape=shape, group_stages=stages)
+            plan = cost.shaped_plan(allocate(cost, self.global_batch))
         except (Infeasible, ValueError, KeyError) as e:
             return replace(c, why_not=str(e))
         return replace(c, samples_per_s=cost.predict(plan).samples_per_s, plan=plan)

@@ -7,7 +7,10 @@ import pytest
 from poplar.cluster.spec import parse_cluster
 from poplar.models.workload import Workload
 from poplar.planner.cost import CostModel
-from poplar.planner.groups import group_sizes, kind_shapes, sized_shape, spanning_comm
+from poplar.planner.groups import group_sizes, groups_shape, kind_shapes, sized_shape, spanning_comm
+from poplar.planner.events import Issue
+from poplar.planner.replan import PlanBasis
+from poplar.planner.search import allocate
 from poplar.planner.shape import node_shape, shaped_stage
 from poplar.planner.shares import UPDATE_PASSES
 from poplar.profile.options import ProfileOptions
@@ -44,6 +47,25 @@ def test_a_kind_whose_node_cannot_hold_the_states_gets_groups_of_several_nodes(l
             assert len({lab.ranks[r] for r in g}) == 1 and len(g) == 2 * len({node_of[r] for r in g})
     sized = shapes["1-2 nodes a group"].groups
     assert sorted(map(len, sized)) == [2, 2, 4, 4]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_plans_groups_alone_give_its_shape_back_and_a_run_replans_it(lab, stage):
+    """A run keeps only its plan: the groups of every shape weighed are priced again from the plan's groups (the
+    same collectives, the same prediction), and the re-planner predicts and re-splits such a plan in its shape (it
+    priced every hybrid plan by node, and refused one of several nodes a group). A group that splits a node has none."""
+    every = list(range(lab.world_size))
+    for label, shape in kind_shapes(lab, every, stage).items():
+        cost = CostModel(lab, stage, every, shape=shape)
+        plan = allocate(cost, 96).with_shard_groups(cost.shard_groups)
+        again = groups_shape(lab, every, plan.shard_groups)
+        assert again == shape, label
+        basis = PlanBasis(lab, every)
+        assert basis.predict(plan).step_s == pytest.approx(cost.predict(plan).step_s, rel=1e-12), label
+        found, predicted = basis.replan(plan, [2.0] + [1.0] * (lab.world_size - 1))
+        assert found.shard_groups == plan.shard_groups and predicted.step_s <= basis.predict(plan, [2.0] + [1.0] * (
+            lab.world_size - 1)).step_s, label
+    assert groups_shape(lab, every, [[0], [1, 2, 3], list(range(4, lab.world_size))]) is None
 
 
 def test_sized_groups_are_whole_nodes_a_remainder_joining_the_last_group(lab):
@@ -100,3 +122,37 @@ def test_a_larger_shard_s_update_reads_and_writes_its_bytes_at_the_memory_bandwi
 def test_the_profile_knows_each_kind_s_memory_bandwidth(lab):
     assert lab.devices["a100-80gb"].memory_bandwidth_gbs == 2039 and lab.devices["v100-16gb"].memory_bandwidth_gbs == 900
     assert node_shape(lab, list(range(lab.world_size))) is not None
+
+
+def test_groups_in_their_own_stages_are_priced_each_in_its_own(lab):
+    """Each kind's groups in their own stage (the A100s' in ZeRO-1 beside the V100s' in ZeRO-3): a rank gathers the
+    parameters for every micro-step only in a ZeRO-3 group, after the update only in a ZeRO-1 group, every rank joins
+    the norm's all-reduce (the engine's, where the stages differ), each kind is priced at its own stage, and the plan
+    carries the groups' stages through a re-plan. Alike stages are the plain hybrid plan, to the bit."""
+    every = list(range(lab.world_size))
+    shape = kind_shapes(lab, every, 3)["1-2 nodes a group"]
+    kinds = [lab.ranks[g[0]] for g in shape.groups]
+    stages = [1 if k == "a100-80gb" else 3 for k in kinds]
+    mixed = CostModel(lab, 3, every, shape=shape, group_stages=stages)
+    alike = CostModel(lab, 3, every, shape=shape)
+    assert all(kc.fits() for kc in mixed.kinds.values())
+    plan = mixed.shaped_plan(allocate(mixed, 96))
+    assert list(plan.group_stages) == stages and plan.zero_stage == 3
+    one = CostModel(lab, 1, every, shape=shape)
+    assert mixed.kinds["a100-80gb@z1"].max_micro_batch == one.kinds["a100-80gb"].max_micro_batch
+    assert mixed.kinds["v100-16gb@z3"].max_micro_batch == alike.kinds["v100-16gb"].max_micro_batch
+    for j, g in enumerate(shape.groups):
+        kc = mixed.kinds[mixed.rank_kinds[g[0]]]
+        keys = [e.key for e in mixed.schedule.rank_events([(2, float(kc.g[2]))] * 2, kc, j) if isinstance(e, Issue)]
+        assert any(".g" in k for k in keys) == (stages[j] == 3)             # gathered for each micro-step
+        assert any(".p" in k for k in keys) == (stages[j] == 1)             # gathered after the update
+        assert "norm" in keys
+    basis = PlanBasis(lab, every)
+    assert basis.predict(plan).step_s == pytest.approx(mixed.predict(plan).step_s, rel=1e-12)
+    found, _ = basis.replan(plan, [2.0] + [1.0] * (lab.world_size - 1))
+    assert found.group_stages == plan.group_stages
+    same = CostModel(lab, 3, every, shape=shape, group_stages=[3] * len(shape.groups))
+    flat_plan = allocate(alike, 96).with_shard_groups(shape.groups)
+    assert same.group_stages is None and same.predict(flat_plan).step_s == alike.predict(flat_plan).step_s
+    with pytest.raises(ValueError, match="one a shard group, the highest"):
+        CostModel(lab, 3, every, shape=shape, group_stages=[1] * len(shape.groups))

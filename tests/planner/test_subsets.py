@@ -4,7 +4,8 @@ Small clusters drawn (seeded): two or three kinds of real cards at a memory scal
 small card may not hold a copy of the states in one node, one to three nodes a kind, one
 or two cards a node, over a slow link; a small Llama's simulated profile. Brute force
 plans every subset of the kinds, in every stage, flat, one node a group and groups of
-every number of each kind's nodes (each kind its own), Poplar's split on each; the
+every number of each kind's nodes (each kind its own), and where shaped every way of
+giving each kind's groups their own stage, Poplar's split on each; the
 planner's plan must be within 1% of the fastest of them as it plans a small cluster
 (every candidate above the fastest found), and within 2% as it plans thousands of ranks
 (by turns, :mod:`poplar.planner.subsets`).
@@ -58,16 +59,18 @@ def brute_force(profile, global_batch: int) -> tuple[float, str]:
             ranks = kind_ranks(profile, subset)
             if len(ranks) > global_batch:
                 continue
-            for stage in (0, 1, 2, 3):
-                for name, shape in _every_shape(profile, ranks, subset):
+            for name, shape in _every_shape(profile, ranks, subset):
+                ways = itertools.product(range(4), repeat=len(subset) if shape else 1)
+                for own in (dict(zip(subset, w if shape else w * len(subset))) for w in ways):
+                    stages = [own[profile.ranks[ranks[g[0]]]] for g in shape.groups] if shape else None
                     try:
-                        cost = CostModel(profile, stage, ranks, shape=shape)
+                        cost = CostModel(profile, max(own.values()), ranks, shape=shape, group_stages=stages)
                         if not all(kc.fits() for kc in cost.kinds.values()):
                             continue
-                        plan = allocate(cost, global_batch).with_shard_groups(cost.shard_groups)
+                        plan = cost.shaped_plan(allocate(cost, global_batch))
                     except Infeasible:
                         continue
-                    best = max(best, (cost.predict(plan).samples_per_s, f"{subset} stage {stage} {name}"))
+                    best = max(best, (cost.predict(plan).samples_per_s, f"{subset} stages {own} {name}"))
     return best
 
 
@@ -105,3 +108,4 @@ def test_the_cases_cover_what_they_promise():
     assert any(not r.excluded_ranks for r in chosen)
     assert any(r.plan.shard_groups for r in chosen)
     assert any("nodes a group" in c.name for r in chosen for c in r.candidates)
+    assert any(c.own for r in chosen for c in r.candidates)     # kinds in their own stages, weighed
