@@ -8,10 +8,8 @@ loss over the whole global batch, however unevenly the batch was spread.
 
 This file holds :class:`Engine` (construction, the training step, clipping, the
 optimizer step) and :func:`initialize`. One mechanism serves all four ZeRO stages, the
-stage (:mod:`poplar.stages`) deciding only what is sharded. A plan may give each shard group
-its own stage (``Plan.group_stages``): each rank runs its group's, and what crosses groups
-(the sum of the gradient across groups, the loss, the norm's squares) every rank issues
-alike whatever its stage. Its parts live beside it:
+stage (:mod:`poplar.stages`) deciding only what is sharded (each rank its shard group's:
+``Plan.group_stages``; what crosses groups every rank issues alike). Its parts live beside it:
 
 - :mod:`~poplar.engine.flat_unit`: one unit's flat buffers, its shards and their states;
 - :mod:`~poplar.engine.grad_reduce`: gradient hooks and each unit's gradient collective.

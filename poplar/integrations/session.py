@@ -277,7 +277,7 @@ class Session(RankRuntime):
         if saved is None or self._replanner is None:
             return
         plan, now = Plan.from_dict(saved), self.engine.plan
-        same_stage = (plan.zero_stage, plan.shard_groups) == (now.zero_stage, now.shard_groups)
+        same_stage = plan.same_shape(now)
         if plan == now or (plan.world_size, plan.global_batch_size) != (now.world_size, now.global_batch_size) or (
                 not same_stage and self.scratch is None):
             return
