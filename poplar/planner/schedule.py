@@ -184,7 +184,7 @@ class StepSchedule:
         # every call passes (CostModel.schedule)
         self._steps: dict[tuple, float] = {}
         self._micro: dict[tuple, list] = {}
-        self._links: dict[int, list[dict[str, float]]] = {}
+        self._links: dict[tuple, tuple[int, list[dict[str, float]]]] = {}
 
     def step_s(self, plan, rank_kinds: list[str], kinds: dict) -> float:
         """The plan's step time: every distinct rank (group, kind and micro-batches) followed together; a group
@@ -211,11 +211,15 @@ class StepSchedule:
         micro-steps. They are the group's (its links' times at each unit's size) whatever the rank's kind and
         micro-batches (those set its compute and waits only), and each micro-step before the last issues those
         of the one before it (ZeRO-2/3) or none (ZeRO-0/1): drawn on from a step of one micro-step and of two,
-        written once a group."""
-        if group not in self._links:
-            self._links[group] = [self._issued(self.rank_events(micro[:1] * n, kind_cost, group)) for n in (1, 2)]
-        one, two = self._links[group]
-        return {link: one.get(link, 0.0) + (len(micro) - 1) * (two[link] - one.get(link, 0.0)) for link in two}
+        written once for groups of one sort of link in one stage (their own link named for each)."""
+        sort = (self.shape.links[group] if self.shape else 0, self.stages[group])
+        if sort not in self._links:
+            self._links[sort] = (group, [self._issued(self.rank_events(micro[:1] * n, kind_cost, group))
+                                         for n in (1, 2)])
+        first, (one, two) = self._links[sort]
+        own = {f"n{first}": f"n{group}"} if self.shape else {}
+        return {own.get(link, link): one.get(link, 0.0) + (len(micro) - 1) * (two[link] - one.get(link, 0.0))
+                for link in two}
 
     @staticmethod
     def _issued(events: list) -> dict[str, float]:

@@ -131,7 +131,16 @@ class KindsSearch:
         self.nodes_of = {k: sum(k in ks for ks in node_kinds) for k in self.kinds}
         self.node_ranks = {k: min((len(g) for g, ks in zip(nodes, node_kinds) if k in ks), default=0) for k in self.kinds}
         self._costs: dict[tuple[str, int, int, bool], KindCost | None] = {}
+        self._tables: dict[tuple, tuple[int, np.ndarray, float]] = {}
         self._fewest: dict[tuple[str, int], int | None] = {}
+        self._ranks: dict[tuple[str, ...], list[int]] = {}
+        self._alone: dict[tuple, float] = {}
+
+    def ranks_of(self, subset: tuple[str, ...]) -> list[int]:
+        """:func:`kind_ranks` of ``subset``, listed once a subset (thousands of ranks, a thousand candidates)."""
+        if subset not in self._ranks:
+            self._ranks[subset] = kind_ranks(self.profile, subset)
+        return self._ranks[subset]
 
     def _kind_cost(self, kind: str, stage: int, group: int, flat: bool) -> KindCost | None:
         """A rank of ``kind`` in ``stage`` holding ``1 / group`` of the states, as the cost model prices it (flat: at
@@ -181,11 +190,18 @@ class KindsSearch:
         if ranks > self.global_batch or any(kc is None for kc in costs.values()):
             return float("inf")
         most = 1 << max(min(self.global_batch - ranks + 1, -(-self.global_batch // ranks) * 2) - 1, 1).bit_length()
-        tables = {}
-        for k, kc in costs.items():
-            t, _ = fastest_accum_table(kc, np.arange(1, most + 1))
-            tables[k] = (self.counts[k], np.concatenate([[0.0], np.maximum.accumulate(t)]), kc.cheapest_sample_s)
+        tables = {k: self._table(k, kc, most) for k, kc in costs.items()}
         return max(_levelled(tables, self.global_batch), *(t[1] for _, t, _ in tables.values()))
+
+    def _table(self, kind: str, kc: KindCost, most: int) -> tuple[int, np.ndarray, float]:
+        """A kind's least time for each of ``0..most`` samples (its ranks' count, the times, a sample's least cost),
+        made once a kind's cost (subsets and shapes share them)."""
+        key = (id(kc), most)
+        if key not in self._tables:
+            t, _ = fastest_accum_table(kc, np.arange(1, most + 1))
+            self._tables[key] = (self.counts[kind], np.concatenate([[0.0], np.maximum.accumulate(t)]),
+                                 kc.cheapest_sample_s)
+        return self._tables[key]
 
     def floor(self, subset: tuple[str, ...], stage: int, name: str, groups: dict[str, int],
               own: dict[str, int] | None = None) -> tuple[float, float]:
@@ -197,7 +213,7 @@ class KindsSearch:
         if compute == float("inf"):
             return 0.0, 0.0
         if name == "flat":
-            ranks = kind_ranks(self.profile, subset)
+            ranks = self.ranks_of(subset)
             comm = flat_comm(self.profile, ranks) if len(ranks) > 1 else None
             alone = compute + unhidden_comm_s(comm, self.profile.model, stage, 1)
             link = link_floor_s(comm, self.profile.model, stage)
@@ -307,11 +323,14 @@ class KindsSearch:
         compute, against their link's collectives."""
         part = max(round(self.global_batch * self.counts[kind] / sum(self.counts[k] for k in subset)),
                    self.counts[kind])
-        kc = self._kind_cost(kind, stage, groups[kind], False)
-        per_rank = -(-part // self.counts[kind])
-        t, _ = fastest_accum_table(kc, np.arange(per_rank, per_rank + 1))
-        inside, _ = self._links_s((kind,), stage, groups)
-        return part / max(float(t[0]), inside)
+        key = (kind, stage, groups[kind], part)
+        if key not in self._alone:
+            kc = self._kind_cost(kind, stage, groups[kind], False)
+            per_rank = -(-part // self.counts[kind])
+            t, _ = fastest_accum_table(kc, np.arange(per_rank, per_rank + 1))
+            inside, _ = self._links_s((kind,), stage, groups)
+            self._alone[key] = part / max(float(t[0]), inside)
+        return self._alone[key]
 
     @staticmethod
     def _key(c: Candidate) -> tuple:
@@ -319,7 +338,7 @@ class KindsSearch:
 
     def _predicted(self, c: Candidate) -> Candidate:
         """``c`` followed through the schedule: Poplar's split on its cost model, predicted."""
-        ranks = kind_ranks(self.profile, c.kinds)
+        ranks = self.ranks_of(c.kinds)
         try:
             shape = shapes_of(self.profile, ranks, c.stage)[c.name]
             stages = [c.own_stages[self.profile.ranks[ranks[g[0]]]] for g in shape.groups] if c.own else None

@@ -30,7 +30,9 @@ def taking_part(profile: Profile, stages: list[int], global_batch: int, whole: d
     ranks, those left out and why; None where ``planned`` stands."""
     results, shaped, ranks = planned
     beat = best_speed({**results, **{-1 - s: sp for s, sp in shaped.items()}})
-    same = [c for c in candidates if kind_ranks(profile, c.kinds) == ranks]
+    kinds = {profile.ranks[r] for r in ranks}    # the candidates of these ranks: those of every rank of their kinds
+    complete = len(kind_ranks(profile, kinds)) == len(ranks)
+    same = [c for c in candidates if complete and set(c.kinds) == kinds]
     kept = max([beat, *(c.samples_per_s for c in same)])
     others = [c for c in candidates if c not in same and c.samples_per_s > kept * (1 + OTHER_RANKS_GAIN)]
     top = max(others or same, key=lambda c: c.samples_per_s, default=None)
