@@ -34,7 +34,7 @@ class HostValues(TorchDispatchMode):
         """The mode's ``__torch_dispatch__`` (set after the class, so that torch does not wrap it to keep its
         compiler out: nothing here is compiled, and the wrapper took a tenth of each operator's time)."""
         kwargs = kwargs or {}
-        key = operands(func, args, kwargs)
+        key = None if func in _UNKEYED else operands(func, args, kwargs)
         out = self._run(func, args, kwargs, key)
         for counter in self.counters:
             counter.count(func, args, kwargs, out, key)
@@ -74,6 +74,17 @@ _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _EMPTY = torch.empty_strided
 _ANY_SHAPE = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
+
+
+_UNKEYED: set = set()     # operators whose operands are not described (:func:`launches_no_kernel`)
+
+
+def launches_no_kernel(func) -> None:
+    """A counter's word that ``func`` launches no kernel (a view: no cost, whatever its operands): where its output
+    is not read again either (:func:`_kind`), its operands are not described again (a step's views: a third of its
+    operators)."""
+    if _kind(func) is None:
+        _UNKEYED.add(func)
 
 
 @functools.cache

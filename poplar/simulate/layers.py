@@ -224,6 +224,20 @@ def deeper_units(a: tuple[int, ...], b: tuple[int, ...], extra: int) -> tuple[in
     return b[:p] + b[p:p + per_layer] * extra + b[p + per_layer:]
 
 
+def deeper_info(a, b, layers: int, depth_a: int):
+    """The deep model's :class:`~poplar.profile.profile.ModelInfo` from those of ``a`` (of ``depth_a`` layers) and
+    ``b`` (of one more): its parameters drawn on, its units' parameters and FLOPs ``b``'s with the inserted layer's
+    repeated (:func:`deeper_units`); None where ``b``'s units are not ``a``'s with one layer's inserted."""
+    extra = layers - depth_a
+    numels = deeper_units(tuple(a.unit_numels), tuple(b.unit_numels), extra)
+    flops = deeper_units(tuple(a.unit_flops), tuple(b.unit_flops), extra)
+    if numels is None or flops is None or len(numels) != len(flops):
+        return None
+    return b.model_copy(update={"n_params": a.n_params + extra * (b.n_params - a.n_params),
+                                "frozen_params": a.frozen_params + extra * (b.frozen_params - a.frozen_params),
+                                "unit_numels": list(numels), "unit_flops": list(flops)})
+
+
 class DeepRecording:
     """A stage's recording (its steps and model states) of a model of ``layers`` layers, drawn from recordings of
     ``shallow`` layers and one more (``a``, ``b``: each with ``before``, ``most``, ``sharded``, ``units`` and

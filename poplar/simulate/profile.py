@@ -38,7 +38,7 @@ from poplar.profile.rank import held_at_shares
 from poplar.profile.timing import RankRun, fractions_held, skewed_shares
 from poplar.simulate.comm import simulated_comm
 from poplar.simulate.fake import fake_tensors
-from poplar.simulate.layers import DEEP, SHALLOW, Shallow, layers_of
+from poplar.simulate.layers import DEEP, SHALLOW, Shallow, deeper_info, layers_of
 from poplar.simulate.recording import Kept, Recording, counted, model_key, shared
 from poplar.simulate.trace import Activations, CountingDevice, Steps
 from poplar.models.workload import ModelSource, Workload, as_workload
@@ -287,17 +287,33 @@ def largest_that_fits(saved: Activations, held: int, capacity: int, limit: int) 
 def simulate_profile(workload: str | Workload, cluster, options: ProfileOptions | None = None,
                      config: EngineConfig | None = None) -> Profile:
     """The :class:`Profile` of ``workload`` on ``cluster``, simulated (see the module)."""
-    from poplar.profile.profiler import assemble, model_info
+    from poplar.profile.profiler import assemble
 
     options, config = _resolved(options, config)
     wl, spec = as_workload(workload), parse_cluster(cluster)
     stages = simulate_stages(wl, spec, options, config)
     with fake_tensors():     # the model is built once more, for its units: of any size; once a process
         info = _INFO.get_or((model_key(wl), options.precision, config.model_dump_json()),
-                            lambda: model_info(wl, options.precision, config))
+                            lambda: drawn_model_info(wl, options.precision, config))
     profile = assemble(wl, spec, options.precision, config, stages, None, info.model_copy(deep=True))
     comm = simulated_comm(spec, profile.model.trained_params, tuple(profile.model.unit_numels))
     return profile.model_copy(update={"comm": comm})
+
+
+def drawn_model_info(wl: ModelSource, precision: str, config: EngineConfig):
+    """What the profile says of the model (:func:`poplar.profile.profiler.model_info`), drawn from the model with
+    one layer and two where its layers allow (:func:`~poplar.simulate.layers.deeper_info`), checked at three: its
+    80 layers not built nor run; else the model's own."""
+    from poplar.profile.profiler import model_info
+
+    layers = layers_of(wl)
+    if layers is None or layers < DEEP:
+        return model_info(wl, precision, config)
+    a, b, c = (model_info(Shallow(wl, d), precision, config) for d in (1, 2, 3))
+    drawn = deeper_info(a, b, 3, 1)
+    if drawn is None or drawn.model_copy(update={"name": c.name}) != c:
+        return model_info(wl, precision, config)
+    return deeper_info(a, b, layers, 1).model_copy(update={"name": wl.name})
 
 
 def _resolved(options: ProfileOptions | None, config: EngineConfig | None) -> tuple[ProfileOptions, EngineConfig]:

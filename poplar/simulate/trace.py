@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from poplar.devices.simulated import SimulatedDevice
 from poplar.emulate.model import GpuModel, op_cost
 from poplar.profile.anatomy import Marks
-from poplar.simulate.fake import counting
+from poplar.simulate.fake import counting, launches_no_kernel
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # the compute dtypes a price depends on
 LINE_SIZES = (2, 3, 4)   # the micro-batches a line is drawn through (the first two) and checked at (the third)
@@ -69,6 +69,8 @@ class Recorder(TorchDispatchMode):
             cost = COSTS.get(key, _UNSEEN)
             if cost is _UNSEEN:
                 cost = COSTS[key] = op_cost(func, args, kwargs, out)
+                if cost is None:    # (none for any operands: op_cost says so of the operator alone)
+                    launches_no_kernel(func)
         if cost is not None:
             self.flops.append(cost[0])
             self.nbytes.append(cost[1])

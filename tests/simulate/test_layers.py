@@ -178,3 +178,26 @@ def test_a_directory_whose_layers_differ_by_a_setting_is_run_whole(tmp_path):
     assert layers_of(ModelDirectory(directory=str(tmp_path / "unlike"), seq_len=16)) is None
     shallow = ModelDirectory(directory=str(tmp_path / "alike"), seq_len=16).build_layers(2)
     assert shallow.config.num_hidden_layers == 2 and len(shallow.model.layers) == 2
+
+
+@pytest.mark.parametrize("source", ["llama-125m", "bert-base", "lora", "gpt2"])
+def test_the_model_info_drawn_from_shallow_models_is_the_whole_models(tmp_path, source):
+    """What the profile says of a model (parameters, frozen ones, each unit's parameters and forward FLOPs), drawn
+    from the model with one layer and two: the very figures of the model built whole; where a drawing does not
+    check, the whole model's."""
+    from poplar.engine.config import EngineConfig
+    from poplar.models.lora import LoraSettings, LoraSource
+    from poplar.models.pretrained import ModelDirectory
+    from poplar.profile.profiler import model_info
+
+    wl = {"llama-125m": lambda: Workload(model="llama-125m", seq_len=32, activation_checkpointing=True),
+          "bert-base": lambda: Workload(model="bert-base", seq_len=32),
+          "lora": lambda: LoraSource(Workload(model="llama-125m", seq_len=32), LoraSettings(r=4, targets=["q_proj"])),
+          "gpt2": lambda: ModelDirectory(directory=str(_config_only(tmp_path / "m", "gpt2")), seq_len=16)}[source]()
+    config = EngineConfig(mixed_precision="bf16")
+    with fake_tensors():
+        drawn, whole = simulated.drawn_model_info(wl, "bf16", config), model_info(wl, "bf16", config)
+    assert layers_of(wl) >= 5 and drawn == whole and (drawn.frozen_params > 0) == (source == "lora")
+    with fake_tensors(), pytest.MonkeyPatch.context() as m:    # a drawing that does not check: the whole model's
+        m.setattr(simulated, "deeper_info", lambda a, b, layers, depth: None)
+        assert simulated.drawn_model_info(wl, "bf16", config) == whole
