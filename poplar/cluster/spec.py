@@ -92,12 +92,14 @@ class ClusterSpec(BaseModel):
     def rank_nodes(self) -> list[int]:
         """The node each rank sits on."""
         nodes: list[int] = []
+        top = -1     # the highest node so far (an entry without one starts on the next)
         for d in self.devices:
             if d.gpus_per_node is None:
                 nodes += [d.node] * d.count
             else:
-                first = d.node if "node" in d.model_fields_set or not nodes else max(nodes) + 1
+                first = d.node if "node" in d.model_fields_set or not nodes else top + 1
                 nodes += [first + i // d.gpus_per_node for i in range(d.count)]
+            top = max(top, *nodes[-d.count:]) if d.count else top
         return nodes
 
     def intra_links(self) -> dict[int, Link]:
@@ -115,8 +117,10 @@ class ClusterSpec(BaseModel):
 
     def node_groups(self) -> list[list[int]]:
         """The ranks on each node, node by node: the shard groups of a plan shaped to the nodes."""
-        nodes = self.rank_nodes()
-        return [[r for r, n in enumerate(nodes) if n == node] for node in sorted(set(nodes))]
+        by: dict[int, list[int]] = {}
+        for r, n in enumerate(self.rank_nodes()):
+            by.setdefault(n, []).append(r)
+        return [by[n] for n in sorted(by)]
 
     def subset(self, ranks: list[int]) -> ClusterSpec:
         """The cluster of ``ranks`` only, in that order, each on the node it had: where a plan that leaves the
