@@ -99,7 +99,7 @@ class ClusterSpec(BaseModel):
             else:
                 first = d.node if "node" in d.model_fields_set or not nodes else top + 1
                 nodes += [first + i // d.gpus_per_node for i in range(d.count)]
-            top = max(top, *nodes[-d.count:]) if d.count else top
+            top = max(top, nodes[-1]) if nodes else top    # an entry's nodes rise: its last is its highest
         return nodes
 
     def intra_links(self) -> dict[int, Link]:

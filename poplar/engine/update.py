@@ -116,7 +116,7 @@ class Update:
         # one pass over each gradient, no temporary of its size (as clip_grad_norm_ does)
         norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=self.device)]
         sq = torch.linalg.vector_norm(torch.stack(norms).float()).square()
-        if self.world_norm:   # each rank holds a gradient shard: the squares add up across ranks
+        if self.world_norm:   # each rank holds a slice of its group's copy: the squares add up across ranks
             self.comm.all_reduce(sq)      # over the world (each group's copy once): the same bits everywhere
             sq /= self.layout.replicas
         return float(sq.sqrt())

@@ -57,11 +57,6 @@ from poplar.planner.shares import fractions, gather_buffer_bytes, gather_scale, 
 from poplar.profile.profile import Profile, StageProfile
 
 
-def key_kind(key: str) -> str:
-    """The device kind of a cost model's key (a kind, or where groups' stages differ "kind@z1": in stage 1)."""
-    return key.split("@z")[0]
-
-
 class KindCost:
     """One device kind in one stage: the time of any (samples, accumulation) it can hold."""
 
@@ -186,11 +181,11 @@ class CostModel:
         self.shaped = self.shaped or self.shape is not None
         if self.group_stages is not None:
             self._check_group_stages()
-        stages = self.rank_stages(len(self.ranks))
-        missing = sorted({f"{k}" for k, s in zip(kinds, stages) if s not in self.profile.devices[k].stages})
+        stages = self.rank_stages()
+        missing = sorted({(s, k) for k, s in zip(kinds, stages) if s not in self.profile.devices[k].stages})
         if missing:
-            raise ValueError(f"the profile has no stage {self.stage} for {', '.join(missing)}: profile that stage "
-                             "or leave it out (--stages)")
+            said = ", ".join(f"stage {s} for {k}" for s, k in missing)
+            raise ValueError(f"the profile has no {said}: profile that stage or leave it out (--stages)")
         if self.shaped and self.shape is None:
             self.shape = node_shape(self.profile, self.ranks)
         if not self.shaped and self.profile.comm is not None:    # a flat plan within one node: its own links
@@ -199,8 +194,10 @@ class CostModel:
                 self.profile = self.profile.model_copy(update={"comm": comm})
         if self.shaped and self.shape is None:
             raise ValueError("a shaped plan needs several nodes, and a profile that timed the collectives on them")
-        # a kind in groups of unlike stages is priced in each as its own: "kind@z1"
-        kinds = [k if self.group_stages is None else f"{k}@z{s}" for k, s in zip(kinds, stages)]
+        # a kind in groups of unlike stages is priced in each as its own ("kind@z1"): each key's kind and stage
+        keys = [k if self.group_stages is None else f"{k}@z{s}" for k, s in zip(kinds, stages)]
+        self._kind_stage = {key: (k, s) for key, k, s in zip(keys, kinds, stages)}
+        kinds = keys
         first = {k: i for i, k in reversed(list(enumerate(kinds)))}   # each kind's first plan rank
         if self.shares is not None and (self.shaped or self.stage == 0 or len(self.shares) != len(self.ranks)
                                         or len({(k, s) for k, s in zip(kinds, self.shares)}) != len(first)):
@@ -235,14 +232,18 @@ class CostModel:
         if len(set(self.group_stages)) == 1:     # alike: a plain hybrid plan
             self.group_stages = None
 
-    def rank_stages(self, world: int) -> list[int]:
+    def rank_stages(self) -> list[int]:
         """Each plan rank's ZeRO stage: its group's."""
         if self.group_stages is None:
-            return [self.stage] * world
+            return [self.stage] * len(self.ranks)
         return [self.group_stages[j] for j in self.shape.rank_groups]
 
+    def device_kind(self, key: str) -> str:
+        """The device kind a key of :attr:`kinds` prices (the kind itself, or one of its stages: "kind@z1")."""
+        return self._kind_stage[key][0]
+
     def _stage_profile(self, key: str) -> StageProfile:
-        kind, stage = key_kind(key), int(key.split("@z")[1]) if "@z" in key else self.stage
+        kind, stage = self._kind_stage[key]
         sp = self.profile.stage(kind, stage)
         dev, model = self.profile.devices[kind], self.profile.model
         # the whole model's update, where the kind's ZeRO-0 step was timed (else its per_step_s is no update: 0)
@@ -308,7 +309,7 @@ class CostModel:
             if over:
                 i = over[0]
                 raise ValueError(f"rank {self.ranks[i]} ({kind}): micro-batch {plan.micro_batch_sizes[i]} is over "
-                                 f"its stage-{self.rank_stages(len(self.ranks))[i]} limit {kc.max_micro_batch}")
+                                 f"its stage-{self.rank_stages()[i]} limit {kc.max_micro_batch}")
             busy[idx] = kc.busy(samples[idx], accum[idx])
         return busy.tolist()
 

@@ -163,6 +163,7 @@ class StepSchedule:
         self.shares = [w / sum(weights) for w in weights]
         self.stage, self.shape = stage, shape
         self.stages = list(group_stages) if group_stages else [stage] * (len(shape.groups) if shape else 1)
+        self.mixed = len(set(self.stages)) > 1     # groups in unlike stages: every rank joins the norm's all-reduce
         self.max_inflight, self.prefetch = profile.engine.max_inflight_reduces, profile.engine.prefetch
         comms = shape.inside if shape else [profile.comm]
         reduce_op = "all_reduce" if stage == 0 and not shape else "reduce_scatter"
@@ -351,7 +352,7 @@ class StepSchedule:
         gathering = stage in (1, 2)
         issue, copy = (anatomy.gather_issue_s, anatomy.gather_copy_s) if anatomy and gathering else (0.0, 0.0)
         events = [*events, Compute(max(0.0, before_loss - placed)), Issue("loss", self.small_s), Compute(before_norm)]
-        if stage >= 1 or len(set(self.stages)) > 1:
+        if stage >= 1 or self.mixed:
             events += [Issue("norm", self.small_s), Wait("norm")]
         events.append(Compute(max(0.0, per_step_s - before_loss - before_norm - issue - copy)))
         if gathering:

@@ -34,7 +34,7 @@ import numpy as np
 
 from poplar.plan import Plan
 from poplar.split import apportion
-from poplar.planner.cost import CostModel, KindCost, key_kind
+from poplar.planner.cost import CostModel, KindCost
 
 EXTRA_ACCUM = 2        # accumulation counts tried above the fewest memory allows
 # More micro-steps than memory requires only where predicted at least this much faster.
@@ -222,7 +222,7 @@ def rated_speeds(cost: CostModel) -> dict[str, float] | None:
     sheet's, or a cluster file's declared figure; the profile holds it). None where some kind has none."""
     speeds = {}
     for k in cost.kinds:
-        device = cost.profile.devices[key_kind(k)]
+        device = cost.profile.devices[cost.device_kind(k)]
         speeds[k] = device.rated_tflops
         if not speeds[k]:
             return None

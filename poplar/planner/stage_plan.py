@@ -52,7 +52,7 @@ NAMED = 8    # ranks a reason names one by one; more are counted (reasons read a
 def ranks_said(ranks: list[int]) -> str:
     """``rank 0-3, 8`` for a few ranks, ``512 ranks`` for many.
 
-    >>> _ranks([1, 2]), _ranks(list(range(4096)))
+    >>> ranks_said([1, 2]), ranks_said(list(range(4096)))
     ('rank 1, 2', '4,096 ranks')
     """
     return f"rank {_rank_list(ranks)}" if len(ranks) <= NAMED else f"{len(ranks):,} ranks"

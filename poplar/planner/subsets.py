@@ -62,13 +62,19 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        lower = [f"{k} ZeRO-{s}" for k, s in self.own if s != self.stage]
-        return f"stage {self.stage} {self.name}" + (f" ({', '.join(lower)})" if lower else "")
+        return f"stage {self.stage} {self.name}" + (f" ({self.own_said})" if self.own_said else "")
 
     @property
-    def own_stages(self) -> dict[str, int]:
-        """Each kind's stage: its own where the groups' differ, else the candidate's."""
-        return {k: dict(self.own).get(k, self.stage) for k in self.kinds}
+    def own_said(self) -> str:
+        """The kinds in a lower stage than the candidate's, and theirs ("" where none)."""
+        return ", ".join(f"{k} ZeRO-{s}" for k, s in self.own if s != self.stage)
+
+    def group_stages(self, profile: Profile, ranks: list[int], shape: Shape) -> list[int] | None:
+        """Each of ``shape``'s groups (of ``ranks``, profile ranks) in its kind's own stage (None: all in one)."""
+        if not self.own:
+            return None
+        own = dict(self.own)
+        return [own.get(profile.ranks[ranks[g[0]]], self.stage) for g in shape.groups]
 
     def to_dict(self) -> dict:
         return {"kinds": list(self.kinds), "stage": self.stage, "shape": self.name,
@@ -341,8 +347,8 @@ class KindsSearch:
         ranks = self.ranks_of(c.kinds)
         try:
             shape = shapes_of(self.profile, ranks, c.stage)[c.name]
-            stages = [c.own_stages[self.profile.ranks[ranks[g[0]]]] for g in shape.groups] if c.own else None
-            cost = CostModel(self.profile, c.stage, ranks, shape=shape, group_stages=stages)
+            cost = CostModel(self.profile, c.stage, ranks, shape=shape,
+                             group_stages=c.group_stages(self.profile, ranks, shape))
             plan = cost.shaped_plan(allocate(cost, self.global_batch))
         except (Infeasible, ValueError, KeyError) as e:
             return replace(c, why_not=str(e))

@@ -48,11 +48,10 @@ def taking_part(profile: Profile, stages: list[int], global_batch: int, whole: d
                   if node_shape(profile, mine) is not None else {})
     if not flat:
         shape = shapes_of(profile, mine, top.stage)[top.name]
-        stages = [top.own_stages[profile.ranks[mine[g[0]]]] for g in shape.groups] if top.own else None
-        named = ", ".join(filter(None, ["" if shape == node_shape(profile, mine) else top.name, *(
-            f"{k} ZeRO-{s}" for k, s in top.own if s != top.stage)]))
+        named = ", ".join(filter(None, ["" if shape == node_shape(profile, mine) else top.name, top.own_said]))
         shaped = {**shaped, top.stage: plan_stage(profile, top.stage, global_batch, mine, shape=shape, ideal=bounded,
-                                                  shape_name=named, group_stages=stages)}
+                                                  shape_name=named,
+                                                  group_stages=top.group_stages(profile, mine, shape))}
     chosen = (results if flat else shaped)[top.stage]
     if not chosen.excluded and not chosen.ideal_samples_per_s:
         chosen.ideal_samples_per_s = max(top.floor_samples_per_s, chosen.poplar.predicted.samples_per_s)
